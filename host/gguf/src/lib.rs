@@ -1,0 +1,1 @@
+//! pulsar-gguf (being written).

@@ -1,0 +1,1 @@
+//! pulsar-store (being written).

@@ -1,0 +1,1 @@
+//! pulsar-tokenizer (being written).

@@ -1,0 +1,1 @@
+//! pulsar-kernels (being written).

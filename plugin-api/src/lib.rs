@@ -1,0 +1,1 @@
+//! pulsar-plugin-api (being written).

@@ -1,0 +1,1 @@
+//! pulsar-registry (being written).
