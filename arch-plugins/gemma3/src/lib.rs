@@ -1,0 +1,1 @@
+//! gemma3 family plugin (being written).

@@ -1,0 +1,1 @@
+//! qwen3moe family plugin (being written).
