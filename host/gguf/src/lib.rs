@@ -1,1 +1,3 @@
-//! pulsar-gguf (being written).
+//! pulsar-gguf: the GGUF file format (reader, writer, tensor types).
+mod types;
+pub use types::GgmlType;
