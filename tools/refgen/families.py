@@ -1,0 +1,107 @@
+"""One entry per model family: the tiny geometry, its tokenizer, and what it
+exercises. gen.py turns each entry into fixtures/parity/<arch>/.
+
+Geometry rules (see README.md): hidden 64, 2-4 heads, few layers, vocab 384,
+>= 8 routed experts with top-k >= 2, and every layer type of the family
+present. Widths that feed a matmul's inner dimension are multiples of 32 so
+the q8_0 file quantizes them (q8_0 blocks are 32 wide; the converter keeps
+any other width in f16/f32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+VOCAB = 384
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@dataclass
+class Family:
+    name: str                 # key for --family
+    arch: str                 # GGUF general.architecture (also the fixture dir)
+    model_type: str           # HF transformers model_type
+    config: dict              # kwargs for the HF config
+    features: list[str]       # what this fixture exercises (goes to meta.json)
+    tokenizer: str = "bpe"    # "bpe" (tokenizer.json) or "spm" (tokenizer.model)
+    tokpre: str = "qwen2"     # tokenizer.ggml.pre the family's real GGUFs carry
+    specials: list[str] = field(default_factory=lambda: list(QWEN_SPECIALS))
+    bos: str | None = None
+    eos: str = "<|endoftext|>"
+    add_bos: bool = False
+    chat_template: str | None = QWEN_TEMPLATE
+    notes: list[str] = field(default_factory=list)
+    seed: int = 1234
+    # Extra tensors written into the checkpoint next to the HF ones (e.g. MTP
+    # layers that transformers does not instantiate): fn(config, gen) -> dict.
+    extra_tensors: Callable | None = None
+    # Known, explained difference between the HF and GGUF element counts.
+    numel_delta: int = 0
+    numel_delta_why: str = ""
+    # Model class override (default AutoModelForCausalLM).
+    model_class: str | None = None
+    # Per-family init tweak after the generic one: fn(model, gen).
+    post_init: Callable | None = None
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(f: Family) -> Family:
+    FAMILIES[f.name] = f
+    return f
+
+
+register(Family(
+    name="qwen3moe", arch="qwen3moe", model_type="qwen3_moe",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=128, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=381, pad_token_id=381,
+    ),
+    features=["GQA (4 q heads, 2 kv heads, head_dim 32 != hidden/heads)", "q/k RMSNorm per head",
+              "softmax top-k router, top-2 of 8, weights renormalised (norm_topk_prob)",
+              "SwiGLU experts", "untied output", "no BOS (Qwen)"],
+))
+
+
+register(Family(
+    name="gemma3", arch="gemma3", model_type="gemma3_text",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=7,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        intermediate_size=64, hidden_activation="gelu_pytorch_tanh",
+        # llama.cpp hard-codes gemma3's 5:1 pattern (every 6th layer full) and
+        # its attention scale 1/sqrt(head_dim): the HF config must agree.
+        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"],
+        sliding_window=8, query_pre_attn_scalar=16,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, final_logit_softcapping=None, attn_logit_softcapping=None,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    ),
+    tokenizer="spm", tokpre="default",
+    specials=["<start_of_turn>", "<end_of_turn>"], bos="<bos>", eos="<eos>", add_bos=True,
+    chat_template=None,
+    features=["5:1 sliding/full attention (layers 0-4 and 6 sliding, window 8; layer 5 full)",
+              "two RoPE bases (1e6 full, 1e4 sliding)", "GELU-tanh gated FFN",
+              "sandwich norms (pre+post attention, pre+post FFN)", "q/k RMSNorm",
+              "embeddings scaled by sqrt(hidden)", "MQA (4 q heads, 1 kv head)",
+              "tied embeddings", "SPM tokenizer with byte fallback, BOS first",
+              "zero-centred RMSNorm weights (HF computes x*(1+w))"],
+    notes=["llama.cpp's converter stores every *norm.weight as w+1 (GGUF norm weights are the plain multiplier).",
+           "GGUF has no lm_head: output uses token_embd (tied)."],
+))
