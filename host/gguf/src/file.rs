@@ -1,0 +1,404 @@
+//! [`GgufFile`]: one GGUF file or a split shard set, as one virtual view.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use memmap2::Mmap;
+
+use crate::error::{GgufError, Result};
+use crate::metadata::Metadata;
+use crate::parse::{parse_header, Header};
+use crate::sha256::Sha256;
+use crate::split::{parse_shard_name, shard_path, split_keys, SplitKeys, SPLIT_TENSORS_COUNT};
+use crate::tensor::{ByteRange, TensorInfo};
+
+/// Facts about one file of the set.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ShardInfo {
+    /// Where it was opened from (`None` for in-memory input).
+    pub path: Option<PathBuf>,
+    /// File length in bytes.
+    pub len: u64,
+    /// GGUF version (2 or 3).
+    pub version: u32,
+    /// Data alignment of this shard.
+    pub alignment: u64,
+    /// Bytes of magic + counts + metadata + tensor directory.
+    pub header_len: u64,
+    /// Start of the data section.
+    pub data_offset: u64,
+    /// Tensors whose data lives in this shard.
+    pub n_tensors: usize,
+}
+
+enum Backing {
+    /// `map` is `None` only for an empty file (which never parses).
+    File { file: File, map: Option<Mmap> },
+    Memory(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::File { map: Some(m), .. } => m,
+            Backing::File { map: None, .. } => &[],
+            Backing::Memory(v) => v,
+        }
+    }
+}
+
+struct Shard {
+    info: ShardInfo,
+    backing: Backing,
+}
+
+/// A parsed, validated GGUF file or split shard set.
+///
+/// Files are memory-mapped read-only; nothing is read whole. The mapping
+/// assumes the files are not truncated or rewritten while open (as every
+/// mmap-based model loader does); bounds were checked at open time.
+pub struct GgufFile {
+    shards: Vec<Shard>,
+    paths: Vec<PathBuf>,
+    metadata: Metadata,
+    tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+    fingerprint: OnceLock<[u8; 32]>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("shards", &self.shards.iter().map(|s| &s.info).collect::<Vec<_>>())
+            .field("n_kv", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+fn in_file(path: &Path, e: GgufError) -> GgufError {
+    match e {
+        e @ GgufError::InFile { .. } => e,
+        e => GgufError::InFile { path: path.to_path_buf(), error: Box::new(e) },
+    }
+}
+
+/// Opens and parses one file; `Ok(None)` when it does not exist.
+fn load_file(path: &Path, shard: usize) -> Result<Option<(Backing, Header)>> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(GgufError::io(format!("opening {}", path.display()), e)),
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| GgufError::io(format!("reading the length of {}", path.display()), e))?
+        .len();
+    let map = if len == 0 {
+        None
+    } else {
+        // SAFETY: the map is read-only and we never hand out mutable access.
+        // Another process truncating the file while it is open could fault a
+        // read (SIGBUS); that is the documented contract of GgufFile.
+        let m = unsafe { Mmap::map(&file) }
+            .map_err(|e| GgufError::io(format!("memory-mapping {}", path.display()), e))?;
+        Some(m)
+    };
+    let backing = Backing::File { file, map };
+    let header = parse_header(backing.bytes(), shard).map_err(|e| in_file(path, e))?;
+    Ok(Some((backing, header)))
+}
+
+impl GgufFile {
+    /// Opens a GGUF file. A file that is one shard of a split set (by its
+    /// `split.*` keys) opens the whole set, whichever shard is named; the
+    /// other shards are found by the `-NNNNN-of-NNNNN.gguf` naming scheme.
+    pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
+        let path = path.as_ref();
+        let (backing, header) = load_file(path, 0)?.ok_or_else(|| {
+            GgufError::io(format!("opening {}", path.display()), io::ErrorKind::NotFound.into())
+        })?;
+        let Some(keys) = split_keys(&header.metadata).map_err(|e| in_file(path, e))? else {
+            return Self::assemble(vec![(Some(path.to_path_buf()), backing, header)]);
+        };
+        let name = parse_shard_name(path).ok_or_else(|| {
+            in_file(
+                path,
+                GgufError::Split(format!(
+                    "this file is shard {} of {}, but its name does not follow \
+                     <name>-NNNNN-of-NNNNN.gguf, so the other shards cannot be found",
+                    keys.no + 1,
+                    keys.count
+                )),
+            )
+        })?;
+        if name.index != keys.no || name.count != keys.count {
+            return Err(in_file(
+                path,
+                GgufError::Split(format!(
+                    "the name says shard {} of {} but split.no/split.count say shard {} of {}",
+                    name.index + 1,
+                    name.count,
+                    keys.no + 1,
+                    keys.count
+                )),
+            ));
+        }
+        let mut given = Some((backing, header));
+        let mut loaded = Vec::with_capacity(keys.count);
+        for i in 0..keys.count {
+            let p = shard_path(&name.base, i, keys.count);
+            let (b, h) = match given.take_if(|_| i == keys.no) {
+                Some(bh) => bh,
+                None => load_file(&p, i)?.ok_or_else(|| GgufError::MissingShard {
+                    path: p.clone(),
+                    index: i,
+                    count: keys.count,
+                })?,
+            };
+            // `given` was parsed as shard 0: retag its tensors.
+            let mut h = h;
+            h.tensors.iter_mut().for_each(|t| t.shard = i);
+            loaded.push((Some(p), b, h));
+        }
+        Self::assemble(loaded)
+    }
+
+    /// Parses one in-memory GGUF file (fuzzing, tests, embedded data).
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<GgufFile> {
+        Self::from_shard_bytes(vec![bytes])
+    }
+
+    /// Parses an in-memory split set, shards in order.
+    pub fn from_shard_bytes(shards: Vec<Vec<u8>>) -> Result<GgufFile> {
+        let mut loaded = Vec::with_capacity(shards.len());
+        for (i, bytes) in shards.into_iter().enumerate() {
+            let header = parse_header(&bytes[..], i)?;
+            loaded.push((None, Backing::Memory(bytes), header));
+        }
+        Self::assemble(loaded)
+    }
+
+    /// Checks the split keys of every shard against its position and merges
+    /// the tensor directories.
+    fn assemble(loaded: Vec<(Option<PathBuf>, Backing, Header)>) -> Result<GgufFile> {
+        let n = loaded.len();
+        if n == 0 {
+            return Err(GgufError::Split("no shards given".into()));
+        }
+        let mut shards = Vec::with_capacity(n);
+        let mut paths = Vec::with_capacity(n);
+        let mut metadata = None;
+        let mut tensors: Vec<TensorInfo> = Vec::new();
+        let mut by_name = HashMap::new();
+        let mut set_tensors = None;
+        for (i, (path, backing, header)) in loaded.into_iter().enumerate() {
+            let ctx = |e: GgufError| match &path {
+                Some(p) => in_file(p, e),
+                None => e,
+            };
+            let keys = split_keys(&header.metadata).map_err(ctx)?;
+            match keys {
+                None if n == 1 => {}
+                Some(SplitKeys { no, count, .. }) if no == i && count == n => {}
+                other => {
+                    let says = match other {
+                        None => "says it is not part of a split set".to_string(),
+                        Some(k) => format!("says it is shard {} of {}", k.no + 1, k.count),
+                    };
+                    return Err(ctx(GgufError::Split(format!("opened as shard {} of {n} but {says}", i + 1))));
+                }
+            }
+            let claimed = keys.and_then(|k| k.tensors);
+            if i == 0 {
+                set_tensors = claimed;
+            } else if claimed.is_some() && claimed != set_tensors {
+                return Err(ctx(GgufError::Split(format!(
+                    "'{SPLIT_TENSORS_COUNT}' is {claimed:?} here but {set_tensors:?} in the first shard"
+                ))));
+            }
+            for (t, &info_off) in header.tensors.iter().zip(&header.info_offsets) {
+                if by_name.insert(t.name.clone(), tensors.len()).is_some() {
+                    return Err(ctx(GgufError::DuplicateTensor { name: t.name.clone(), shard: i, offset: info_off }));
+                }
+                tensors.push(TensorInfo { shard: i, ..t.clone() });
+            }
+            let info = ShardInfo {
+                path: path.clone(),
+                len: header.file_len,
+                version: header.version,
+                alignment: header.alignment,
+                header_len: header.header_len,
+                data_offset: header.data_offset,
+                n_tensors: header.tensors.len(),
+            };
+            if i == 0 {
+                metadata = Some(header.metadata);
+            }
+            paths.extend(path);
+            shards.push(Shard { info, backing });
+        }
+        if let Some(claimed) = set_tensors {
+            if n > 1 && claimed != tensors.len() {
+                return Err(GgufError::Split(format!(
+                    "'{SPLIT_TENSORS_COUNT}' says {claimed} tensors but the {n} shards hold {}",
+                    tensors.len()
+                )));
+            }
+        }
+        Ok(GgufFile {
+            shards,
+            paths,
+            metadata: metadata.unwrap_or_default(),
+            tensors,
+            by_name,
+            fingerprint: OnceLock::new(),
+        })
+    }
+
+    /// The metadata (of the first shard, which holds the model's keys).
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// Shortcut for `metadata().get(key)`.
+    pub fn get(&self, key: &str) -> Option<&crate::Value> {
+        self.metadata.get(key)
+    }
+
+    /// `general.architecture`, required.
+    pub fn architecture(&self) -> Result<&str> {
+        self.metadata.require_str("general.architecture")
+    }
+
+    /// Every tensor, shard by shard in file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// A tensor by name.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// GGUF version of the first shard.
+    pub fn version(&self) -> u32 {
+        self.shards[0].info.version
+    }
+
+    /// Data alignment of the first shard.
+    pub fn alignment(&self) -> u64 {
+        self.shards[0].info.alignment
+    }
+
+    /// Number of files in the set (1 when not split).
+    pub fn n_shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Facts about each shard.
+    pub fn shard_infos(&self) -> impl ExactSizeIterator<Item = &ShardInfo> + '_ {
+        self.shards.iter().map(|s| &s.info)
+    }
+
+    /// The paths of the shards, in order (empty for in-memory input).
+    pub fn shard_paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    /// Total bytes of all files.
+    pub fn total_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.info.len).sum()
+    }
+
+    /// The open file of a shard (for callers doing their own I/O).
+    pub fn shard_file(&self, shard: usize) -> Option<&File> {
+        match &self.shards.get(shard)?.backing {
+            Backing::File { file, .. } => Some(file),
+            Backing::Memory(_) => None,
+        }
+    }
+
+    fn check_range(&self, shard: usize, offset: u64, len: u64) -> Result<&Shard> {
+        let s = self
+            .shards
+            .get(shard)
+            .ok_or(GgufError::NoSuchShard { shard, count: self.shards.len() })?;
+        let shard_len = s.info.len;
+        if offset.checked_add(len).is_none_or(|end| end > shard_len) {
+            return Err(GgufError::OutOfBounds { shard, offset, len, shard_len });
+        }
+        Ok(s)
+    }
+
+    /// The mapped bytes of a range, bounds-checked.
+    pub fn bytes(&self, r: &ByteRange) -> Result<&[u8]> {
+        let s = self.check_range(r.shard, r.offset, r.len)?;
+        // In range of the mapping, which has exactly `len` bytes.
+        Ok(&s.backing.bytes()[r.offset as usize..(r.offset + r.len) as usize])
+    }
+
+    /// A tensor's data (a slice of the mapping).
+    ///
+    /// # Panics
+    /// If `t` is not a tensor of this file (its range cannot be outside a
+    /// shard otherwise: data bounds are checked at open).
+    pub fn data(&self, t: &TensorInfo) -> &[u8] {
+        match self.bytes(&t.byte_range()) {
+            Ok(b) => b,
+            Err(e) => panic!("GgufFile::data called with a tensor of another file: {e}"),
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of a shard with a positional read
+    /// (pread), bypassing the mapping; bounds-checked.
+    pub fn read_at(&self, shard: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let s = self.check_range(shard, offset, buf.len() as u64)?;
+        match &s.backing {
+            Backing::File { file, .. } => file.read_exact_at(buf, offset).map_err(|e| {
+                GgufError::io(format!("reading {} bytes at offset {offset} of shard {shard}", buf.len()), e)
+            }),
+            Backing::Memory(v) => {
+                buf.copy_from_slice(&v[offset as usize..offset as usize + buf.len()]);
+                Ok(())
+            }
+        }
+    }
+
+    /// One expert's contiguous bytes of a 3-D `[cols, rows, n_expert]`
+    /// tensor (see [`TensorInfo::expert_slab`]).
+    pub fn expert_slab(&self, t: &TensorInfo, expert: u64) -> Result<ByteRange> {
+        t.expert_slab(expert)
+    }
+
+    /// A cheap identity of the file set, for sidecars such as the census
+    /// `<model>.gguf.warm`: SHA-256 over a version tag, the shard count, and
+    /// for each shard its length, its header length and its header bytes
+    /// (magic, version, counts, all metadata, the tensor directory with
+    /// names, shapes, types and offsets). Tensor data is not hashed: two
+    /// files with identical headers and lengths but different weights share
+    /// a fingerprint. Costs one pass over the header bytes (a few MB).
+    pub fn fingerprint(&self) -> [u8; 32] {
+        *self.fingerprint.get_or_init(|| {
+            let mut h = Sha256::new();
+            h.update(b"pulsar-gguf fingerprint v1\0");
+            h.update(&(self.shards.len() as u64).to_le_bytes());
+            for s in &self.shards {
+                h.update(&s.info.len.to_le_bytes());
+                h.update(&s.info.header_len.to_le_bytes());
+                // header_len <= len was established by the parser.
+                h.update(&s.backing.bytes()[..s.info.header_len as usize]);
+            }
+            h.finish()
+        })
+    }
+
+    /// [`GgufFile::fingerprint`] as 64 lower-case hex digits.
+    pub fn fingerprint_hex(&self) -> String {
+        self.fingerprint().iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
