@@ -1,0 +1,387 @@
+//! The SDK a family is written with: implement [`FamilyPlugin`] (two required
+//! methods, `open` and `forward`) and call [`export_plugin!`](crate::export_plugin).
+//! Everything FFI — catching panics, converting errors to one line, building the
+//! plan — happens here, so a family crate is its forward code and nothing else.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use abi_stable::{
+    sabi_trait::TD_Opaque,
+    std_types::{RBox, ROption, RResult, RStr, RString, RVec},
+};
+
+use crate::abi::*;
+
+/// Errors a plugin reports. Each names the key, tensor or feature at fault.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum PluginError {
+    #[error("missing metadata key `{0}`")]
+    MissingKey(String),
+    #[error("metadata key `{key}`: expected {expected}, found {found}")]
+    WrongType { key: String, expected: &'static str, found: String },
+    #[error("metadata key `{key}`: {why}")]
+    BadValue { key: String, why: String },
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("tensor `{name}`: expected shape {expected:?}, found {found:?}")]
+    BadShape { name: String, expected: Vec<u64>, found: Vec<u64> },
+    #[error("unsupported configuration: {0}")]
+    Unsupported(String),
+    /// An op failed inside the host.
+    #[error("{0}")]
+    Op(String),
+}
+
+/// A model family. `open` parses and validates the configuration and declares
+/// the weights; `forward` builds one step from host ops.
+pub trait FamilyPlugin: Sized + Send + Sync + 'static {
+    /// Parse the configuration once. A missing or inconsistent key is an error
+    /// naming it; unsupported configurations fail here, not in `forward`.
+    fn open(cx: &mut OpenCx<'_>) -> Result<Self, PluginError>;
+
+    /// One forward step over the host's current tokens; returns the logits.
+    fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError>;
+
+    /// Chat template fallback, stop and thinking markers.
+    fn chat(&self) -> ChatSpec {
+        ChatSpec::default()
+    }
+}
+
+/// What a plugin sees while opening: metadata, the tensor directory, and the
+/// plan it is filling in.
+pub struct OpenCx<'a> {
+    arch: String,
+    model: ModelViewRef<'a>,
+    plan: ModelPlan,
+}
+
+impl<'a> OpenCx<'a> {
+    pub fn new(arch: &str, model: ModelViewRef<'a>) -> Self {
+        OpenCx { arch: arch.to_string(), model, plan: ModelPlan::default() }
+    }
+
+    /// The `general.architecture` being opened.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// `"{arch}.{suffix}"`, the usual per-family key.
+    pub fn key(&self, suffix: &str) -> String {
+        format!("{}.{}", self.arch, suffix)
+    }
+
+    pub fn meta(&self, key: &str) -> Option<MetaValue> {
+        self.model.meta(RStr::from_str(key)).into_option()
+    }
+
+    fn require(&self, key: &str) -> Result<MetaValue, PluginError> {
+        self.meta(key).ok_or_else(|| PluginError::MissingKey(key.to_string()))
+    }
+
+    /// An unsigned integer that fits in u32.
+    pub fn u32(&self, key: &str) -> Result<u32, PluginError> {
+        let v = self.require(key)?;
+        let n = as_u64(&v).ok_or_else(|| wrong(key, "an unsigned integer", &v))?;
+        u32::try_from(n).map_err(|_| PluginError::BadValue { key: key.into(), why: format!("{n} does not fit in 32 bits") })
+    }
+
+    pub fn opt_u32(&self, key: &str) -> Result<Option<u32>, PluginError> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(_) => self.u32(key).map(Some),
+        }
+    }
+
+    pub fn f32(&self, key: &str) -> Result<f32, PluginError> {
+        let v = self.require(key)?;
+        match v {
+            MetaValue::F64(x) => Ok(x as f32),
+            MetaValue::U64(x) => Ok(x as f32),
+            MetaValue::I64(x) => Ok(x as f32),
+            other => Err(wrong(key, "a number", &other)),
+        }
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>, PluginError> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(_) => self.f32(key).map(Some),
+        }
+    }
+
+    pub fn bool(&self, key: &str) -> Result<bool, PluginError> {
+        match self.require(key)? {
+            MetaValue::Bool(b) => Ok(b),
+            other => Err(wrong(key, "a bool", &other)),
+        }
+    }
+
+    pub fn string(&self, key: &str) -> Result<String, PluginError> {
+        match self.require(key)? {
+            MetaValue::Str(s) => Ok(s.into_string()),
+            other => Err(wrong(key, "a string", &other)),
+        }
+    }
+
+    /// A per-layer u32 that may be stored as one scalar or as an array of
+    /// `n_layers` values (llama.cpp writes both forms, e.g. `head_count_kv`).
+    pub fn u32_per_layer(&self, key: &str, n_layers: u32) -> Result<Vec<u32>, PluginError> {
+        let v = self.require(key)?;
+        let vals: Vec<u64> = match &v {
+            MetaValue::U64s(a) => a.to_vec(),
+            MetaValue::I64s(a) if a.iter().all(|&x| x >= 0) => a.iter().map(|&x| x as u64).collect(),
+            other => match as_u64(other) {
+                Some(n) => vec![n; n_layers as usize],
+                None => return Err(wrong(key, "an unsigned integer or array of them", other)),
+            },
+        };
+        if vals.len() != n_layers as usize {
+            return Err(PluginError::BadValue { key: key.into(), why: format!("has {} entries for {} layers", vals.len(), n_layers) });
+        }
+        vals.into_iter()
+            .map(|n| u32::try_from(n).map_err(|_| PluginError::BadValue { key: key.into(), why: format!("{n} does not fit in 32 bits") }))
+            .collect()
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<TensorDesc> {
+        self.model.tensor(RStr::from_str(name)).into_option()
+    }
+
+    /// Declare a weight the family needs; missing is an error naming it.
+    pub fn weight(&mut self, name: &str, role: Role, layer: Option<u32>) -> Result<Wt, PluginError> {
+        self.opt_weight(name, role, layer)?.ok_or_else(|| PluginError::MissingTensor(name.to_string()))
+    }
+
+    /// Declare a weight that may be absent (e.g. a bias, a tied output head).
+    pub fn opt_weight(&mut self, name: &str, role: Role, layer: Option<u32>) -> Result<Option<Wt>, PluginError> {
+        if self.tensor(name).is_none() {
+            return Ok(None);
+        }
+        if let Some(i) = self.plan.weights.iter().position(|w| w.name.as_str() == name) {
+            return Ok(Some(Wt(i as u32)));
+        }
+        let id = Wt(self.plan.weights.len() as u32);
+        self.plan.weights.push(WeightReq { name: name.into(), role, layer: layer.map_or(-1, |l| l as i32) });
+        Ok(Some(id))
+    }
+
+    /// Declare a weight and check its shape (ggml order).
+    pub fn weight_shaped(&mut self, name: &str, role: Role, layer: Option<u32>, dims: &[u64]) -> Result<Wt, PluginError> {
+        let w = self.weight(name, role, layer)?;
+        let found = self.tensor(name).map(|t| t.dims.to_vec()).unwrap_or_default();
+        if found != dims {
+            return Err(PluginError::BadShape { name: name.into(), expected: dims.to_vec(), found });
+        }
+        Ok(w)
+    }
+
+    pub fn set_dims(&mut self, n_layers: u32, n_embd: u32, n_vocab: u32, n_ctx_train: u32) {
+        self.plan.n_layers = n_layers;
+        self.plan.n_embd = n_embd;
+        self.plan.n_vocab = n_vocab;
+        self.plan.n_ctx_train = n_ctx_train;
+    }
+
+    /// Declare the KV cache of one attention layer.
+    pub fn kv_cache(&mut self, spec: KvSpec) {
+        self.plan.kv.push(spec);
+    }
+
+    pub fn into_plan(self) -> ModelPlan {
+        self.plan
+    }
+}
+
+fn as_u64(v: &MetaValue) -> Option<u64> {
+    match *v {
+        MetaValue::U64(n) => Some(n),
+        MetaValue::I64(n) if n >= 0 => Some(n as u64),
+        _ => None,
+    }
+}
+
+fn wrong(key: &str, expected: &'static str, found: &MetaValue) -> PluginError {
+    let found = match found {
+        MetaValue::U64(n) => format!("unsigned {n}"),
+        MetaValue::I64(n) => format!("signed {n}"),
+        MetaValue::F64(x) => format!("float {x}"),
+        MetaValue::Bool(b) => format!("bool {b}"),
+        MetaValue::Str(s) => format!("string {:?}", s.as_str()),
+        MetaValue::U64s(a) => format!("array of {} unsigned", a.len()),
+        MetaValue::I64s(a) => format!("array of {} signed", a.len()),
+        MetaValue::F64s(a) => format!("array of {} floats", a.len()),
+        MetaValue::Bools(a) => format!("array of {} bools", a.len()),
+        MetaValue::Strs(a) => format!("array of {} strings", a.len()),
+        MetaValue::Nested(n) => format!("array of {n} arrays"),
+    };
+    PluginError::WrongType { key: key.into(), expected, found }
+}
+
+/// The plugin-side face of the host's ops: the same vocabulary with `Result`s.
+pub struct Graph<'a> {
+    ops: OpsRef<'a>,
+}
+
+fn lift(r: OpResult) -> Result<Val, PluginError> {
+    r.into_result().map_err(|e| PluginError::Op(e.into_string()))
+}
+
+impl<'a> Graph<'a> {
+    pub fn new(ops: OpsRef<'a>) -> Self {
+        Graph { ops }
+    }
+    pub fn n_tokens(&self) -> u32 {
+        self.ops.n_tokens()
+    }
+    pub fn shape(&self, x: Val) -> Result<(u64, u64), PluginError> {
+        let s = self.ops.shape(x).into_result().map_err(|e| PluginError::Op(e.into_string()))?;
+        match s.as_slice() {
+            [r, c] => Ok((*r, *c)),
+            other => Err(PluginError::Op(format!("unexpected shape {other:?}"))),
+        }
+    }
+    pub fn embed(&mut self, table: Wt, scale: f32) -> Result<Val, PluginError> {
+        lift(self.ops.embed(table, scale))
+    }
+    pub fn linear(&mut self, w: Wt, x: Val) -> Result<Val, PluginError> {
+        lift(self.ops.linear(w, x))
+    }
+    pub fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32) -> Result<Val, PluginError> {
+        lift(self.ops.rms_norm(x, ROption::from(w), eps, group))
+    }
+    pub fn add(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        lift(self.ops.add(a, b))
+    }
+    pub fn mul(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        lift(self.ops.mul(a, b))
+    }
+    pub fn scale(&mut self, x: Val, s: f32) -> Result<Val, PluginError> {
+        lift(self.ops.scale(x, s))
+    }
+    pub fn act(&mut self, x: Val, act: Act) -> Result<Val, PluginError> {
+        lift(self.ops.act(x, act))
+    }
+    pub fn glu(&mut self, gate: Val, up: Val, act: Act) -> Result<Val, PluginError> {
+        lift(self.ops.glu(gate, up, act))
+    }
+    pub fn rope(&mut self, x: Val, spec: RopeSpec) -> Result<Val, PluginError> {
+        lift(self.ops.rope(x, spec))
+    }
+    pub fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> Result<Val, PluginError> {
+        lift(self.ops.attention(q, k, v, spec))
+    }
+    pub fn moe(&mut self, x: Val, spec: MoeSpec) -> Result<Val, PluginError> {
+        lift(self.ops.moe(x, spec))
+    }
+    pub fn output_rows(&mut self, x: Val) -> Result<Val, PluginError> {
+        lift(self.ops.output_rows(x))
+    }
+    /// Name an intermediate for dumps; returns it for chaining.
+    pub fn name(&mut self, x: Val, name: &str, layer: Option<u32>) -> Val {
+        self.ops.name(x, RStr::from_str(name), layer.map_or(-1, |l| l as i32));
+        x
+    }
+}
+
+/// Run `f`, turning a panic into an error line that names the plugin.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, RString> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => RResult::ROk(v),
+        Ok(Err(e)) => RResult::RErr(RString::from(format!("{what}: {e}"))),
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic payload".into());
+            RResult::RErr(RString::from(format!("{what} panicked: {msg}")))
+        }
+    }
+}
+
+/// A [`FamilyPlugin`] behind the FFI-safe [`Family`] trait.
+pub struct Exported<F> {
+    family: F,
+    plan: ModelPlan,
+    label: String,
+}
+
+impl<F: FamilyPlugin> Family for Exported<F> {
+    fn plan(&self) -> ModelPlan {
+        self.plan.clone()
+    }
+    fn forward(&self, ops: OpsRef<'_>) -> OpResult {
+        guard(&self.label, || {
+            let mut g = Graph::new(ops);
+            self.family.forward(&mut g)
+        })
+    }
+    fn chat(&self) -> ChatSpec {
+        // A chat spec is plain data: a panic here is still caught.
+        match catch_unwind(AssertUnwindSafe(|| self.family.chat())) {
+            Ok(c) => c,
+            Err(_) => ChatSpec::default(),
+        }
+    }
+}
+
+/// Open `F` for `arch` (used by the macro; also usable in-process by tests).
+pub fn open_family<F: FamilyPlugin>(plugin: &str, arch: RStr<'_>, model: ModelViewRef<'_>) -> RResult<FamilyBox, RString> {
+    let label = format!("plugin {plugin} ({})", arch.as_str());
+    guard(&label.clone(), || {
+        let mut cx = OpenCx::new(arch.as_str(), model);
+        let family = F::open(&mut cx)?;
+        let plan = cx.into_plan();
+        let exported = Exported { family, plan, label };
+        Ok(Family_TO::from_ptr(RBox::new(exported), TD_Opaque))
+    })
+}
+
+/// Build the [`PluginInfo`] the macro's `describe` returns.
+pub fn plugin_info(name: &str, version: &str, archs: &[&str]) -> PluginInfo {
+    PluginInfo {
+        name: name.into(),
+        version: version.into(),
+        archs: archs.iter().map(|a| RString::from(*a)).collect::<RVec<_>>(),
+        api_version: crate::API_VERSION.into(),
+    }
+}
+
+/// Export a plugin library. Each `"arch" => Type` pair registers one family.
+///
+/// ```ignore
+/// pulsar_plugin_api::export_plugin! {
+///     name: "gemma3",
+///     families: { "gemma3" => Gemma3 },
+/// }
+/// ```
+/// This defines the abi_stable root module (for the `cdylib`) and a
+/// `plugin_module()` function returning the same module in-process (for tests
+/// through the `rlib`).
+#[macro_export]
+macro_rules! export_plugin {
+    (name: $name:expr, families: { $($arch:literal => $ty:ty),+ $(,)? } $(,)?) => {
+        extern "C" fn __pulsar_describe() -> $crate::reexports::RResult<$crate::abi::PluginInfo, $crate::reexports::RString> {
+            $crate::sdk::guard($name, || Ok($crate::sdk::plugin_info($name, env!("CARGO_PKG_VERSION"), &[$($arch),+])))
+        }
+        extern "C" fn __pulsar_open(
+            arch: $crate::reexports::RStr<'_>,
+            model: $crate::abi::ModelViewRef<'_>,
+        ) -> $crate::reexports::RResult<$crate::abi::FamilyBox, $crate::reexports::RString> {
+            match arch.as_str() {
+                $($arch => $crate::sdk::open_family::<$ty>($name, arch, model),)+
+                other => $crate::reexports::RResult::RErr(format!("plugin {} does not serve architecture `{}`", $name, other).into()),
+            }
+        }
+        /// This plugin's root module, for in-process use.
+        pub fn plugin_module() -> $crate::abi::PluginModRef {
+            use $crate::reexports::PrefixTypeTrait;
+            $crate::abi::PluginMod { describe: __pulsar_describe, open: __pulsar_open }.leak_into_prefix()
+        }
+        #[$crate::reexports::export_root_module]
+        pub fn pulsar_plugin_root() -> $crate::abi::PluginModRef {
+            plugin_module()
+        }
+    };
+}
