@@ -105,13 +105,20 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
 
     if fam.tokenizer == "spm":
         tinfo = tok.build_spm(hf_dir, fam.config["vocab_size"], fam.specials)
+    elif fam.tokenizer == "spm_hf":
+        tinfo = tok.build_spm_hf(hf_dir, fam.config["vocab_size"], fam.specials)
     else:
         tinfo = tok.build_bpe(hf_dir, fam.config["vocab_size"], fam.specials, bos=fam.bos, eos=fam.eos,
                               add_bos=fam.add_bos, chat_template=fam.chat_template)
 
     cfg = AutoConfig.for_model(fam.model_type, **fam.config)
     torch.manual_seed(fam.seed)
-    model = model_class(fam).from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    cls = model_class(fam)
+    if hasattr(cls, "from_config"):  # Auto* classes
+        model = cls.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    else:
+        cfg._attn_implementation = "eager"
+        model = cls(cfg).to(torch.float32)
     gen = torch.Generator().manual_seed(fam.seed)
     reinit(model, gen)
     if fam.post_init:

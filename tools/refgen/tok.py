@@ -162,3 +162,32 @@ def build_spm(out_dir: Path, vocab_size: int, user_symbols: list[str]) -> dict:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     ids = [GEMMA_SPECIAL["<bos>"]] + sp.encode(PROMPT)
     return {"ids": ids, "bos_id": 2, "eos_id": 1, "kind": "spm"}
+
+
+def build_spm_hf(out_dir: Path, vocab_size: int, user_symbols: list[str]) -> dict:
+    """Gemma 4 style: the SPM model of build_spm, shipped as an HF tokenizer.json
+    (BPE with byte fallback, Metaspace-like normaliser) and no tokenizer.model,
+    which is what llama.cpp's gemma4 converter reads (gguf.LlamaHfVocab)."""
+    from transformers import GemmaTokenizer
+
+    info = build_spm(out_dir, vocab_size, user_symbols)
+    # GemmaTokenizer would append a <mask> token past the vocab; Gemma's real
+    # vocab has no such extra id, and the converter insists on vocab_size ids.
+    t = GemmaTokenizer.from_pretrained(str(out_dir), mask_token=None)
+    (out_dir / "tokenizer.model").unlink()
+    (out_dir / "tokenizer_config.json").unlink()
+    t.save_pretrained(str(out_dir))
+    cfg = json.loads((out_dir / "tokenizer_config.json").read_text())
+    for k in ("vocab_file", "is_local", "local_files_only"):  # machine-specific, unused
+        cfg.pop(k, None)
+    cfg["add_bos_token"] = True
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    j = json.loads((out_dir / "tokenizer.json").read_text())
+    if any(a["id"] >= vocab_size for a in j["added_tokens"]):
+        raise RuntimeError("tokenizer.json has added tokens past vocab_size")
+    assert len(j["model"]["vocab"]) == vocab_size
+    ids = t.encode(PROMPT)
+    if ids != info["ids"]:
+        raise RuntimeError("HF conversion of the SPM model tokenizes the prompt differently")
+    info["kind"] = "spm-as-tokenizer.json"
+    return info
