@@ -71,7 +71,9 @@ impl AlignedBuf {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    pub(crate) fn identity(&self) -> Weak<()> {
+    /// A handle alive exactly as long as this buffer: key caches of kernel
+    /// registrations on it, never on the address alone.
+    pub fn identity(&self) -> Weak<()> {
         Arc::downgrade(&self.token)
     }
 }

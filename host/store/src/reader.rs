@@ -148,6 +148,8 @@ struct Piece {
     len: u32,
     stalls: u32,
     retries: u32,
+    /// Last submitted on an O_DIRECT descriptor.
+    direct: bool,
 }
 
 struct SlabState {
@@ -350,10 +352,10 @@ impl DiskReader {
 
     /// A direct shard whose reads fail with EINVAL (alignment we could not
     /// detect): reopen it buffered and move its reads to the pread path.
-    fn demote(&mut self, file: usize, err: &io::Error) -> Result<bool> {
+    fn demote(&mut self, file: usize, err: &io::Error) -> Result<()> {
         let s = &self.shards[file];
         if !s.direct {
-            return Ok(false);
+            return Ok(());
         }
         let f = open_file(&s.path, false).map_err(|source| StoreError::Open { file: s.path.clone(), source })?;
         let msg = format!("expert store: using buffered pread fallback: O_DIRECT read of {} failed ({err})", s.path.display());
@@ -366,7 +368,7 @@ impl DiskReader {
         }
         self.fallback_reason.get_or_insert_with(|| msg.clone());
         self.warn.warn(&msg);
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -405,7 +407,7 @@ impl Flight<'_> {
             let mut pending = 0;
             while pos < stop {
                 let len = (stop - pos).min(piece_max);
-                queues[shard.route as usize].push_back(Piece { slab, pos, len: len as u32, stalls: 0, retries: 0 });
+                queues[shard.route as usize].push_back(Piece { slab, pos, len: len as u32, stalls: 0, retries: 0, direct: false });
                 pos += len;
                 pending += 1;
             }
@@ -435,10 +437,11 @@ impl Flight<'_> {
         }
     }
 
-    fn submit(&mut self, route: Route, p: Piece) -> Result<()> {
+    fn submit(&mut self, route: Route, mut p: Piece) -> Result<()> {
         let state = self.states[p.slab].as_mut().expect("pieces only exist for pending slabs");
         let shard = &self.reader.shards[usize::from(state.req.loc.file)];
         let fd = shard.file.as_raw_fd();
+        p.direct = shard.direct;
         let buf_off = (p.pos - state.base) as usize;
         let region = BufRegion { base: state.req.buf.as_mut_ptr(), len: state.req.buf.len(), identity: state.req.buf.identity() };
         // SAFETY: buf_off + len <= need <= buf.len() (checked when queued).
@@ -513,7 +516,10 @@ impl Flight<'_> {
                 queues[route as usize].push_front(p);
                 return Ok(());
             }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && self.reader.demote(file, &e)? => {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && p.direct => {
+                // Reads already in flight on the old descriptor fail the same
+                // way; only the first demotes, all are resubmitted.
+                self.reader.demote(file, &e)?;
                 let new_route = self.reader.shards[file].route;
                 if new_route != route {
                     // Move this shard's queued pieces to the pread path.
