@@ -153,3 +153,25 @@ register(Family(
            "The converter adds rope_freqs.weight (1 for rotated pairs, 1e30 for the rest) for the full layers' proportional RoPE: ggml's neox RoPE rotates the first pairs only.",
            "No per-layer-input embeddings (hidden_size_per_layer_input=0, as in the 26B-A4B MoE)."],
 ))
+
+
+register(Family(
+    name="hy_v3", arch="hy_v3", model_type="hy_v3",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=64, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, num_shared_experts=1, router_scaling_factor=2.826,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=381, pad_token_id=381,
+    ),
+    tokpre="hy_v4",
+    features=["GQA (4 q heads, 2 kv heads)", "q/k RMSNorm", "leading dense layer (layer 0), MoE layers 1-2",
+              "sigmoid router with selection-only bias (e_score_correction_bias), top-2 of 8, renormalised, scaled by 2.826",
+              "one shared expert", "SwiGLU", "untied output"],
+    notes=["tokenizer.ggml.pre: llama.cpp lists no pre-tokenizer for Hy3; 'hy_v4' (Tencent's next family) is a guess.",
+           "No MTP block: transformers' HYV3 model has none (the converter would export num_nextn_predict_layers if present).",
+           "The selection bias is blk.N.exp_probs_b (no .weight/.bias suffix) in GGUF; it only chooses experts, weights come from the unbiased sigmoid."],
+))

@@ -72,7 +72,9 @@ def reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
       - 1-D parameters (norm weights, biases, router biases, A_log, ...): their
         HF init value plus N(0, 0.1^2) noise. HF inits a plain RMSNorm weight to
         1 and a zero-centred one (Gemma, Qwen3.5: x*(1+w)) to 0, so this keeps
-        each norm near its identity whatever the convention.
+        each norm near its identity whatever the convention;
+      - saved float buffers (router selection biases, per-layer scalars): the
+        1-D rule.
     """
     embed_params = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     out = model.get_output_embeddings()
@@ -86,6 +88,12 @@ def reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
             else:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        # Saved float buffers are weights too (e.g. the router's selection-only
+        # e_score_correction_bias, HF-initialised to 0): same 1-D rule.
+        saved = set(model.state_dict().keys())
+        for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name in saved and b.is_floating_point():
+                b.add_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def model_class(fam: Family):
