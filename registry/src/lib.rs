@@ -13,6 +13,7 @@
 //! description agrees with its manifest. Every failure is one line naming the
 //! file; abi_stable's full report is kept in [`Plugin::detail`] for `--verbose`.
 
+mod elf;
 mod manifest;
 
 use std::collections::BTreeSet;
@@ -312,6 +313,7 @@ fn load_entry(path: &Path, rank: usize) -> Plugin {
 
 /// dlopen + abi_stable checks + `describe`.
 fn open_module(lib: &Path) -> Result<(PluginModRef, PluginInfo), (Status, String)> {
+    elf::check_shared_object(lib).map_err(|why| (Status::Failed(format!("cannot load library: {why}")), why.clone()))?;
     let header = lib_header_from_path(lib).map_err(|e| classify(&e))?;
     let module = header.init_root_module::<PluginModRef>().map_err(|e| classify(&e))?;
     let describe = module.describe();
