@@ -175,3 +175,25 @@ register(Family(
            "No MTP block: transformers' HYV3 model has none (the converter would export num_nextn_predict_layers if present).",
            "The selection bias is blk.N.exp_probs_b (no .weight/.bias suffix) in GGUF; it only chooses experts, weights come from the unbiased sigmoid."],
 ))
+
+
+register(Family(
+    name="minimax_m2", arch="minimax-m2", model_type="minimax_m2",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        # HF reads partial_rotary_factor; the converter (like MiniMax's own
+        # config.json) reads rotary_dim. Both say: rotate 16 of 32 head dims.
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5},
+        rotary_dim=16,
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=381, pad_token_id=381,
+    ),
+    tokpre="minimax-m2",
+    features=["GQA (4 q heads, 2 kv heads, head_dim 32)", "partial rotary (16 of 32 dims, NeoX style)",
+              "q/k RMSNorm over the whole projection (all heads together, not per head)",
+              "sigmoid router with selection-only bias, top-2 of 8, renormalised", "SwiGLU experts, all layers MoE",
+              "untied output"],
+    notes=["The HF checkpoint is saved in MiniMax's original layout (block_sparse_moe.experts.N.w1/w2/w3); the converter stacks them into ffn_{gate,down,up}_exps."],
+))
