@@ -1,0 +1,150 @@
+//! Matrix-vector (decode) and small matrix-matrix (prefill) products of a
+//! quantized weight matrix with activations, threaded over weight rows.
+//!
+//! Each output element is one call of [`Kernels::dot`]'s kernel on one thread,
+//! so results do not depend on the thread count or the tiling, and `matmul`
+//! gives exactly what `matvec` gives for each of its tokens.
+
+use pulsar_gguf::GgmlType;
+use rayon::prelude::*;
+use rayon::ThreadPool;
+
+use crate::error::QuantError;
+use crate::isa::Kernels;
+use crate::quant::{check_dot, row_bytes, ActFormat, Activations};
+
+/// A `[rows x cols]` weight matrix of one GGUF type, rows laid end to end.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightMatrix<'a> {
+    ty: GgmlType,
+    data: &'a [u8],
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+impl<'a> WeightMatrix<'a> {
+    /// Checks that `data` is exactly `rows` rows of `cols` values of `ty` and
+    /// that `ty` has a dot kernel.
+    pub fn new(ty: GgmlType, data: &'a [u8], rows: usize, cols: usize) -> Result<Self, QuantError> {
+        if ActFormat::for_weight(ty).is_none() {
+            return Err(QuantError::Unsupported { ty, op: "matvec" });
+        }
+        let rb = row_bytes(ty, cols)?;
+        let need = rb.checked_mul(rows).ok_or(QuantError::LengthMismatch {
+            what: "weight matrix bytes",
+            expected: usize::MAX,
+            got: data.len(),
+        })?;
+        if data.len() != need {
+            return Err(QuantError::LengthMismatch { what: "weight matrix bytes", expected: need, got: data.len() });
+        }
+        Ok(WeightMatrix { ty, data, rows, cols, row_bytes: rb })
+    }
+
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+    /// The whole matrix.
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+    /// Row `r` (panics past the end, like slice indexing).
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+}
+
+/// Tokens whose activations are walked per weight row: their q8 rows (~1.1
+/// bytes a value) stay in L2 while one tile of weight rows is reused from L1/L2.
+const TOKEN_TILE: usize = 16;
+/// Bytes of weight rows one task walks per token tile (fits in L2 with the tile).
+const ROW_TILE_BYTES: usize = 64 * 1024;
+/// Below this many weight bytes, threads cost more than they save.
+const SERIAL_BYTES: usize = 256 * 1024;
+
+impl Kernels {
+    /// `y = W x` for one activation row (`x.rows() == 1`); `y` has `w.rows()` values.
+    pub fn matvec(&self, pool: &ThreadPool, w: &WeightMatrix<'_>, x: &Activations, y: &mut [f32]) -> Result<(), QuantError> {
+        if x.rows() != 1 {
+            return Err(QuantError::LengthMismatch { what: "activation rows for matvec", expected: 1, got: x.rows() });
+        }
+        self.matmul(pool, w, x, y)
+    }
+
+    /// Quantizes `x` (one row of `w.cols()` values) to the format `w` dots
+    /// against, then [`Kernels::matvec`]. Allocates; the host's hot path should
+    /// keep an [`Activations`] and refill it with [`Activations::set`].
+    pub fn matvec_f32(&self, pool: &ThreadPool, w: &WeightMatrix<'_>, x: &[f32], y: &mut [f32]) -> Result<(), QuantError> {
+        let a = Activations::for_weight(w.ty(), x, w.cols())?;
+        self.matvec(pool, w, &a, y)
+    }
+
+    /// `Y = X W^T` for `n = x.rows()` tokens: `y[t * w.rows() + r] = dot(row r, token t)`.
+    /// Activations are quantized once (by the caller) and reused for every weight row;
+    /// each task walks a tile of weight rows against tiles of tokens, so weights
+    /// are read from memory once.
+    pub fn matmul(&self, pool: &ThreadPool, w: &WeightMatrix<'_>, x: &Activations, y: &mut [f32]) -> Result<(), QuantError> {
+        let n = x.rows();
+        if x.cols() != w.cols() {
+            return Err(QuantError::LengthMismatch { what: "activation width", expected: w.cols(), got: x.cols() });
+        }
+        if y.len() != n * w.rows() {
+            return Err(QuantError::LengthMismatch { what: "output values", expected: n * w.rows(), got: y.len() });
+        }
+        if n == 0 || w.rows() == 0 {
+            return Ok(());
+        }
+        check_dot(w.ty(), w.row_bytes(), x.row(0).expect("n > 0"))?;
+        let rows = w.rows();
+        // Rows per task: enough tasks to balance the threads, few enough weight
+        // bytes per task to stay cache resident.
+        let threads = pool.current_num_threads().max(1);
+        let by_cache = (ROW_TILE_BYTES / w.row_bytes().max(1)).max(1);
+        let by_balance = rows.div_ceil(4 * threads).max(1);
+        let chunk = by_cache.min(by_balance);
+
+        let run = |r0: usize, outs: &mut [&mut [f32]]| {
+            let r1 = (r0 + chunk).min(rows);
+            for t0 in (0..n).step_by(TOKEN_TILE) {
+                let t1 = (t0 + TOKEN_TILE).min(n);
+                for r in r0..r1 {
+                    let wr = w.row(r);
+                    for (t, out) in outs[t0..t1].iter_mut().enumerate() {
+                        let xr = x.row(t0 + t).expect("t < n");
+                        out[r - r0] = self.dot_checked(w.ty(), wr, xr);
+                    }
+                }
+            }
+        };
+
+        // For each task (a run of `chunk` rows), its slice of every token's output row.
+        let n_chunks = rows.div_ceil(chunk);
+        let mut per_task: Vec<Vec<&mut [f32]>> = (0..n_chunks).map(|_| Vec::with_capacity(n)).collect();
+        for yt in y.chunks_mut(rows) {
+            for (c, part) in yt.chunks_mut(chunk).enumerate() {
+                per_task[c].push(part);
+            }
+        }
+        if w.data().len().saturating_mul(n) < SERIAL_BYTES || threads == 1 {
+            for (c, outs) in per_task.iter_mut().enumerate() {
+                run(c * chunk, outs);
+            }
+        } else {
+            pool.install(|| {
+                per_task.par_iter_mut().enumerate().for_each(|(c, outs)| run(c * chunk, outs));
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,104 @@
+//! `q3_K`: superblocks of 256 values, 110 bytes: `hmask: [u8; 32]`,
+//! `qs: [u8; 64]` (low 2 bits, laid out as q2_K), `scales: [u8; 12]` (sixteen
+//! 6-bit scales, offset by 32), `d: f16`. Value `e = c*128 + s*32 + l` has low
+//! bits from `qs[32c + l] >> 2s` and high bit `hmask[l] >> (4c + s)`;
+//! q = low - (high ? 0 : 4); value = `d * (sc_j - 32) * q`. Dots against `q8_K`.
+
+use super::{q8_k, rd_f16};
+
+pub(crate) const QK: usize = 256;
+pub(crate) const BYTES: usize = 110;
+const QS: usize = 32;
+const SC: usize = 96;
+const D: usize = 108;
+
+/// The sixteen signed scales: low nibbles in bytes 0-7 (runs 0-7 low, 8-15
+/// high), top two bits in bytes 8-11 (run j: byte 8 + j%4, bits 2*(j/4)).
+#[inline(always)]
+fn scales(s: &[u8]) -> [i8; 16] {
+    std::array::from_fn(|j| {
+        let lo = if j < 8 { s[j] & 0x0f } else { s[j - 8] >> 4 };
+        let hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        (lo | (hi << 4)) as i8 - 32
+    })
+}
+
+/// Unsigned level 0..=7 (the signed value plus 4).
+#[inline(always)]
+fn level(b: &[u8], e: usize) -> u8 {
+    let (c, s, l) = (e / 128, (e % 128) / 32, e % 32);
+    let lo = (b[QS + 32 * c + l] >> (2 * s)) & 3;
+    let hi = (b[l] >> (4 * c + s)) & 1;
+    lo | (hi << 2)
+}
+
+pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK)) {
+        let d = rd_f16(b, D);
+        let sc = scales(&b[SC..SC + 12]);
+        for (e, ye) in y.iter_mut().enumerate() {
+            let dl = d * sc[e / 16] as f32;
+            *ye = dl * (level(b, e) as i8 - 4) as f32;
+        }
+    }
+}
+
+/// Scalar reference: exact `sumi = sum_j sc_j * sum(q y)`, then `acc += (dx * d) * sumi`.
+pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (i, b) in w.chunks_exact(BYTES).enumerate() {
+        let sc = scales(&b[SC..SC + 12]);
+        let mut sumi = 0i32;
+        for j in 0..16 {
+            let s: i32 = (16 * j..16 * j + 16).map(|e| (level(b, e) as i32 - 4) * q8_k::q(x, i, e)).sum();
+            sumi += sc[j] as i32 * s;
+        }
+        acc += q8_k::d(x, i) * rd_f16(b, D) * sumi as f32;
+    }
+    acc
+}
+
+/// # Safety
+/// AVX2 + FMA + F16C; `w` and `x` the same whole number of superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = w.len() / BYTES;
+    debug_assert_eq!(x.len(), nb * q8_k::BYTES);
+    let mut acc = 0f32;
+    unsafe {
+        let m2 = _mm256_set1_epi8(3);
+        let b2 = _mm256_set1_epi8(4);
+        for i in 0..nb {
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
+            let sc = scales(&w[ow + SC..ow + SC + 12]);
+            let hm = load256(w, ow);
+            let mut v = _mm256_setzero_si256();
+            for c in 0..2 {
+                let q = load256(w, ow + QS + 32 * c);
+                for s in 0..4 {
+                    let lo = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), m2);
+                    // hmask bit (4c + s) to bit 2 of each byte.
+                    let k = (4 * c + s) as i32;
+                    let hb = if k >= 2 {
+                        _mm256_srl_epi16(hm, _mm_cvtsi32_si128(k - 2))
+                    } else {
+                        _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - k))
+                    };
+                    let ql = _mm256_or_si256(lo, _mm256_and_si256(hb, b2));
+                    let j = 8 * c + 2 * s;
+                    let scl = scales_lo_hi(sc[j] as i32, sc[j + 1] as i32);
+                    v = _mm256_add_epi32(v, dot_u8i8_scaled(ql, load256(x, ox + 128 * c + 32 * s), scl));
+                }
+            }
+            // The -4 offset: sum_j sc_j * 4 * bsum_j.
+            let scv = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+            let offs = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS - q8_k::QS), scv));
+            let sumi = hsum_i32(v) - 4 * offs;
+            acc += q8_k::d(x, i) * f16_to_f32(super::rd_u16(w, ow + D)) * sumi as f32;
+        }
+    }
+    acc
+}

@@ -1,0 +1,104 @@
+//! `q5_K`: superblocks of 256 values, 176 bytes: `d: f16`, `dmin: f16`,
+//! `scales: [u8; 12]` (packed as q4_K), `qh: [u8; 32]`, `qs: [u8; 128]`.
+//! Sub-block j (32 values, j = 2c or 2c+1 from the low/high nibbles of
+//! `qs[32c..]`) takes its fifth bit from bit j of `qh[l]`; value =
+//! `d*sc_j*q - dmin*m_j`. Dots against `q8_K`.
+
+use super::q4_k::scales_mins;
+use super::{q8_k, rd_f16};
+
+pub(crate) const QK: usize = 256;
+pub(crate) const BYTES: usize = 176;
+const QH: usize = 16;
+const QS: usize = 48;
+
+#[inline(always)]
+fn level(b: &[u8], j: usize, l: usize) -> u8 {
+    let nib = (b[QS + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0f;
+    nib | (((b[QH + l] >> j) & 1) << 4)
+}
+
+pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK)) {
+        let (d, dmin) = (rd_f16(b, 0), rd_f16(b, 2));
+        let (sc, m) = scales_mins(&b[4..16]);
+        for j in 0..8 {
+            let (dl, ml) = (d * sc[j] as f32, dmin * m[j] as f32);
+            for l in 0..32 {
+                y[32 * j + l] = dl * level(b, j, l) as f32 - ml;
+            }
+        }
+    }
+}
+
+/// Scalar reference; the same integer sums and float expression as q4_K.
+pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (i, b) in w.chunks_exact(BYTES).enumerate() {
+        let (sc, m) = scales_mins(&b[4..16]);
+        let mut sumi = 0i32;
+        for j in 0..8 {
+            let s: i32 = (0..32).map(|l| level(b, j, l) as i32 * q8_k::q(x, i, 32 * j + l)).sum();
+            sumi += sc[j] as i32 * s;
+        }
+        let summ: i32 = (0..8).map(|j| m[j] as i32 * (q8_k::bsum(x, i, 2 * j) + q8_k::bsum(x, i, 2 * j + 1))).sum();
+        let dx = q8_k::d(x, i);
+        acc += dx * rd_f16(b, 0) * sumi as f32 - dx * rd_f16(b, 2) * summ as f32;
+    }
+    acc
+}
+
+/// # Safety
+/// AVX2 + FMA + F16C; `w` and `x` the same whole number of superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = w.len() / BYTES;
+    debug_assert_eq!(x.len(), nb * q8_k::BYTES);
+    let mut acc = 0f32;
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let b4 = _mm256_set1_epi8(0x10);
+        for i in 0..nb {
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
+            let (sc, m) = scales_mins(&w[ow + 4..ow + 16]);
+            let qh = load256(w, ow + QH);
+            let mut v = _mm256_setzero_si256();
+            for c in 0..4 {
+                let q = load256(w, ow + QS + 32 * c);
+                // Bit j of qh moved to bit 4 of each byte: shift right j, left 4 (as 2c - 4 and 2c + 1 - 4).
+                let h1 = _mm256_and_si256(shift_to_bit4(qh, 2 * c), b4);
+                let h2 = _mm256_and_si256(shift_to_bit4(qh, 2 * c + 1), b4);
+                let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h1);
+                let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h2);
+                let p1 = dot_u8i8_scaled(lo, load256(x, ox + 64 * c), _mm256_set1_epi16(sc[2 * c] as i16));
+                let p2 = dot_u8i8_scaled(hi, load256(x, ox + 64 * c + 32), _mm256_set1_epi16(sc[2 * c + 1] as i16));
+                v = _mm256_add_epi32(v, _mm256_add_epi32(p1, p2));
+            }
+            let sumi = hsum_i32(v);
+            let bs = _mm256_madd_epi16(load256(x, ox + q8_k::BSUMS - q8_k::QS), _mm256_set1_epi16(1));
+            let mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(m.as_ptr() as *const __m128i));
+            let summ = hsum_i32(_mm256_mullo_epi32(bs, mv));
+            let dx = q8_k::d(x, i);
+            acc += dx * f16_to_f32(super::rd_u16(w, ow)) * sumi as f32
+                - dx * f16_to_f32(super::rd_u16(w, ow + 2)) * summ as f32;
+        }
+    }
+    acc
+}
+
+/// Move bit `j` of every byte of `v` to bit 4 (other bits are garbage; mask after).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn shift_to_bit4(v: std::arch::x86_64::__m256i, j: usize) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    unsafe {
+        if j <= 4 {
+            _mm256_sll_epi16(v, _mm_cvtsi32_si128((4 - j) as i32))
+        } else {
+            _mm256_srl_epi16(v, _mm_cvtsi32_si128((j - 4) as i32))
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! x86-64 helpers shared by the AVX2 / AVX-512 kernels. Every function here is
+//! `#[inline(always)]` and only called from inside a `#[target_feature]`
+//! function, so it compiles with that function's features.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+/// Sum of the eight i32 lanes (exact; wraps only on overflow, which the
+/// callers' bounds exclude).
+#[inline(always)]
+pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
+    unsafe {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+}
+
+/// Sum of the eight f32 lanes, in a fixed order.
+#[inline(always)]
+pub(crate) unsafe fn hsum_f32(v: __m256) -> f32 {
+    unsafe {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+}
+
+/// One f16 (as bits) to f32 with F16C; exact, like `half`.
+#[inline(always)]
+pub(crate) unsafe fn f16_to_f32(bits: u16) -> f32 {
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+}
+
+/// Unaligned 32-byte load from `p[off..off + 32]`.
+///
+/// # Safety
+/// `off + 32 <= p.len()`.
+#[inline(always)]
+pub(crate) unsafe fn load256(p: &[u8], off: usize) -> __m256i {
+    debug_assert!(off + 32 <= p.len());
+    unsafe { _mm256_loadu_si256(p.as_ptr().add(off) as *const __m256i) }
+}
+
+/// Unaligned 16-byte load from `p[off..off + 16]`.
+///
+/// # Safety
+/// `off + 16 <= p.len()`.
+#[inline(always)]
+pub(crate) unsafe fn load128(p: &[u8], off: usize) -> __m128i {
+    debug_assert!(off + 16 <= p.len());
+    unsafe { _mm_loadu_si128(p.as_ptr().add(off) as *const __m128i) }
+}
+
+/// 16 packed nibble bytes -> 32 bytes: the low nibbles, then the high nibbles
+/// (the element order of q4_0/q4_1/q5_0/q5_1 blocks).
+#[inline(always)]
+pub(crate) unsafe fn nibbles_lo_hi(b: __m128i) -> __m256i {
+    unsafe {
+        let m = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(b, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), m);
+        _mm256_set_m128i(hi, lo)
+    }
+}
+
+/// The 32 bits of `bits` as 32 bytes: 0xFF where bit i is set, 0 elsewhere.
+#[inline(always)]
+pub(crate) unsafe fn bytes_from_bits(bits: u32) -> __m256i {
+    unsafe {
+        let v = _mm256_set1_epi32(bits as i32);
+        // Byte i takes source byte i / 8 ...
+        let shuf = _mm256_set_epi64x(
+            0x0303030303030303,
+            0x0202020202020202,
+            0x0101010101010101,
+            0x0000000000000000,
+        );
+        let v = _mm256_shuffle_epi8(v, shuf);
+        // ... and keeps only bit i % 8: OR in every other bit, then test for all ones.
+        let others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe_u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_or_si256(v, others), _mm256_set1_epi64x(-1))
+    }
+}
+
+/// Multiply-accumulate 32 unsigned bytes `a` by 32 signed bytes `b` into eight
+/// i32 lanes (each lane: four adjacent products). Two flavours: AVX2
+/// (`vpmaddubsw` + `vpmaddwd`) and VNNI (`vpdpbusd`). They agree exactly as
+/// long as no adjacent pair `a[2i]*b[2i] + a[2i+1]*b[2i+1]` leaves i16 range,
+/// which holds for every caller: |b| <= 127 and a <= 128.
+pub(crate) trait U8I8Dot {
+    unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+}
+
+pub(crate) struct Avx2Dot;
+pub(crate) struct VnniDot;
+
+impl U8I8Dot for Avx2Dot {
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        unsafe {
+            let p = _mm256_maddubs_epi16(a, b);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
+    }
+}
+
+impl U8I8Dot for VnniDot {
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_dpbusd_epi32(acc, a, b) }
+    }
+}
+
+/// Signed-by-signed byte dot through the unsigned form: |a| times b with a's sign.
+/// Needs |b| <= 127 (true of every q8 activation) so negating b cannot overflow.
+#[inline(always)]
+pub(crate) unsafe fn dot_i8<D: U8I8Dot>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    unsafe { D::dpbusd(acc, _mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)) }
+}
+
+/// `_mm256_maddubs_epi16(a, b)` then `_mm256_madd_epi16` with i16 `scales`:
+/// eight i32 lanes of scaled pair sums. Used by the K/IQ kernels whose
+/// sub-block scales are small integers.
+#[inline(always)]
+pub(crate) unsafe fn dot_u8i8_scaled(a: __m256i, b: __m256i, scales: __m256i) -> __m256i {
+    unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), scales) }
+}
+
+/// i16 scale vector: `lo` for the first 16 bytes' products, `hi` for the last 16.
+#[inline(always)]
+pub(crate) unsafe fn scales_lo_hi(lo: i32, hi: i32) -> __m256i {
+    unsafe { _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16)) }
+}
+
+/// The 128 sign patterns of the IQ formats as byte masks for `_mm256_sign_epi8`:
+/// byte i of entry k is -1 when bit i of `KSIGNS_IQ2XS[k]` is set, else +1.
+pub(crate) static SIGNS64: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut k = 0;
+    while k < 128 {
+        let s = crate::quant::iq_tables::KSIGNS_IQ2XS[k];
+        let mut v = 0u64;
+        let mut i = 0;
+        while i < 8 {
+            let b: u64 = if (s >> i) & 1 == 1 { 0xff } else { 0x01 };
+            v |= b << (8 * i);
+            i += 1;
+        }
+        t[k] = v;
+        k += 1;
+    }
+    t
+};
