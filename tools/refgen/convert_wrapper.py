@@ -5,10 +5,17 @@ The converter identifies a BPE pre-tokenizer by hashing how the tokenizer
 encodes a fixed test string, and refuses tokenizers it does not know. Our tiny
 trained tokenizers match no real model, so we make `get_vocab_base_pre` return
 the name that the family's real GGUFs carry (e.g. "qwen2" for Qwen3-MoE).
+With --raw-config-keys, a second patch: the converter loads config.json
+through transformers' AutoConfig, and transformers 5 absorbs some checkpoint
+keys into its own names without writing them back (MiniMax-M3's
+sparse_attention_config, moe_layer_freq). Keys of the raw config.json (top
+level and text_config) that the AutoConfig dict lacks are added back, values
+unchanged, so the converter sees the checkpoint's config as written.
+
 Everything else (tensor names, metadata keys, permutations, +1 norm shifts)
 is the converter's own code.
 
-usage: convert_wrapper.py --llamacpp DIR --pre NAME [converter args...]
+usage: convert_wrapper.py --llamacpp DIR --pre NAME [--raw-config-keys] [converter args...]
 """
 
 import sys
@@ -19,8 +26,10 @@ def main() -> None:
     argv = sys.argv[1:]
     llamacpp = Path(argv[argv.index("--llamacpp") + 1])
     pre = argv[argv.index("--pre") + 1]
+    raw_keys = "--raw-config-keys" in argv
     rest = [a for i, a in enumerate(argv)
-            if a not in ("--llamacpp", "--pre") and (i == 0 or argv[i - 1] not in ("--llamacpp", "--pre"))]
+            if a not in ("--llamacpp", "--pre", "--raw-config-keys")
+            and (i == 0 or argv[i - 1] not in ("--llamacpp", "--pre"))]
 
     # The bundled gguf-py, not any PyPI `gguf`: its constants are the ones this
     # converter was written against.
@@ -33,6 +42,23 @@ def main() -> None:
         return pre
 
     base.TextModel.get_vocab_base_pre = fixed_pre
+
+    if raw_keys:
+        import json
+
+        orig_load = base.ModelBase.load_hparams
+
+        def load_hparams(dir_model, is_mistral_format):
+            config = orig_load(dir_model, is_mistral_format)
+            raw = json.loads((Path(dir_model) / "config.json").read_text())
+            for k, v in raw.items():
+                config.setdefault(k, v)
+            if isinstance(raw.get("text_config"), dict) and isinstance(config.get("text_config"), dict):
+                for k, v in raw["text_config"].items():
+                    config["text_config"].setdefault(k, v)
+            return config
+
+        base.ModelBase.load_hparams = staticmethod(load_hparams)
 
     import convert_hf_to_gguf  # noqa: E402
 

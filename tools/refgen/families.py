@@ -46,6 +46,17 @@ class Family:
     model_class: str | None = None
     # Per-family init tweak after the generic one: fn(model, gen).
     post_init: Callable | None = None
+    # Edit the saved HF dir before conversion (e.g. add the checkpoint's legacy
+    # config keys a converter reads): fn(hf_dir).
+    post_save: Callable | None = None
+    # HF tensors deliberately left out of the text GGUF (vision towers):
+    # excluded from the element-count check, listed in meta.json.
+    hf_ignore_prefixes: tuple[str, ...] = ()
+    # Full model config kwargs for multimodal wrappers (text_config inside);
+    # when None, `config` is the model's config.
+    wrapper_config: Callable | None = None
+    # Pass --raw-config-keys to convert_wrapper.py (see there).
+    raw_config_keys: bool = False
 
 
 FAMILIES: dict[str, Family] = {}
@@ -187,6 +198,9 @@ register(Family(
         # config.json) reads rotary_dim. Both say: rotate 16 of 32 head dims.
         rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5},
         rotary_dim=16,
+        # MiniMax's config.json keys (HF keeps them as plain attributes); the
+        # converter turns scoring_func into expert_gating_func.
+        scoring_func="sigmoid", use_routing_bias=True,
         max_position_embeddings=4096, rms_norm_eps=1e-6,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=381, pad_token_id=381,
     ),
@@ -196,4 +210,80 @@ register(Family(
               "sigmoid router with selection-only bias, top-2 of 8, renormalised", "SwiGLU experts, all layers MoE",
               "untied output"],
     notes=["The HF checkpoint is saved in MiniMax's original layout (block_sparse_moe.experts.N.w1/w2/w3); the converter stacks them into ffn_{gate,down,up}_exps."],
+))
+
+
+def _m3_wrapper(text: dict) -> dict:
+    # transformers has M3 only as the VL model; a 1-layer vision tower rides
+    # along (the text converter drops it). Saving the VL model writes MiniMax's
+    # original checkpoint layout, which is what llama.cpp's converter reads.
+    return dict(
+        text_config=dict(text, model_type="minimax_m3_vl_text"),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=56, patch_size=14),
+        projector_hidden_size=64, image_token_index=382, video_token_index=383,
+        tie_word_embeddings=False,
+    )
+
+
+def _m3_post_init(model, gen):
+    # llama.cpp hard-codes swiglu_oai's clamp at 7 (alpha 1.702): make the
+    # gate/up pre-activations large enough (std ~4) that the clamp really bites.
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "gate_up_proj" in name:
+                p.mul_(4.0)
+
+
+def _m3_post_save(hf_dir):
+    # The converter reads MiniMax's own config keys, which transformers maps
+    # onto its flat ones on load but does not write back: add them (same values).
+    import json
+    p = hf_dir / "config.json"
+    c = json.loads(p.read_text())
+    t = c["text_config"]
+    t["n_shared_experts"] = 1
+    t["scoring_func"] = "sigmoid"
+    t["sparse_attention_config"] = {
+        "sparse_num_index_heads": t["index_n_heads"], "sparse_index_dim": t["index_head_dim"],
+        "sparse_topk_blocks": t["index_topk_blocks"], "sparse_block_size": t["index_block_size"],
+        "sparse_local_block": t["index_local_blocks"],
+        "sparse_attention_freq": [int(x == "minimax_m3_sparse") for x in t["layer_types"]],
+    }
+    t["moe_layer_freq"] = [int(x == "sparse") for x in t["mlp_layer_types"]]
+    p.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+
+
+register(Family(
+    name="minimax_m3", arch="minimax-m3", model_type="minimax_m3_vl",
+    model_class="MiniMaxM3SparseForConditionalGeneration", wrapper_config=_m3_wrapper,
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rotary_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                        "partial_rotary_factor": 0.5},
+        intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.0,
+        swiglu_alpha=1.702, swiglu_limit=7.0,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+        # one indexer head per kv head (llama.cpp asserts it); blocks of 4 keys,
+        # top-2 blocks + the local one: with ~30 tokens attention really is sparse
+        index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=381, pad_token_id=381,
+    ),
+    tokpre="minimax-m2",
+    post_init=_m3_post_init, post_save=_m3_post_save, raw_config_keys=True,
+    hf_ignore_prefixes=("vision_tower.", "multi_modal_projector.", "patch_merge_mlp."),
+    features=["leading dense layer (layer 0, full attention), MoE layers 1-2 with MiniMax sparse attention",
+              "lightning indexer: 2 heads (one per kv head), head_dim 16, blocks of 4 keys, top-2 blocks + 1 local block",
+              "partial rotary (16 of 32 dims), per-head q/k RMSNorm", "swiglu_oai (alpha 1.702, clamp 7, (up+1)*glu) in dense, routed and shared FFNs; clamp active",
+              "sigmoid router with selection bias, top-2 of 8, renormalised, scaled by 2.0", "one shared expert",
+              "zero-centred (1+w) RMSNorm weights", "untied output"],
+    notes=["Text-only fixture from the VL model; the vision tower's tensors are not in the GGUF (hf_tensors_not_in_gguf).",
+           "The converter stores every *norm.weight as w+1 (plain multiplier), like Gemma.",
+           "llama.cpp M3 uses fixed swiglu_oai constants (alpha 1.702, limit 7); there is no GGUF key for them.",
+           "No MTP: llama.cpp notes MTP is not in the released weights."],
 ))

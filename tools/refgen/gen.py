@@ -119,7 +119,10 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
         tinfo = tok.build_bpe(hf_dir, fam.config["vocab_size"], fam.specials, bos=fam.bos, eos=fam.eos,
                               add_bos=fam.add_bos, chat_template=fam.chat_template)
 
-    cfg = AutoConfig.for_model(fam.model_type, **fam.config)
+    if fam.wrapper_config:
+        cfg = AutoConfig.for_model(fam.model_type, **fam.wrapper_config(fam.config))
+    else:
+        cfg = AutoConfig.for_model(fam.model_type, **fam.config)
     torch.manual_seed(fam.seed)
     cls = model_class(fam)
     if hasattr(cls, "from_config"):  # Auto* classes
@@ -143,6 +146,8 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
         assert not clash, clash
         tensors.update({k: v.contiguous() for k, v in extra.items()})
         save_file(dict(sorted(tensors.items())), str(st), metadata={"format": "pt"})
+    if fam.post_save:
+        fam.post_save(hf_dir)
 
     ids = tinfo["ids"]
     with torch.no_grad():
@@ -169,6 +174,8 @@ def convert(fam: Family, hf_dir: Path, out_dir: Path) -> None:
             continue
         cmd = [sys.executable, str(HERE / "convert_wrapper.py"), "--llamacpp", str(LLAMACPP),
                "--pre", fam.tokpre, str(hf_dir), "--outtype", outtype, "--outfile", str(dst)]
+        if fam.raw_config_keys:
+            cmd.append("--raw-config-keys")
         log(" ".join(cmd[1:]))
         r = subprocess.run(cmd, capture_output=True, text=True)
         (hf_dir.parent / f"convert-{outtype}.log").write_text(r.stdout + r.stderr)
@@ -207,15 +214,19 @@ def read_gguf(path: Path) -> dict:
     return {"metadata": meta, "tensors": tensors, "numel": numel}
 
 
-def hf_numel(hf_dir: Path) -> tuple[int, list[str]]:
+def hf_numel(hf_dir: Path, ignore: tuple[str, ...]) -> tuple[int, list[str], list[str]]:
+    """Element count of the saved checkpoint, minus tensors under `ignore`."""
     from safetensors import safe_open
-    total, names = 0, []
+    total, names, ignored = 0, [], []
     for st in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(st), "pt") as f:
             for k in f.keys():
+                if k.startswith(ignore):
+                    ignored.append(k)
+                    continue
                 total += int(np.prod(f.get_slice(k).get_shape()))
                 names.append(k)
-    return total, sorted(names)
+    return total, sorted(names), sorted(ignored)
 
 
 def sha256(path: Path) -> str:
@@ -267,7 +278,7 @@ def generate(fam: Family, keep_work: bool) -> None:
 
     g32 = read_gguf(out_dir / "model-f32.gguf")
     g8 = read_gguf(out_dir / "model-q8_0.gguf")
-    hf_total, hf_names = hf_numel(hf_dir)
+    hf_total, hf_names, hf_ignored = hf_numel(hf_dir, fam.hf_ignore_prefixes)
     delta = g32["numel"] - hf_total
     if delta != fam.numel_delta:
         raise RuntimeError(f"{fam.name}: GGUF holds {g32['numel']} weights, HF checkpoint {hf_total} "
@@ -300,6 +311,7 @@ def generate(fam: Family, keep_work: bool) -> None:
                    "std": round(float(logits.std()), 4), "distinct_argmax": n_distinct,
                    "argmax": argmax.tolist()},
         "hf_tensors": hf_names,
+        "hf_tensors_not_in_gguf": hf_ignored,
         "hf_numel": hf_total,
         "numel_delta": delta,
         "numel_delta_why": fam.numel_delta_why,
