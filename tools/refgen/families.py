@@ -287,3 +287,56 @@ register(Family(
            "llama.cpp M3 uses fixed swiglu_oai constants (alpha 1.702, limit 7); there is no GGUF key for them.",
            "No MTP: llama.cpp notes MTP is not in the released weights."],
 ))
+
+
+DS_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+DS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+               "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+
+# DeepSeek-V3 geometry shared by deepseek2 (and the Kimi K2.5 variant).
+DSV3_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4,
+    # MLA: q through a rank-32 bottleneck, kv compressed to a rank-32 latent
+    # plus one shared 16-dim RoPE key
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    intermediate_size=64, moe_intermediate_size=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+    rope_interleave=True,
+    # keys of DeepSeek's config.json that HF ignores but the converter reads:
+    # without scoring_func no expert_gating_func is written and llama.cpp
+    # falls back to softmax (the DeepSeek-V2 behaviour)
+    scoring_func="sigmoid", topk_method="noaux_tc",
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+    max_position_embeddings=5120, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=380, eos_token_id=381, pad_token_id=381,
+)
+
+DSV3_FEATURES = [
+    "MLA: q_lora_rank 32, kv_lora_rank 32, qk_nope 16 + qk_rope 16 per head, v_head 16, 4 heads",
+    "YaRN RoPE (factor 40, original ctx 128, mscale_all_dim 1 -> attention scale mscale^2), interleaved rope layout",
+    "leading dense layer (first_k_dense_replace=1), MoE layers 1-2",
+    "sigmoid router with selection bias, group-limited top-k (4 groups of 2, top-2 groups, top-2 experts), "
+    "renormalised, scaled by 2.5",
+    "one shared expert", "SwiGLU", "untied output", "BOS first",
+]
+DSV3_NOTES = [
+    "The converter splits kv_b_proj into attn_k_b (per head [kv_lora_rank, qk_nope], i.e. transposed for the "
+    "absorbed-MLA form) and attn_v_b; it writes head_count_kv=1 and key_length = kv_lora_rank + qk_rope "
+    "(MQA over the latent), with key_length_mla / value_length_mla the per-head dims before absorption.",
+    "rope.scaling.yarn_log_multiplier is 0.1 * mscale_all_dim (llama.cpp's legacy deepseek2 convention).",
+]
+
+register(Family(
+    name="deepseek_v3", arch="deepseek2", model_type="deepseek_v3",
+    config=dict(DSV3_CONFIG),
+    tokpre="deepseek-v3", specials=DS_SPECIALS, bos=DS_SPECIALS[0], eos=DS_SPECIALS[1], add_bos=True,
+    chat_template=DS_TEMPLATE,
+    features=DSV3_FEATURES,
+    notes=DSV3_NOTES + ["No MTP block: transformers' DeepseekV3 has none, and llama.cpp's deepseek2 converter "
+                        "drops layers past num_hidden_layers anyway."],
+))
