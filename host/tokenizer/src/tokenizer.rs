@@ -165,7 +165,9 @@ impl Tokenizer {
             Some(p) => (p.add_bos, p.ignore_merges),
             None => (true, false),
         };
-        let add_bos = spec.add_bos.unwrap_or(default_add_bos);
+        // A default only applies where there is a token to add; a file that asks for one it
+        // does not name is an error.
+        let add_bos = spec.add_bos.unwrap_or(default_add_bos && bos.is_some());
         let add_eos = spec.add_eos.unwrap_or(false);
         let add_space_prefix = kind == VocabKind::SentencePiece && spec.add_space_prefix.unwrap_or(true);
         if add_bos && bos.is_none() {

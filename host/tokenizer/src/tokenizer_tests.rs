@@ -275,8 +275,9 @@ fn errors_name_what_is_wrong() {
     let e = err(VocabSpec { eos: Some(99), ..spm_spec() });
     assert_eq!(e, TokenizerError::IdOutOfRange { key: "tokenizer.ggml.eos_token_id", id: 99, vocab_size: 17 });
 
-    let e = err(VocabSpec { bos: None, ..spm_spec() });
+    let e = err(VocabSpec { bos: None, add_bos: Some(true), ..spm_spec() });
     assert!(matches!(e, TokenizerError::MissingSpecial { key: "tokenizer.ggml.bos_token_id", .. }));
+    assert!(!tok(VocabSpec { bos: None, ..spm_spec() }).add_bos(), "the default needs a BOS to add");
 
     let mut spec = spm_spec();
     spec.tokens[15] = "<0xZZ>".into();
