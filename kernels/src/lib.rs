@@ -12,6 +12,7 @@
 pub mod error;
 pub mod isa;
 pub mod matvec;
+pub mod ops;
 pub mod quant;
 mod simd;
 

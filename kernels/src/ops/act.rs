@@ -1,0 +1,77 @@
+/// Activation functions of the FFNs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    GeluTanh,
+    Gelu,
+}
+
+impl Activation {
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Silu => silu(x),
+            Activation::GeluTanh => gelu_tanh(x),
+            Activation::Gelu => gelu(x),
+        }
+    }
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (PyTorch `approximate="tanh"`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const S: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (S * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// Exact GELU, `x * Phi(x)`, via an erf with |error| < 1.5e-7.
+pub fn gelu(x: f32) -> f32 {
+    let z = x as f64 / std::f64::consts::SQRT_2;
+    (0.5 * x as f64 * (1.0 + erf(z))) as f32
+}
+
+/// Abramowitz–Stegun 7.1.26 refined by one Newton step is overkill here; the
+/// W. J. Cody rational approximation via `erfc` is what libm does. We use the
+/// Numerical Recipes `erfc` Chebyshev fit (relative error < 1.2e-7).
+fn erf(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.5 * x.abs());
+    let y = t
+        * (-x * x - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+            .exp();
+    if x >= 0.0 {
+        1.0 - y
+    } else {
+        y - 1.0
+    }
+}
+
+/// `out = act(gate) * up`, elementwise, in place into `gate`.
+pub fn glu_rows(gate: &mut [f32], up: &[f32], act: Activation) {
+    assert_eq!(gate.len(), up.len(), "glu: gate and up lengths");
+    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = act.apply(*g) * u);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_values() {
+        assert!((silu(1.0) - 0.731_058_6).abs() < 1e-6);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        assert!((gelu(1.0) - 0.841_344_7).abs() < 1e-6);
+        assert!((gelu(-2.0) - (-0.045_500_26)).abs() < 1e-6);
+        assert_eq!(silu(0.0), 0.0);
+        let mut g = vec![1.0, -1.0];
+        glu_rows(&mut g, &[2.0, 3.0], Activation::Silu);
+        assert!((g[0] - 2.0 * 0.731_058_6).abs() < 1e-6);
+    }
+}

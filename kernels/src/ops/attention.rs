@@ -1,0 +1,119 @@
+use rayon::prelude::*;
+use rayon::ThreadPool;
+
+/// Causal attention of a step's queries over a layer's cached keys/values.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnParams {
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    pub scale: f32,
+    /// 0 = full; else a query at p sees keys at positions > p - window.
+    pub window: usize,
+    /// 0 = none; else scores become cap * tanh(score / cap).
+    pub softcap: f32,
+}
+
+/// `q`: `[n_q, n_head*dk]` at positions `positions`; `k_cache`/`v_cache`:
+/// rows `[0, n_ctx)` of `[n_kv_head*dk]` / `[n_kv_head*dv]` (already holding
+/// this step's rows). Writes `[n_q, n_head*dv]` to `out`. Work is split over
+/// (query, head) pairs; each pair runs the same fixed-order loop whatever the
+/// batch, so prefill and decode agree bit for bit.
+pub fn attend_rows(
+    pool: &ThreadPool,
+    p: &AttnParams,
+    q: &[f32],
+    positions: &[u32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    out: &mut [f32],
+) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let (kw, vw) = (p.n_kv_head * dk, p.n_kv_head * dv);
+    let n_q = positions.len();
+    assert_eq!(q.len(), n_q * p.n_head * dk);
+    assert_eq!(out.len(), n_q * p.n_head * dv);
+    assert!(p.n_kv_head > 0 && p.n_head % p.n_kv_head == 0);
+    let group = p.n_head / p.n_kv_head;
+    let n_ctx = k_cache.len() / kw;
+    let work = |(i, o): (usize, &mut [f32])| {
+        let (t, h) = (i / p.n_head, i % p.n_head);
+        let pos = positions[t] as usize;
+        assert!(pos < n_ctx, "attention: position {pos} beyond cache {n_ctx}");
+        let start = if p.window > 0 { (pos + 1).saturating_sub(p.window) } else { 0 };
+        let qh = &q[(t * p.n_head + h) * dk..][..dk];
+        let kvh = h / group;
+        let mut scores: Vec<f32> = (start..=pos)
+            .map(|j| {
+                let kh = &k_cache[j * kw + kvh * dk..][..dk];
+                let mut s = 0f32;
+                for d in 0..dk {
+                    s += qh[d] * kh[d];
+                }
+                let s = s * p.scale;
+                if p.softcap > 0.0 {
+                    p.softcap * (s / p.softcap).tanh()
+                } else {
+                    s
+                }
+            })
+            .collect();
+        super::softmax_in_place(&mut scores);
+        o.fill(0.0);
+        for (j, w) in (start..=pos).zip(&scores) {
+            let vh = &v_cache[j * vw + kvh * dv..][..dv];
+            for d in 0..dv {
+                o[d] += w * vh[d];
+            }
+        }
+    };
+    let chunks = out.chunks_exact_mut(dv).enumerate();
+    if n_q * p.n_head * (positions.iter().max().copied().unwrap_or(0) as usize + 1) < 4096 {
+        chunks.for_each(work);
+    } else {
+        pool.install(|| out.par_chunks_exact_mut(dv).enumerate().for_each(work));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap()
+    }
+
+    #[test]
+    fn single_key_returns_its_value_and_window_limits_the_view() {
+        let p = AttnParams { n_head: 2, n_kv_head: 1, head_dim_k: 2, head_dim_v: 2, scale: 1.0, window: 0, softcap: 0.0 };
+        let k = vec![1.0, 0.0, 0.0, 1.0, 5.0, 5.0];
+        let v = vec![1.0, 2.0, 3.0, 4.0, 9.0, 9.0];
+        let q = vec![1.0, 0.0, 0.0, 1.0];
+        let mut out = vec![0.0; 4];
+        attend_rows(&pool(), &p, &q, &[0], &k, &v, &mut out);
+        assert_eq!(out, vec![1.0, 2.0, 1.0, 2.0]);
+        // With window 1 the query at position 2 only sees itself.
+        let pw = AttnParams { window: 1, ..p };
+        attend_rows(&pool(), &pw, &q, &[2], &k, &v, &mut out);
+        assert_eq!(out, vec![9.0, 9.0, 9.0, 9.0]);
+    }
+
+    #[test]
+    fn batched_equals_one_at_a_time() {
+        let p = AttnParams { n_head: 4, n_kv_head: 2, head_dim_k: 8, head_dim_v: 8, scale: 0.3, window: 3, softcap: 5.0 };
+        let n = 6;
+        let f = |i: usize| ((i * 7919) % 23) as f32 / 7.0 - 1.5;
+        let k: Vec<f32> = (0..n * 16).map(f).collect();
+        let v: Vec<f32> = (0..n * 16).map(|i| f(i + 3)).collect();
+        let q: Vec<f32> = (0..n * 32).map(|i| f(i + 11)).collect();
+        let pos: Vec<u32> = (0..n as u32).collect();
+        let mut all = vec![0.0; n * 32];
+        attend_rows(&pool(), &p, &q, &pos, &k, &v, &mut all);
+        for t in 0..n {
+            let mut one = vec![0.0; 32];
+            attend_rows(&pool(), &p, &q[t * 32..(t + 1) * 32], &pos[t..t + 1], &k, &v, &mut one);
+            assert_eq!(&all[t * 32..(t + 1) * 32], &one[..]);
+        }
+    }
+}
