@@ -57,6 +57,9 @@ class Family:
     wrapper_config: Callable | None = None
     # Pass --raw-config-keys to convert_wrapper.py (see there).
     raw_config_keys: bool = False
+    # fixtures/parity/<fixture_dir>; defaults to arch (a second fixture of one
+    # arch, e.g. a Kimi variant of deepseek2, needs its own).
+    fixture_dir: str | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -339,4 +342,53 @@ register(Family(
     features=DSV3_FEATURES,
     notes=DSV3_NOTES + ["No MTP block: transformers' DeepseekV3 has none, and llama.cpp's deepseek2 converter "
                         "drops layers past num_hidden_layers anyway."],
+))
+
+
+def _kimi_wrapper(text: dict) -> dict:
+    # Kimi K2.5 is DeepSeek-V3's text model inside a VL wrapper; a 1-layer
+    # vision tower rides along and is dropped by the text converter.
+    return dict(
+        text_config=dict(text, model_type="deepseek_v3"),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           patch_size=14, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
+        projection_hidden_size=32, image_token_id=382, video_token_id=383,
+        vision_start_token_id=382, vision_end_token_id=383, tie_word_embeddings=False,
+    )
+
+
+def _kimi_post_save(hf_dir):
+    # Moonshot's checkpoints name the class KimiK25ForConditionalGeneration
+    # (remote code); transformers' port is Kimi_K25...; the converter knows
+    # only the former.
+    import json
+    p = hf_dir / "config.json"
+    c = json.loads(p.read_text())
+    c["architectures"] = ["KimiK25ForConditionalGeneration"]
+    p.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+    # transformers 5.24 saves the language model's decoder layers as
+    # language_model.model.blocks.N (its reverse of the vision tower's
+    # blocks->layers rename is applied to every key); Moonshot's checkpoints
+    # say layers.N. Undo it so the file looks like theirs.
+    from safetensors.torch import load_file, save_file
+    st = hf_dir / "model.safetensors"
+    t = load_file(str(st))
+    t = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in t.items()}
+    save_file(dict(sorted(t.items())), str(st), metadata={"format": "pt"})
+
+
+register(Family(
+    name="kimi_k25", arch="deepseek2", fixture_dir="deepseek2-kimi_k25", model_type="kimi_k25",
+    model_class="Kimi_K25ForConditionalGeneration", wrapper_config=_kimi_wrapper,
+    # Kimi K2 routes without expert groups (n_group 1) over DeepSeek-V3's layout.
+    config=dict(DSV3_CONFIG, n_group=1, topk_group=1, routed_scaling_factor=2.827),
+    tokpre="kimi-k2", specials=["[BOS]", "[EOS]", "<|im_user|>", "<|im_assistant|>"], bos="[BOS]", eos="[EOS]",
+    add_bos=True, chat_template=None, post_save=_kimi_post_save,
+    hf_ignore_prefixes=("model.vision_tower.", "model.mm_projector.", "vision_tower.", "mm_projector.",
+                        "multi_modal_projector."),
+    features=[f for f in DSV3_FEATURES if not f.startswith("sigmoid")] + [
+        "sigmoid router with selection bias, no expert groups (n_group 1), top-2 of 8, renormalised, scaled by 2.827",
+        "checkpoint in the VL wrapper layout (language_model.*), converted by the same deepseek2 path"],
+    notes=DSV3_NOTES + ["Same GGUF arch as deepseek2/: this variant checks the Kimi wrapper and kimi-k2 "
+                        "tokenizer.ggml.pre; the vision tower is not in the GGUF."],
 ))

@@ -256,9 +256,10 @@ def _jsonable(x):
 def generate(fam: Family, keep_work: bool) -> None:
     import transformers
 
-    work = WORK_ROOT / fam.arch
-    hf_dir = work / f"tiny-{fam.arch}"
-    out_dir = OUT_ROOT / fam.arch
+    fixture = fam.fixture_dir or fam.arch
+    work = WORK_ROOT / fixture
+    hf_dir = work / f"tiny-{fixture}"
+    out_dir = OUT_ROOT / fixture
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"{fam.name}: building HF model in {hf_dir}")
     tinfo, cfg_dict, ref_logits = build_hf(fam, hf_dir)
