@@ -57,6 +57,9 @@ class Family:
     wrapper_config: Callable | None = None
     # Pass --raw-config-keys to convert_wrapper.py (see there).
     raw_config_keys: bool = False
+    # Special tokens put before the prompt (after BOS if any), e.g. GLM's
+    # "[gMASK]<sop>" that its chat template opens with.
+    prefix: list[str] = field(default_factory=list)
     # fixtures/parity/<fixture_dir>; defaults to arch (a second fixture of one
     # arch, e.g. a Kimi variant of deepseek2, needs its own).
     fixture_dir: str | None = None
@@ -391,4 +394,37 @@ register(Family(
         "checkpoint in the VL wrapper layout (language_model.*), converted by the same deepseek2 path"],
     notes=DSV3_NOTES + ["Same GGUF arch as deepseek2/: this variant checks the Kimi wrapper and kimi-k2 "
                         "tokenizer.ggml.pre; the vision tower is not in the GGUF."],
+))
+
+
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
+register(Family(
+    name="glm_moe_dsa", arch="glm-dsa", model_type="glm_moe_dsa",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        # DSA lightning indexer: 4 heads of 32, each query keeps its top 8 keys
+        # (fewer than the ~30 positions, so the selection matters); layer 1
+        # reuses layer 0's selection, layer 2 runs its own
+        index_n_heads=4, index_head_dim=32, index_topk=8, indexer_types=["full", "shared", "full"],
+        scoring_func="sigmoid", topk_method="noaux_tc",
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=377, pad_token_id=377,
+    ),
+    tokpre="glm4", specials=GLM_SPECIALS, eos="<|endoftext|>", add_bos=False, chat_template=None,
+    prefix=["[gMASK]", "<sop>"],
+    features=["MLA (q_lora 32, kv_lora 32, qk_nope 16 + qk_rope 16, v 16, 4 heads)",
+              "DSA lightning indexer: 4 heads x 32, top-8 keys per query; per-layer indexer_types full/shared/full "
+              "(layer 1 reuses layer 0's top-k)",
+              "leading dense layer, MoE layers 1-2, sigmoid router with selection bias, no groups, top-2 of 8, "
+              "renormalised, scaled by 2.5", "one shared expert", "untied output",
+              "prompt opens with [gMASK]<sop> (GLM's template), no BOS token"],
+    notes=["Same MLA conventions as deepseek2 (attn_k_b/attn_v_b split, head_count_kv 1).",
+           "No MTP/NextN block: transformers' GlmMoeDsa has none (the converter exports num_nextn_predict_layers when present)."],
 ))

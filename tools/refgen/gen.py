@@ -149,6 +149,10 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
     if fam.post_save:
         fam.post_save(hf_dir)
 
+    if fam.prefix:
+        pre = [tinfo["special_ids"][s] for s in fam.prefix]
+        at = 1 if fam.add_bos else 0
+        tinfo["ids"] = tinfo["ids"][:at] + pre + tinfo["ids"][at:]
     ids = tinfo["ids"]
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids])).logits[0].float()

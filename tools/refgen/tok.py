@@ -107,7 +107,8 @@ def build_bpe(out_dir: Path, vocab_size: int, specials: list[str], *, bos: str |
     bos_id = vocab[bos] if bos else None
     if add_bos:
         ids = [bos_id] + ids
-    return {"ids": ids, "bos_id": bos_id, "eos_id": vocab[eos], "kind": "bpe"}
+    return {"ids": ids, "bos_id": bos_id, "eos_id": vocab[eos], "kind": "bpe",
+            "special_ids": {s: vocab[s] for s in specials}}
 
 
 # Gemma's special-token layout at the start of its SPM vocab.
