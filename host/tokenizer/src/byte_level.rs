@@ -16,7 +16,9 @@ impl ByteAlphabet {
         let mut next = 256u32;
         for (byte, slot) in to_char.iter_mut().enumerate() {
             let b = byte as u32;
-            let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+            let printable = (0x21..=0x7E).contains(&b)
+                || (0xA1..=0xAC).contains(&b)
+                || (0xAE..=0xFF).contains(&b);
             let code = if printable {
                 b
             } else {

@@ -25,7 +25,9 @@ fn key(left: u32, right: u32) -> u64 {
 
 impl MergeTable {
     pub(crate) fn with_capacity(n: usize) -> MergeTable {
-        MergeTable { map: FxHashMap::with_capacity_and_hasher(n, Default::default()) }
+        MergeTable {
+            map: FxHashMap::with_capacity_and_hasher(n, Default::default()),
+        }
     }
 
     /// Adds a merge unless the pair already has one (the first, best-ranked, wins).
@@ -72,7 +74,11 @@ impl MergeTable {
         symbols.extend(ids.iter().enumerate().map(|(i, &id)| Symbol {
             id,
             prev: if i == 0 { NONE } else { i as u32 - 1 },
-            next: if i as u32 + 1 == n { NONE } else { i as u32 + 1 },
+            next: if i as u32 + 1 == n {
+                NONE
+            } else {
+                i as u32 + 1
+            },
             alive: true,
         }));
         let heap = &mut scratch.heap;
@@ -125,7 +131,14 @@ mod tests {
     fn table(pairs: &[(u32, u32, u32)]) -> MergeTable {
         let mut t = MergeTable::default();
         for (rank, &(l, r, id)) in pairs.iter().enumerate() {
-            t.insert(l, r, Merge { rank: rank as u32, id });
+            t.insert(
+                l,
+                r,
+                Merge {
+                    rank: rank as u32,
+                    id,
+                },
+            );
         }
         t
     }
@@ -155,7 +168,10 @@ mod tests {
     #[test]
     fn stale_entries_are_skipped() {
         // "abc" with ab (rank 0) and bc (rank 1): after ab, the queued bc entry is stale.
-        assert_eq!(run(&table(&[(0, 1, 3), (1, 2, 4)]), &[0, 1, 2, 0, 1]), vec![3, 2, 3]);
+        assert_eq!(
+            run(&table(&[(0, 1, 3), (1, 2, 4)]), &[0, 1, 2, 0, 1]),
+            vec![3, 2, 3]
+        );
     }
 
     #[test]

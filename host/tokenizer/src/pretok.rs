@@ -48,7 +48,12 @@ struct Family {
 }
 
 const FAMILIES: &[Family] = &[
-    Family { names: &["default"], regexes: DEFAULT, ignore_merges: false, add_bos: false },
+    Family {
+        names: &["default"],
+        regexes: DEFAULT,
+        ignore_merges: false,
+        add_bos: false,
+    },
     Family {
         names: &["gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4"],
         regexes: &[GPT2],
@@ -56,19 +61,47 @@ const FAMILIES: &[Family] = &[
         add_bos: false,
     },
     Family {
-        names: &["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
+        names: &[
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+        ],
         regexes: &[LLAMA3],
         ignore_merges: true,
         add_bos: true,
     },
-    Family { names: &["dbrx", "smaug-bpe"], regexes: &[LLAMA3], ignore_merges: false, add_bos: false },
     Family {
-        names: &["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"],
+        names: &["dbrx", "smaug-bpe"],
+        regexes: &[LLAMA3],
+        ignore_merges: false,
+        add_bos: false,
+    },
+    Family {
+        names: &[
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+        ],
         regexes: &[QWEN2],
         ignore_merges: false,
         add_bos: false,
     },
-    Family { names: &["qwen35"], regexes: &[QWEN35], ignore_merges: false, add_bos: false },
+    Family {
+        names: &["qwen35"],
+        regexes: &[QWEN35],
+        ignore_merges: false,
+        add_bos: false,
+    },
     Family {
         names: &["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"],
         regexes: &[GPT4O],
@@ -85,10 +118,42 @@ const FAMILIES: &[Family] = &[
 
 /// Every `tokenizer.ggml.pre` value a `gpt2` vocabulary may carry here.
 pub const SUPPORTED: &[&str] = &[
-    "default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4", "llama3", "llama-v3", "llama-bpe",
-    "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe", "qwen2", "deepseek-r1-qwen", "kormo",
-    "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open", "qwen35", "gpt-4o", "llama4", "kanana2", "talkie",
-    "minimax-m2", "deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4",
+    "default",
+    "gpt-2",
+    "gpt2",
+    "phi-2",
+    "mpt",
+    "olmo",
+    "jais",
+    "exaone4",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "dbrx",
+    "smaug-bpe",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "kormo",
+    "f2llmv2",
+    "megrez",
+    "stablelm2",
+    "hunyuan",
+    "solar-open",
+    "qwen35",
+    "gpt-4o",
+    "llama4",
+    "kanana2",
+    "talkie",
+    "minimax-m2",
+    "deepseek-v3",
+    "hunyuan-dense",
+    "joyai-llm",
+    "hy_v4",
 ];
 
 /// A compiled pre-tokenizer.
@@ -114,10 +179,17 @@ impl PreTokenizer {
                     // from cutting a large input short.
                     .backtrack_limit(100_000_000)
                     .build()
-                    .map_err(|e| TokenizerError::Regex { pre: pre.to_string(), message: e.to_string() })
+                    .map_err(|e| TokenizerError::Regex {
+                        pre: pre.to_string(),
+                        message: e.to_string(),
+                    })
             })
             .collect::<Result<_, _>>()?;
-        Ok(PreTokenizer { regexes, ignore_merges: family.ignore_merges, add_bos: family.add_bos })
+        Ok(PreTokenizer {
+            regexes,
+            ignore_merges: family.ignore_merges,
+            add_bos: family.add_bos,
+        })
     }
 
     /// Cuts `text` into words, in order, together covering all of it.
@@ -170,7 +242,9 @@ mod tests {
         }
         let listed: usize = FAMILIES.iter().map(|f| f.names.len()).sum();
         assert_eq!(listed, SUPPORTED.len());
-        assert!(matches!(PreTokenizer::for_name("nope"), Err(TokenizerError::UnknownPre(n)) if n == "nope"));
+        assert!(
+            matches!(PreTokenizer::for_name("nope"), Err(TokenizerError::UnknownPre(n)) if n == "nope")
+        );
     }
 
     #[test]
@@ -188,11 +262,17 @@ mod tests {
 
     #[test]
     fn deepseek_v3_isolates_cjk_and_digit_groups() {
-        assert_eq!(words("deepseek-v3", "ab日本語1234"), ["ab", "日本語", "123", "4"]);
+        assert_eq!(
+            words("deepseek-v3", "ab日本語1234"),
+            ["ab", "日本語", "123", "4"]
+        );
     }
 
     #[test]
     fn default_splits_punctuation_first() {
-        assert_eq!(words("default", "a,b 1234"), ["a", ",", "b", " ", "123", "4"]);
+        assert_eq!(
+            words("default", "a,b 1234"),
+            ["a", ",", "b", " ", "123", "4"]
+        );
     }
 }

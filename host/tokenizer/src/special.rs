@@ -33,15 +33,23 @@ pub(crate) struct SpecialMatcher {
 
 impl SpecialMatcher {
     pub(crate) fn new() -> SpecialMatcher {
-        SpecialMatcher { nodes: vec![Node::default()], first_byte: [false; 256] }
+        SpecialMatcher {
+            nodes: vec![Node::default()],
+            first_byte: [false; 256],
+        }
     }
 
     pub(crate) fn insert(&mut self, text: &str, id: u32, special_only: bool) {
-        let Some(&first) = text.as_bytes().first() else { return };
+        let Some(&first) = text.as_bytes().first() else {
+            return;
+        };
         self.first_byte[first as usize] = true;
         let mut node = 0usize;
         for &b in text.as_bytes() {
-            node = match self.nodes[node].children.binary_search_by_key(&b, |&(c, _)| c) {
+            node = match self.nodes[node]
+                .children
+                .binary_search_by_key(&b, |&(c, _)| c)
+            {
                 Ok(i) => self.nodes[node].children[i].1 as usize,
                 Err(i) => {
                     let child = self.nodes.len();
@@ -51,7 +59,9 @@ impl SpecialMatcher {
                 }
             };
         }
-        self.nodes[node].entry.get_or_insert(Entry { id, special_only });
+        self.nodes[node]
+            .entry
+            .get_or_insert(Entry { id, special_only });
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -78,7 +88,12 @@ impl SpecialMatcher {
     }
 
     /// Splits `text` into raw text and whole tokens, appending to `out`.
-    pub(crate) fn split<'t>(&self, text: &'t str, parse_special: bool, out: &mut Vec<Fragment<'t>>) {
+    pub(crate) fn split<'t>(
+        &self,
+        text: &'t str,
+        parse_special: bool,
+        out: &mut Vec<Fragment<'t>>,
+    ) {
         let bytes = text.as_bytes();
         let mut start = 0; // first byte not yet emitted
         let mut i = 0;
@@ -133,7 +148,10 @@ mod tests {
     #[test]
     fn special_only_tokens_need_parse_special() {
         assert_eq!(split("<|im_end|><think>", true), [Token(3), Token(4)]);
-        assert_eq!(split("<|im_end|><think>", false), [Text("<|im_end|>"), Token(4)]);
+        assert_eq!(
+            split("<|im_end|><think>", false),
+            [Text("<|im_end|>"), Token(4)]
+        );
         // Without parse_special the longest eligible match is taken.
         assert_eq!(split("<s>x", false), [Token(2)]);
         assert_eq!(split("<s>", false), [Text("<s>")]);
@@ -142,8 +160,14 @@ mod tests {
     #[test]
     fn partial_and_adjacent_texts() {
         assert_eq!(split("<|im_end", true), [Text("<|im_end")]);
-        assert_eq!(split("<<|im_end|>>", true), [Text("<"), Token(3), Text(">")]);
+        assert_eq!(
+            split("<<|im_end|>>", true),
+            [Text("<"), Token(3), Text(">")]
+        );
         assert_eq!(split("", true), []);
-        assert_eq!(split("日本<s>語", true), [Text("日本"), Token(1), Text("語")]);
+        assert_eq!(
+            split("日本<s>語", true),
+            [Text("日本"), Token(1), Text("語")]
+        );
     }
 }

@@ -16,13 +16,20 @@ pub struct StreamDecoder<'a> {
 
 impl<'a> StreamDecoder<'a> {
     pub(crate) fn new(tok: &'a Tokenizer, skip_special: bool) -> StreamDecoder<'a> {
-        StreamDecoder { tok, skip_special, pending: Vec::new(), seen_text: false }
+        StreamDecoder {
+            tok,
+            skip_special,
+            pending: Vec::new(),
+            seen_text: false,
+        }
     }
 
     /// Adds one token; returns the text it completes (often empty mid-character). Bytes that
     /// can never start a valid character come out as U+FFFD rather than stalling the stream.
     pub fn push(&mut self, id: u32) -> String {
-        let piece = self.tok.piece_for_decode(id, self.skip_special, &mut self.seen_text);
+        let piece = self
+            .tok
+            .piece_for_decode(id, self.skip_special, &mut self.seen_text);
         self.pending.extend_from_slice(piece);
         let mut out = String::new();
         let mut rest: &[u8] = &self.pending;

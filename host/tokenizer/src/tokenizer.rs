@@ -3,8 +3,8 @@
 use crate::byte_level::ByteAlphabet;
 use crate::merge::{Merge, MergeTable, Scratch};
 use crate::pretok::PreTokenizer;
-use crate::special::{Fragment, SpecialMatcher};
 use crate::spec::{TokenType, VocabKind, VocabSpec};
+use crate::special::{Fragment, SpecialMatcher};
 use crate::stream::StreamDecoder;
 use crate::TokenizerError;
 use rustc_hash::FxHashMap;
@@ -62,7 +62,7 @@ enum Engine {
     },
     ByteLevel {
         pre: PreTokenizer,
-        alphabet: ByteAlphabet,
+        alphabet: Box<ByteAlphabet>,
         /// The token spelling each single byte, the starting symbols.
         byte_tokens: [Option<u32>; 256],
     },
@@ -97,16 +97,32 @@ pub struct Tokenizer {
     stop: Vec<u32>,
 }
 
-fn check_len<T>(key: &'static str, values: &Option<Vec<T>>, expected: usize) -> Result<(), TokenizerError> {
+fn check_len<T>(
+    key: &'static str,
+    values: &Option<Vec<T>>,
+    expected: usize,
+) -> Result<(), TokenizerError> {
     match values {
-        Some(v) if v.len() != expected => Err(TokenizerError::LengthMismatch { key, expected, got: v.len() }),
+        Some(v) if v.len() != expected => Err(TokenizerError::LengthMismatch {
+            key,
+            expected,
+            got: v.len(),
+        }),
         _ => Ok(()),
     }
 }
 
-fn check_id(key: &'static str, id: Option<u32>, vocab_size: usize) -> Result<Option<u32>, TokenizerError> {
+fn check_id(
+    key: &'static str,
+    id: Option<u32>,
+    vocab_size: usize,
+) -> Result<Option<u32>, TokenizerError> {
     match id {
-        Some(id) if id as usize >= vocab_size => Err(TokenizerError::IdOutOfRange { key, id, vocab_size }),
+        Some(id) if id as usize >= vocab_size => Err(TokenizerError::IdOutOfRange {
+            key,
+            id,
+            vocab_size,
+        }),
         _ => Ok(id),
     }
 }
@@ -139,7 +155,11 @@ impl Tokenizer {
             return Err(TokenizerError::EmptyVocab);
         }
         if n > u32::MAX as usize {
-            return Err(TokenizerError::LengthMismatch { key: "tokenizer.ggml.tokens", expected: u32::MAX as usize, got: n });
+            return Err(TokenizerError::LengthMismatch {
+                key: "tokenizer.ggml.tokens",
+                expected: u32::MAX as usize,
+                got: n,
+            });
         }
         check_len("tokenizer.ggml.scores", &spec.scores, n)?;
         check_len("tokenizer.ggml.token_type", &spec.token_types, n)?;
@@ -148,7 +168,12 @@ impl Tokenizer {
             Some(values) => values
                 .iter()
                 .enumerate()
-                .map(|(id, &value)| TokenType::from_gguf(value).ok_or(TokenizerError::BadTokenType { id: id as u32, value }))
+                .map(|(id, &value)| {
+                    TokenType::from_gguf(value).ok_or(TokenizerError::BadTokenType {
+                        id: id as u32,
+                        value,
+                    })
+                })
                 .collect::<Result<_, _>>()?,
         };
         let bos = check_id("tokenizer.ggml.bos_token_id", spec.bos, n)?;
@@ -158,7 +183,9 @@ impl Tokenizer {
         let eot = check_id("tokenizer.ggml.eot_token_id", spec.eot, n)?;
 
         let pre = match kind {
-            VocabKind::ByteLevelBpe => Some(PreTokenizer::for_name(spec.pre.as_deref().unwrap_or("default"))?),
+            VocabKind::ByteLevelBpe => Some(PreTokenizer::for_name(
+                spec.pre.as_deref().unwrap_or("default"),
+            )?),
             VocabKind::SentencePiece => None,
         };
         let (default_add_bos, ignore_merges) = match &pre {
@@ -169,7 +196,8 @@ impl Tokenizer {
         // does not name is an error.
         let add_bos = spec.add_bos.unwrap_or(default_add_bos && bos.is_some());
         let add_eos = spec.add_eos.unwrap_or(false);
-        let add_space_prefix = kind == VocabKind::SentencePiece && spec.add_space_prefix.unwrap_or(true);
+        let add_space_prefix =
+            kind == VocabKind::SentencePiece && spec.add_space_prefix.unwrap_or(true);
         if add_bos && bos.is_none() {
             return Err(TokenizerError::MissingSpecial {
                 flag: "tokenizer.ggml.add_bos_token",
@@ -183,10 +211,14 @@ impl Tokenizer {
             });
         }
         let gemma = kind == VocabKind::SentencePiece
-            && spec.architecture.as_deref().is_some_and(|a| GEMMA_ARCHITECTURES.contains(&a));
+            && spec
+                .architecture
+                .as_deref()
+                .is_some_and(|a| GEMMA_ARCHITECTURES.contains(&a));
 
         // Spellings, and the maps from text to id.
-        let mut pieces: FxHashMap<Box<str>, u32> = FxHashMap::with_capacity_and_hasher(n, Default::default());
+        let mut pieces: FxHashMap<Box<str>, u32> =
+            FxHashMap::with_capacity_and_hasher(n, Default::default());
         let mut aliases: FxHashMap<Box<str>, u32> = FxHashMap::default();
         let mut spelled_differently = vec![false; n];
         for (id, text) in spec.tokens.iter().enumerate() {
@@ -198,20 +230,34 @@ impl Tokenizer {
             let spelling: Box<str> = if respell {
                 spelled_differently[id as usize] = true;
                 if let Some(first) = aliases.insert(text.as_str().into(), id) {
-                    return Err(TokenizerError::DuplicateToken { text: text.clone(), first, second: id });
+                    return Err(TokenizerError::DuplicateToken {
+                        text: text.clone(),
+                        first,
+                        second: id,
+                    });
                 }
                 SPACE_MARK.to_string().repeat(text.chars().count()).into()
             } else {
                 text.as_str().into()
             };
             if let Some(first) = pieces.insert(spelling.clone(), id) {
-                return Err(TokenizerError::DuplicateToken { text: spelling.into(), first, second: id });
+                return Err(TokenizerError::DuplicateToken {
+                    text: spelling.into(),
+                    first,
+                    second: id,
+                });
             }
         }
 
         for (id, &t) in types.iter().enumerate() {
-            if t == TokenType::Byte && parse_byte_token(&spec.tokens[id]).is_none() && kind == VocabKind::SentencePiece {
-                return Err(TokenizerError::BadByteToken { id: id as u32, text: spec.tokens[id].clone() });
+            if t == TokenType::Byte
+                && parse_byte_token(&spec.tokens[id]).is_none()
+                && kind == VocabKind::SentencePiece
+            {
+                return Err(TokenizerError::BadByteToken {
+                    id: id as u32,
+                    text: spec.tokens[id].clone(),
+                });
             }
         }
 
@@ -231,7 +277,11 @@ impl Tokenizer {
         let merges = match (&spec.merges, kind) {
             (Some(lines), _) => merges_from_file(lines, &pieces)?,
             (None, VocabKind::SentencePiece) => {
-                let order = if gemma { SpmOrder::FilePosition } else { SpmOrder::Score(spec.scores.as_deref()) };
+                let order = if gemma {
+                    SpmOrder::FilePosition
+                } else {
+                    SpmOrder::Score(spec.scores.as_deref())
+                };
                 merges_from_vocab(&pieces, n, &types, order)
             }
             (None, VocabKind::ByteLevelBpe) => return Err(TokenizerError::MissingMerges),
@@ -255,15 +305,30 @@ impl Tokenizer {
             Some(pre) => {
                 let mut byte_tokens = [None; 256];
                 for (b, slot) in byte_tokens.iter_mut().enumerate() {
-                    *slot = pieces.get(alphabet.char_of(b as u8).to_string().as_str()).copied();
+                    *slot = pieces
+                        .get(alphabet.char_of(b as u8).to_string().as_str())
+                        .copied();
                 }
-                Engine::ByteLevel { pre, alphabet, byte_tokens }
+                Engine::ByteLevel {
+                    pre,
+                    alphabet: Box::new(alphabet),
+                    byte_tokens,
+                }
             }
         };
 
-        let by_text = |t: &str| pieces.get(t).copied().filter(|&id| spec.tokens[id as usize] == t);
+        let by_text = |t: &str| {
+            pieces
+                .get(t)
+                .copied()
+                .filter(|&id| spec.tokens[id as usize] == t)
+        };
         let eot = eot.or_else(|| EOT_TEXTS.iter().find_map(|t| by_text(t)));
-        let mut stop: Vec<u32> = eos.into_iter().chain(eot).chain(STOP_TEXTS.iter().filter_map(|t| by_text(t))).collect();
+        let mut stop: Vec<u32> = eos
+            .into_iter()
+            .chain(eot)
+            .chain(STOP_TEXTS.iter().filter_map(|t| by_text(t)))
+            .collect();
         // gpt-oss style vocabularies end a message with <|end|> but a turn with <|return|> or
         // <|call|>; there <|end|> must not stop generation (llama.cpp's rule).
         if by_text("<|return|>").is_some() && by_text("<|call|>").is_some() {
@@ -337,12 +402,17 @@ impl Tokenizer {
                             if self.add_space_prefix && after_special {
                                 escaped.push(SPACE_MARK);
                             }
-                            escaped.extend(t.chars().map(|c| if c == ' ' { SPACE_MARK } else { c }));
+                            escaped
+                                .extend(t.chars().map(|c| if c == ' ' { SPACE_MARK } else { c }));
                             self.spm_symbols(&escaped, chars, byte_tokens, &mut ids);
                             self.merges.apply(&mut ids, &mut scratch);
                             out.extend_from_slice(&ids);
                         }
-                        Engine::ByteLevel { pre, alphabet, byte_tokens } => {
+                        Engine::ByteLevel {
+                            pre,
+                            alphabet,
+                            byte_tokens,
+                        } => {
                             let mut words = Vec::new();
                             pre.split(t, &mut words);
                             let mut spelled = String::new();
@@ -375,7 +445,13 @@ impl Tokenizer {
 
     /// Starting symbols of an escaped SentencePiece text: one per character, or its `<0xXX>`
     /// byte tokens when it has no token (all of them, or else one unknown token per run).
-    fn spm_symbols(&self, text: &str, chars: &FxHashMap<char, u32>, byte_tokens: &[Option<u32>; 256], ids: &mut Vec<u32>) {
+    fn spm_symbols(
+        &self,
+        text: &str,
+        chars: &FxHashMap<char, u32>,
+        byte_tokens: &[Option<u32>; 256],
+        ids: &mut Vec<u32>,
+    ) {
         ids.clear();
         let mut last_unknown = false;
         let mut utf8 = [0u8; 4];
@@ -421,7 +497,12 @@ impl Tokenizer {
     /// The bytes `id` contributes at this point of a decode. The space SentencePiece's dummy
     /// prefix added comes off the first piece of text (after any leading special tokens), as
     /// Hugging Face's and llama.cpp's decoders do.
-    pub(crate) fn piece_for_decode(&self, id: u32, skip_special: bool, seen_text: &mut bool) -> &[u8] {
+    pub(crate) fn piece_for_decode(
+        &self,
+        id: u32,
+        skip_special: bool,
+        seen_text: &mut bool,
+    ) -> &[u8] {
         let (Some(bytes), Some(t)) = (self.token_bytes(id), self.token_type(id)) else {
             return &[];
         };
@@ -524,7 +605,12 @@ impl Tokenizer {
 }
 
 /// Every token's bytes, as `Tokenizer::token_bytes` describes.
-fn decoded_bytes(kind: VocabKind, texts: &[String], types: &[TokenType], alphabet: &ByteAlphabet) -> (Vec<u8>, Vec<u32>) {
+fn decoded_bytes(
+    kind: VocabKind,
+    texts: &[String],
+    types: &[TokenType],
+    alphabet: &ByteAlphabet,
+) -> (Vec<u8>, Vec<u32>) {
     let mut bytes = Vec::with_capacity(texts.iter().map(String::len).sum());
     let mut offsets = Vec::with_capacity(texts.len() + 1);
     offsets.push(0u32);
@@ -544,7 +630,9 @@ fn decoded_bytes(kind: VocabKind, texts: &[String], types: &[TokenType], alphabe
                 // User-defined tokens are stored as plain text; so are the rare normal tokens
                 // with characters outside the byte alphabet.
                 VocabKind::ByteLevelBpe => match (t, alphabet.unspell(text)) {
-                    (TokenType::UserDefined, _) | (_, None) => bytes.extend_from_slice(text.as_bytes()),
+                    (TokenType::UserDefined, _) | (_, None) => {
+                        bytes.extend_from_slice(text.as_bytes())
+                    }
                     (_, Some(raw)) => bytes.extend_from_slice(&raw),
                 },
             }
@@ -555,7 +643,10 @@ fn decoded_bytes(kind: VocabKind, texts: &[String], types: &[TokenType], alphabe
 }
 
 /// `"left right"` lines, best first.
-fn merges_from_file(lines: &[String], pieces: &FxHashMap<Box<str>, u32>) -> Result<MergeTable, TokenizerError> {
+fn merges_from_file(
+    lines: &[String],
+    pieces: &FxHashMap<Box<str>, u32>,
+) -> Result<MergeTable, TokenizerError> {
     let mut table = MergeTable::with_capacity(lines.len());
     for (index, line) in lines.iter().enumerate() {
         // The separator is the first space after the first character, so a left token that is
@@ -563,19 +654,32 @@ fn merges_from_file(lines: &[String], pieces: &FxHashMap<Box<str>, u32>) -> Resu
         let first = line.chars().next().map_or(0, char::len_utf8);
         let split = line[first..].find(' ').map(|p| p + first);
         let Some(split) = split else {
-            return Err(TokenizerError::BadMerge { index, merge: line.clone() });
+            return Err(TokenizerError::BadMerge {
+                index,
+                merge: line.clone(),
+            });
         };
         let (left, right) = (&line[..split], &line[split + 1..]);
         let lookup = |t: &str| {
-            pieces.get(t).copied().ok_or_else(|| TokenizerError::MergeUnknownToken {
-                index,
-                merge: line.clone(),
-                token: t.to_string(),
-            })
+            pieces
+                .get(t)
+                .copied()
+                .ok_or_else(|| TokenizerError::MergeUnknownToken {
+                    index,
+                    merge: line.clone(),
+                    token: t.to_string(),
+                })
         };
         let (l, r) = (lookup(left)?, lookup(right)?);
         let id = lookup(&format!("{left}{right}"))?;
-        table.insert(l, r, Merge { rank: index as u32, id });
+        table.insert(
+            l,
+            r,
+            Merge {
+                rank: index as u32,
+                id,
+            },
+        );
     }
     Ok(table)
 }
@@ -592,7 +696,12 @@ enum SpmOrder<'a> {
 /// ranked as Hugging Face's `generate_merges` ranks them (by the merged token's score or
 /// position; then longer left part first; then lower merged id). Control, unknown and byte
 /// tokens are never merge results, so their texts typed as plain text stay plain text.
-fn merges_from_vocab(pieces: &FxHashMap<Box<str>, u32>, n: usize, types: &[TokenType], order: SpmOrder) -> MergeTable {
+fn merges_from_vocab(
+    pieces: &FxHashMap<Box<str>, u32>,
+    n: usize,
+    types: &[TokenType],
+    order: SpmOrder,
+) -> MergeTable {
     let mut spellings: Vec<Option<&str>> = vec![None; n];
     for (s, &id) in pieces {
         spellings[id as usize] = Some(s);
@@ -629,7 +738,14 @@ fn merges_from_vocab(pieces: &FxHashMap<Box<str>, u32>, n: usize, types: &[Token
     }
     let mut table = MergeTable::with_capacity(found.len());
     for (rank, &(merged, l, r, _, _)) in found.iter().enumerate() {
-        table.insert(l, r, Merge { rank: rank as u32, id: merged });
+        table.insert(
+            l,
+            r,
+            Merge {
+                rank: rank as u32,
+                id: merged,
+            },
+        );
     }
     table
 }

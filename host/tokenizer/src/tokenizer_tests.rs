@@ -8,8 +8,13 @@ fn strings(v: &[&str]) -> Vec<String> {
 
 /// A small SentencePiece vocabulary; scores rank merges (higher first).
 fn spm_spec() -> VocabSpec {
-    let mut tokens = strings(&["<unk>", "<s>", "</s>", "<c>", "<ud>", "▁", "a", "b", "c", "▁a", "ab", "▁ab", "<", "c>", ">"]);
-    let mut scores = vec![0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -1.0, -3.0, -2.0, -4.0, -1.0, -5.0, -1.0];
+    let mut tokens = strings(&[
+        "<unk>", "<s>", "</s>", "<c>", "<ud>", "▁", "a", "b", "c", "▁a", "ab", "▁ab", "<", "c>",
+        ">",
+    ]);
+    let mut scores = vec![
+        0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -1.0, -3.0, -2.0, -4.0, -1.0, -5.0, -1.0,
+    ];
     let mut types = vec![2, 3, 3, 3, 4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
     for b in [0xC3u8, 0xA9] {
         tokens.push(format!("<0x{b:02X}>"));
@@ -37,7 +42,8 @@ fn err(spec: VocabSpec) -> TokenizerError {
 }
 
 fn id(t: &Tokenizer, text: &str) -> u32 {
-    t.token_id(text).unwrap_or_else(|| panic!("{text:?} not in vocab"))
+    t.token_id(text)
+        .unwrap_or_else(|| panic!("{text:?} not in vocab"))
 }
 
 #[test]
@@ -47,14 +53,20 @@ fn spm_adds_the_space_prefix_and_merges_by_score() {
     assert_eq!(t.encode("ab", false, false), [id(&t, "▁ab")]);
     assert_eq!(t.encode("ab", true, false), [1, id(&t, "▁ab")]);
     assert_eq!(t.decode(&t.encode("ab", true, false)), "<s>ab");
-    assert_eq!(t.decode_skip_special(&t.encode("ab ab", true, false)), "ab ab");
+    assert_eq!(
+        t.decode_skip_special(&t.encode("ab ab", true, false)),
+        "ab ab"
+    );
     // The prefix comes back after a special token too, as llama.cpp does.
     assert_eq!(t.encode("<c>ab", false, true), [3, id(&t, "▁ab")]);
 }
 
 #[test]
 fn spm_without_space_prefix() {
-    let t = tok(VocabSpec { add_space_prefix: Some(false), ..spm_spec() });
+    let t = tok(VocabSpec {
+        add_space_prefix: Some(false),
+        ..spm_spec()
+    });
     assert_eq!(t.encode("ab", false, false), [id(&t, "ab")]);
     assert_eq!(t.encode(" ab", false, false), [id(&t, "▁ab")]);
     assert_eq!(t.decode(&t.encode(" ab", false, false)), " ab");
@@ -64,7 +76,10 @@ fn spm_without_space_prefix() {
 
 #[test]
 fn spm_byte_fallback_and_unknown_runs() {
-    let t = tok(VocabSpec { add_space_prefix: Some(false), ..spm_spec() });
+    let t = tok(VocabSpec {
+        add_space_prefix: Some(false),
+        ..spm_spec()
+    });
     let e9 = [id(&t, "<0xC3>"), id(&t, "<0xA9>")];
     assert_eq!(t.encode("é", false, false), e9);
     assert_eq!(t.decode(&e9), "é");
@@ -75,7 +90,10 @@ fn spm_byte_fallback_and_unknown_runs() {
 
 #[test]
 fn spm_special_texts_need_parse_special_and_are_never_merged_into() {
-    let t = tok(VocabSpec { add_space_prefix: Some(false), ..spm_spec() });
+    let t = tok(VocabSpec {
+        add_space_prefix: Some(false),
+        ..spm_spec()
+    });
     assert_eq!(t.encode("<c>", false, true), [3]);
     // As plain text "<" + "c>" would merge into the control token's text; it must not.
     assert_eq!(t.encode("<c>", false, false), [id(&t, "<"), id(&t, "c>")]);
@@ -100,7 +118,10 @@ fn gemma_ranks_by_file_order_and_respells_space_tokens() {
     // A user-defined "  " is cut out of the text whole where it is not respelled.
     assert_eq!(by_score.encode("a  b", false, true), [6, 2, 7]);
 
-    let gemma = tok(VocabSpec { architecture: Some("gemma3".into()), ..spec });
+    let gemma = tok(VocabSpec {
+        architecture: Some("gemma3".into()),
+        ..spec
+    });
     assert_eq!(gemma.encode(" ab", false, true), [5, 3]);
     // "  " is looked up as "▁▁" and built by merges, ranked first by its position.
     assert_eq!(gemma.encode("a  b", false, true), [6, 2, 7]);
@@ -114,25 +135,39 @@ fn gemma_ranks_by_file_order_and_respells_space_tokens() {
 fn spm_file_merges_replace_derived_ones() {
     // With merges in the file, only they apply: "▁ab" has no merge here although both halves
     // and the whole are tokens.
-    let t = tok(VocabSpec { merges: Some(strings(&["a b", "▁ a"])), ..spm_spec() });
+    let t = tok(VocabSpec {
+        merges: Some(strings(&["a b", "▁ a"])),
+        ..spm_spec()
+    });
     assert_eq!(t.merge_count(), 2);
     assert_eq!(t.encode("ab", false, false), [id(&t, "▁"), id(&t, "ab")]);
 }
 
 #[test]
 fn bos_eos_flags_and_defaults() {
-    let t = tok(VocabSpec { add_eos: Some(true), ..spm_spec() });
-    assert!(t.add_bos(), "llama vocabularies add BOS unless told otherwise");
+    let t = tok(VocabSpec {
+        add_eos: Some(true),
+        ..spm_spec()
+    });
+    assert!(
+        t.add_bos(),
+        "llama vocabularies add BOS unless told otherwise"
+    );
     assert_eq!(t.encode("a", true, false), [1, id(&t, "▁a"), 2]);
     assert_eq!(t.encode("a", false, false), [id(&t, "▁a")]);
-    let t = tok(VocabSpec { add_bos: Some(false), ..spm_spec() });
+    let t = tok(VocabSpec {
+        add_bos: Some(false),
+        ..spm_spec()
+    });
     assert_eq!(t.encode("a", true, false), [id(&t, "▁a")]);
 }
 
 /// A byte-level vocabulary: the 256 byte spellings, then the merges' results.
 fn bpe_spec(merges: &[&str], extra: &[(&str, i32)]) -> VocabSpec {
     let alphabet = ByteAlphabet::new();
-    let mut tokens: Vec<String> = (0..=255u8).map(|b| alphabet.char_of(b).to_string()).collect();
+    let mut tokens: Vec<String> = (0..=255u8)
+        .map(|b| alphabet.char_of(b).to_string())
+        .collect();
     let mut types = vec![1; 256];
     for m in merges {
         let merged = m.replacen(' ', "", 1);
@@ -157,7 +192,10 @@ fn bpe_spec(merges: &[&str], extra: &[(&str, i32)]) -> VocabSpec {
 
 #[test]
 fn byte_level_merges_by_rank_within_words() {
-    let t = tok(bpe_spec(&["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o"], &[("<|end|>", 3)]));
+    let t = tok(bpe_spec(
+        &["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o"],
+        &[("<|end|>", 3)],
+    ));
     assert_eq!(t.kind(), VocabKind::ByteLevelBpe);
     let ids = t.encode("hello wo", false, false);
     assert_eq!(ids, [id(&t, "hello"), id(&t, "Ġwo")]);
@@ -165,7 +203,10 @@ fn byte_level_merges_by_rank_within_words() {
     assert_eq!(t.token_bytes(id(&t, "Ġwo")), Some(&b" wo"[..]));
     // Merges never cross the pre-tokenizer's word boundaries: "hell o" is a merge, but here
     // "hell" and "o" are in different words.
-    assert_eq!(t.encode("hell o", false, false), [id(&t, "hell"), id(&t, "Ġ"), id(&t, "o")]);
+    assert_eq!(
+        t.encode("hell o", false, false),
+        [id(&t, "hell"), id(&t, "Ġ"), id(&t, "o")]
+    );
     assert_eq!(t.encode("x<|end|>", false, true), [b'x' as u32, 256 + 6]);
     assert!(t.is_control(256 + 6));
     assert_eq!(t.stop_tokens(), [256 + 6]);
@@ -181,8 +222,15 @@ fn ignore_merges_takes_whole_word_tokens() {
     let spec = bpe_spec(&["x y"], &[("Ġxyz", 1)]);
     let plain = tok(spec.clone());
     assert_eq!(plain.encode(" xyz", false, false).len(), 3);
-    let llama3 = tok(VocabSpec { pre: Some("llama-bpe".into()), bos: Some(0), ..spec });
-    assert!(llama3.add_bos(), "llama3 vocabularies add BOS unless told otherwise");
+    let llama3 = tok(VocabSpec {
+        pre: Some("llama-bpe".into()),
+        bos: Some(0),
+        ..spec
+    });
+    assert!(
+        llama3.add_bos(),
+        "llama3 vocabularies add BOS unless told otherwise"
+    );
     assert_eq!(llama3.encode(" xyz", false, false), [id(&llama3, "Ġxyz")]);
     assert_eq!(llama3.encode(" xyz", true, false), [0, id(&llama3, "Ġxyz")]);
 }
@@ -235,33 +283,57 @@ fn stream_decoder_strips_the_space_prefix_like_decode() {
 #[test]
 fn stop_tokens_by_text() {
     let mut spec = spm_spec();
-    spec.tokens.extend(strings(&["<end_of_turn>", "<|im_end|>"]));
+    spec.tokens
+        .extend(strings(&["<end_of_turn>", "<|im_end|>"]));
     spec.scores.as_mut().unwrap().extend([0.0, 0.0]);
     spec.token_types.as_mut().unwrap().extend([3, 3]);
     let t = tok(spec);
     let (eot, im_end) = (id(&t, "<end_of_turn>"), id(&t, "<|im_end|>"));
     assert_eq!(t.eos(), Some(2));
-    assert_eq!(t.eot(), Some(im_end), "<|im_end|> is earlier in the EOT list");
+    assert_eq!(
+        t.eot(),
+        Some(im_end),
+        "<|im_end|> is earlier in the EOT list"
+    );
     assert_eq!(t.stop_tokens(), [2, eot, im_end]);
     assert!(t.is_stop(eot) && !t.is_stop(1));
 }
 
 #[test]
 fn errors_name_what_is_wrong() {
-    let e = err(VocabSpec { model: "bert".into(), ..spm_spec() });
+    let e = err(VocabSpec {
+        model: "bert".into(),
+        ..spm_spec()
+    });
     assert_eq!(e, TokenizerError::UnknownModel("bert".into()));
     assert!(e.to_string().contains("\"bert\""));
 
-    let e = err(VocabSpec { pre: Some("nonesuch".into()), ..bpe_spec(&[], &[]) });
-    assert!(e.to_string().contains("nonesuch") && e.to_string().contains("qwen2"), "{e}");
+    let e = err(VocabSpec {
+        pre: Some("nonesuch".into()),
+        ..bpe_spec(&[], &[])
+    });
+    assert!(
+        e.to_string().contains("nonesuch") && e.to_string().contains("qwen2"),
+        "{e}"
+    );
 
-    assert_eq!(err(VocabSpec { tokens: vec![], ..spm_spec() }), TokenizerError::EmptyVocab);
+    assert_eq!(
+        err(VocabSpec {
+            tokens: vec![],
+            ..spm_spec()
+        }),
+        TokenizerError::EmptyVocab
+    );
 
     let mut spec = spm_spec();
     spec.scores.as_mut().unwrap().pop();
     assert_eq!(
         err(spec),
-        TokenizerError::LengthMismatch { key: "tokenizer.ggml.scores", expected: 17, got: 16 }
+        TokenizerError::LengthMismatch {
+            key: "tokenizer.ggml.scores",
+            expected: 17,
+            got: 16
+        }
     );
 
     let mut spec = spm_spec();
@@ -270,29 +342,85 @@ fn errors_name_what_is_wrong() {
 
     let mut spec = spm_spec();
     spec.tokens[8] = "a".into();
-    assert_eq!(err(spec), TokenizerError::DuplicateToken { text: "a".into(), first: 6, second: 8 });
+    assert_eq!(
+        err(spec),
+        TokenizerError::DuplicateToken {
+            text: "a".into(),
+            first: 6,
+            second: 8
+        }
+    );
 
-    let e = err(VocabSpec { eos: Some(99), ..spm_spec() });
-    assert_eq!(e, TokenizerError::IdOutOfRange { key: "tokenizer.ggml.eos_token_id", id: 99, vocab_size: 17 });
+    let e = err(VocabSpec {
+        eos: Some(99),
+        ..spm_spec()
+    });
+    assert_eq!(
+        e,
+        TokenizerError::IdOutOfRange {
+            key: "tokenizer.ggml.eos_token_id",
+            id: 99,
+            vocab_size: 17
+        }
+    );
 
-    let e = err(VocabSpec { bos: None, add_bos: Some(true), ..spm_spec() });
-    assert!(matches!(e, TokenizerError::MissingSpecial { key: "tokenizer.ggml.bos_token_id", .. }));
-    assert!(!tok(VocabSpec { bos: None, ..spm_spec() }).add_bos(), "the default needs a BOS to add");
+    let e = err(VocabSpec {
+        bos: None,
+        add_bos: Some(true),
+        ..spm_spec()
+    });
+    assert!(matches!(
+        e,
+        TokenizerError::MissingSpecial {
+            key: "tokenizer.ggml.bos_token_id",
+            ..
+        }
+    ));
+    assert!(
+        !tok(VocabSpec {
+            bos: None,
+            ..spm_spec()
+        })
+        .add_bos(),
+        "the default needs a BOS to add"
+    );
 
     let mut spec = spm_spec();
     spec.tokens[15] = "<0xZZ>".into();
-    assert_eq!(err(spec), TokenizerError::BadByteToken { id: 15, text: "<0xZZ>".into() });
+    assert_eq!(
+        err(spec),
+        TokenizerError::BadByteToken {
+            id: 15,
+            text: "<0xZZ>".into()
+        }
+    );
 
-    assert_eq!(err(VocabSpec { merges: None, ..bpe_spec(&[], &[]) }), TokenizerError::MissingMerges);
+    assert_eq!(
+        err(VocabSpec {
+            merges: None,
+            ..bpe_spec(&[], &[])
+        }),
+        TokenizerError::MissingMerges
+    );
 
     let e = err(bpe_spec(&["ab"], &[]));
-    assert_eq!(e, TokenizerError::BadMerge { index: 0, merge: "ab".into() });
+    assert_eq!(
+        e,
+        TokenizerError::BadMerge {
+            index: 0,
+            merge: "ab".into()
+        }
+    );
 
     let mut spec = bpe_spec(&["a b"], &[]);
     spec.merges.as_mut().unwrap().push("a q".into());
     spec.tokens[b'q' as usize] = "\u{2603}".into();
     assert_eq!(
         err(spec),
-        TokenizerError::MergeUnknownToken { index: 1, merge: "a q".into(), token: "q".into() }
+        TokenizerError::MergeUnknownToken {
+            index: 1,
+            merge: "a q".into(),
+            token: "q".into()
+        }
     );
 }

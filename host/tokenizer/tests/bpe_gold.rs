@@ -8,7 +8,10 @@ use common::{bpe_spec, fixture, ids, strings};
 use pulsar_tokenizer::Tokenizer;
 
 fn show(t: &Tokenizer, ids: &[u32]) -> String {
-    let texts: Vec<String> = ids.iter().map(|&i| format!("{i}:{:?}", t.token_text(i).unwrap_or("?"))).collect();
+    let texts: Vec<String> = ids
+        .iter()
+        .map(|&i| format!("{i}:{:?}", t.token_text(i).unwrap_or("?")))
+        .collect();
     texts.join(" ")
 }
 
@@ -18,7 +21,10 @@ fn ids_match_hugging_face_for_every_pre_tokenizer() {
     let texts = strings(&gold["texts"]);
     let pres = gold["pre"].as_object().unwrap();
     for required in ["default", "gpt-2", "llama-bpe", "qwen2", "deepseek-v3"] {
-        assert!(pres.contains_key(required), "gold for {required} is missing");
+        assert!(
+            pres.contains_key(required),
+            "gold for {required} is missing"
+        );
     }
     let mut failures = Vec::new();
     for (pre, runs) in pres {
@@ -28,12 +34,21 @@ fn ids_match_hugging_face_for_every_pre_tokenizer() {
                 let got = t.encode(text, false, parse_special);
                 let want = ids(want);
                 if got != want {
-                    failures.push(format!("{pre} {what} {text:?}\n  got  {}\n  want {}", show(&t, &got), show(&t, &want)));
+                    failures.push(format!(
+                        "{pre} {what} {text:?}\n  got  {}\n  want {}",
+                        show(&t, &got),
+                        show(&t, &want)
+                    ));
                 }
             }
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -44,7 +59,11 @@ fn round_trip_and_streaming() {
         for text in &texts {
             for parse_special in [true, false] {
                 let ids = t.encode(text, false, parse_special);
-                assert_eq!(&t.decode(&ids), text, "{pre}, parse_special = {parse_special}");
+                assert_eq!(
+                    &t.decode(&ids),
+                    text,
+                    "{pre}, parse_special = {parse_special}"
+                );
                 let mut stream = t.stream_decoder(false);
                 let streamed: String = ids.iter().map(|&i| stream.push(i)).collect();
                 assert_eq!(streamed + &stream.finish(), *text, "{pre}: streamed");
@@ -57,10 +76,16 @@ fn round_trip_and_streaming() {
 fn emoji_split_across_tokens_streams_whole() {
     let t = Tokenizer::new(bpe_spec("qwen2")).unwrap();
     let ids = t.encode("🫨", false, true);
-    assert!(ids.len() > 1, "the fixture vocabulary has no token for this emoji");
+    assert!(
+        ids.len() > 1,
+        "the fixture vocabulary has no token for this emoji"
+    );
     let mut stream = t.stream_decoder(false);
     let pieces: Vec<String> = ids.iter().map(|&i| stream.push(i)).collect();
-    assert!(pieces[..pieces.len() - 1].iter().all(String::is_empty), "{pieces:?}");
+    assert!(
+        pieces[..pieces.len() - 1].iter().all(String::is_empty),
+        "{pieces:?}"
+    );
     assert_eq!(pieces.last().unwrap(), "🫨");
 }
 
@@ -74,7 +99,10 @@ fn chat_markers() {
     assert!(t.is_control(end));
     assert_eq!((t.eos(), t.eot()), (Some(eot), Some(end)));
     assert_eq!(t.stop_tokens(), [eot, end]);
-    assert_eq!(t.decode_skip_special(&t.encode("<|im_start|>hi<|im_end|>", false, true)), "hi");
+    assert_eq!(
+        t.decode_skip_special(&t.encode("<|im_start|>hi<|im_end|>", false, true)),
+        "hi"
+    );
     // A user-defined token is matched even when special tokens are not parsed.
     let think = t.token_id("<think>").unwrap();
     assert!(t.encode("<think>x", false, false).starts_with(&[think]));

@@ -6,17 +6,27 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 pub fn fixture(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("an id array").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+    v.as_array()
+        .expect("an id array")
+        .iter()
+        .map(|x| x.as_u64().expect("an id") as u32)
+        .collect()
 }
 
 pub fn strings(v: &Value) -> Vec<String> {
-    v.as_array().expect("a string array").iter().map(|x| x.as_str().expect("a string").to_string()).collect()
+    v.as_array()
+        .expect("a string array")
+        .iter()
+        .map(|x| x.as_str().expect("a string").to_string())
+        .collect()
 }
 
 /// The gemma-3-270m GGUF: `PULSAR_GEMMA_GGUF`, or where scripts/fetch-gemma.sh puts it.
@@ -24,7 +34,9 @@ pub fn gemma_path() -> PathBuf {
     if let Some(p) = std::env::var_os("PULSAR_GEMMA_GGUF") {
         return PathBuf::from(p);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     home.join(".cache/pulsar/models/gemma-3-270m-Q4_K_M.gguf")
 }
 
@@ -38,7 +50,8 @@ pub fn gemma_spec() -> VocabSpec {
             path.display()
         );
     }
-    let file = pulsar_gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file =
+        pulsar_gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let m = file.metadata();
     VocabSpec {
         model: ok(&path, m.require_str("tokenizer.ggml.model")).to_string(),
@@ -74,7 +87,14 @@ pub fn bpe_spec(pre: &str) -> VocabSpec {
         model: v["model"].as_str().unwrap().to_string(),
         pre: Some(pre.to_string()),
         tokens: strings(&v["tokens"]),
-        token_types: Some(v["token_types"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap() as i32).collect()),
+        token_types: Some(
+            v["token_types"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap() as i32)
+                .collect(),
+        ),
         merges: Some(strings(&v["merges"])),
         eos: Some(v["eos"].as_u64().unwrap() as u32),
         eot: Some(v["eot"].as_u64().unwrap() as u32),
