@@ -7,7 +7,7 @@ Writes, under host/tokenizer/tests/fixtures/:
   bpe_vocab.json    a small byte-level BPE vocabulary (tokens, types, merges) trained here with
                     the `tokenizers` library, shaped like a GGUF's `gpt2` tokenizer metadata;
   bpe_gold.json     ids HF `tokenizers` gives for the corpus with that vocabulary, once per
-                    pre-tokenizer type (`tokenizer.ggml.pre`), configured as described in PRE.
+                    pre-tokenizer type (`tokenizer.ggml.pre`), configured as pre_configs() says.
 
 Usage: python tools/tokgold/gen.py [--gguf PATH] [--dump-gemma-vocab PATH]
   --dump-gemma-vocab writes the GGUF's tokenizer arrays as JSON (a development aid; not a fixture).
@@ -95,35 +95,38 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX!",
 ]
 
-# GGUF `tokenizer.ggml.pre` -> how the reference is configured. The regexes are the ones the
-# models' own tokenizer.json files carry (llama.cpp's llama-vocab.cpp uses the same ones, spelled
-# for its engine); `default` is llama.cpp's fallback list, which has no tokenizer.json of its own.
-# `gpt-2` uses tokenizers' built-in ByteLevel regex, exactly what GPT-2's tokenizer runs.
+# GGUF `tokenizer.ggml.pre` -> how the reference is configured.
+# - llama-bpe, qwen2, qwen35, gpt-4o: the split regex transformers itself applies when it loads a
+#   GGUF with that `pre` (GGUF_PRE_TOKENIZER_SPLITS), which is the regex of the models' own
+#   tokenizer.json; llama-bpe also sets `ignore_merges`, as llama3's tokenizer.json and llama.cpp do.
+# - deepseek-v3: the three Splits of DeepSeek-V3's tokenizer.json (transformers has no entry).
+# - default: llama.cpp's fallback regex list (llama-vocab.cpp); there is no tokenizer.json for it.
+# - gpt-2: tokenizers' built-in ByteLevel regex, exactly what GPT-2's tokenizer runs.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 DEEPSEEK_V3_SPLITS = [
     r"\p{N}{1,3}",
     "[一-龥぀-ゟ゠-ヿ]+",
     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
     "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
 ]
-PRE = {
-    "default": {
-        "splits": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"],
-        "ignore_merges": False,
-    },
-    "gpt-2": {"splits": None, "ignore_merges": False},
-    "llama-bpe": {"splits": [LLAMA3_SPLIT], "ignore_merges": True},
-    "qwen2": {"splits": [QWEN2_SPLIT], "ignore_merges": False},
-    "deepseek-v3": {"splits": DEEPSEEK_V3_SPLITS, "ignore_merges": False},
-}
+
+
+def pre_configs():
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as HF
+
+    return {
+        "default": {
+            "splits": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]"],
+            "ignore_merges": False,
+        },
+        "gpt-2": {"splits": None, "ignore_merges": False},
+        "llama-bpe": {"splits": [HF["llama-bpe"]], "ignore_merges": True},
+        "qwen2": {"splits": [HF["qwen2"]], "ignore_merges": False},
+        "qwen35": {"splits": [HF["qwen35"]], "ignore_merges": False},
+        "gpt-4o": {"splits": [HF["gpt-4o"]], "ignore_merges": False},
+        "deepseek-v3": {"splits": DEEPSEEK_V3_SPLITS, "ignore_merges": False},
+    }
+
 
 BPE_CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BPE_USER_DEFINED = ["<think>", "</think>"]
@@ -300,8 +303,7 @@ def train_bpe():
     }
 
 
-def bpe_reference(vocab_fixture, pre):
-    config = PRE[pre]
+def bpe_reference(vocab_fixture, config):
     vocab = {t: i for i, t in enumerate(vocab_fixture["tokens"])}
     merges = [tuple(m.split(" ", 1)) for m in vocab_fixture["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=config["ignore_merges"]))
@@ -327,8 +329,8 @@ def gen_bpe():
     fixture = train_bpe()
     write_json(FIXTURES / "bpe_vocab.json", fixture)
     gold = {}
-    for pre in PRE:
-        tok = bpe_reference(fixture, pre)
+    for pre, config in pre_configs().items():
+        tok = bpe_reference(fixture, config)
         ids = [tok.encode(text, add_special_tokens=False).ids for text in CORPUS]
         tok.encode_special_tokens = True
         plain = [tok.encode(text, add_special_tokens=False).ids for text in CORPUS]

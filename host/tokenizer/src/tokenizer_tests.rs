@@ -424,3 +424,20 @@ fn errors_name_what_is_wrong() {
         }
     );
 }
+
+#[test]
+fn empty_token_texts_are_kept_but_match_nothing() {
+    let mut spec = spm_spec();
+    spec.tokens[8] = String::new(); // "c"
+    let t = tok(VocabSpec { add_space_prefix: Some(false), ..spec });
+    assert_eq!(t.vocab_size(), 17);
+    assert_eq!(t.token_bytes(8), Some(&b""[..]));
+    assert_eq!(t.token_id(""), None);
+    assert_eq!(t.encode("c", false, false), [0], "no token for c any more: <unk>");
+}
+
+#[test]
+fn tokenizers_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+}
