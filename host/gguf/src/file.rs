@@ -160,9 +160,6 @@ impl GgufFile {
                     count: keys.count,
                 })?,
             };
-            // `given` was parsed as shard 0: retag its tensors.
-            let mut h = h;
-            h.tensors.iter_mut().for_each(|t| t.shard = i);
             loaded.push((Some(p), b, h));
         }
         Self::assemble(loaded)
@@ -221,11 +218,14 @@ impl GgufFile {
                     "'{SPLIT_TENSORS_COUNT}' is {claimed:?} here but {set_tensors:?} in the first shard"
                 ))));
             }
-            for (t, &info_off) in header.tensors.iter().zip(&header.info_offsets) {
+            let n_tensors = header.tensors.len();
+            // Shard index from the position in the set (a shard opened first
+            // was parsed as shard 0).
+            for (t, &info_off) in header.tensors.into_iter().zip(&header.info_offsets) {
                 if by_name.insert(t.name.clone(), tensors.len()).is_some() {
-                    return Err(ctx(GgufError::DuplicateTensor { name: t.name.clone(), shard: i, offset: info_off }));
+                    return Err(ctx(GgufError::DuplicateTensor { name: t.name, shard: i, offset: info_off }));
                 }
-                tensors.push(TensorInfo { shard: i, ..t.clone() });
+                tensors.push(TensorInfo { shard: i, ..t });
             }
             let info = ShardInfo {
                 path: path.clone(),
@@ -234,7 +234,7 @@ impl GgufFile {
                 alignment: header.alignment,
                 header_len: header.header_len,
                 data_offset: header.data_offset,
-                n_tensors: header.tensors.len(),
+                n_tensors,
             };
             if i == 0 {
                 metadata = Some(header.metadata);
@@ -400,5 +400,27 @@ impl GgufFile {
     /// [`GgufFile::fingerprint`] as 64 lower-case hex digits.
     pub fn fingerprint_hex(&self) -> String {
         self.fingerprint().iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_can_be_shared_across_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<GgufFile>();
+    }
+
+    #[test]
+    fn in_memory_files_have_no_paths_or_fds() {
+        let bytes = crate::GgufWriter::new().in_memory().unwrap().finish().unwrap().remove(0);
+        let f = GgufFile::from_bytes(bytes).unwrap();
+        assert!(f.shard_paths().is_empty());
+        assert!(f.shard_file(0).is_none());
+        assert_eq!(f.tensors().len(), 0);
+        assert_eq!(f.total_bytes(), 32, "24 header bytes padded to the alignment");
+        assert!(GgufFile::from_shard_bytes(vec![]).is_err());
     }
 }

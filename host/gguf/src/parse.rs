@@ -31,6 +31,11 @@ pub const MAX_ARRAY_DEPTH: usize = 16;
 // a non-empty name (8 + 1) + n_dims (4) + one dim (8) + type (4) + offset (8).
 const MIN_KV_BYTES: u64 = 14;
 const MIN_TENSOR_INFO_BYTES: u64 = 33;
+/// Most elements reserved up front for entries that take more memory than
+/// their minimum encoding (tensor infos, strings, nested arrays): beyond this
+/// vectors grow as entries actually parse, so a 40 GB file whose header
+/// claims a billion tensors fails at the first bad entry, not in the allocator.
+const PREALLOC_MAX: usize = 4096;
 
 /// Everything in one GGUF file before its data section.
 #[derive(Clone, Debug)]
@@ -136,8 +141,9 @@ pub fn parse_header<S: ByteSource + ?Sized>(src: &S, shard: usize) -> Result<Hea
     };
 
     // Directory first (offsets relative to the data section), then bounds.
-    let mut infos: Vec<(TensorInfo, u64)> = Vec::with_capacity(n_tensors as usize);
-    let mut names = HashSet::with_capacity(n_tensors as usize);
+    let reserve = (n_tensors as usize).min(PREALLOC_MAX);
+    let mut infos: Vec<(TensorInfo, u64)> = Vec::with_capacity(reserve);
+    let mut names = HashSet::with_capacity(reserve);
     for i in 0..n_tensors {
         let info_off = r.pos;
         r.set_what(|| format!("tensor info #{i} name"));
@@ -385,12 +391,15 @@ impl<'a, S: ByteSource + ?Sized> Reader<'a, S> {
                 available: self.remaining().saturating_add(12),
             });
         }
-        // n * min_size <= remaining bytes, so n fits in usize and each vector
-        // below is a bounded multiple of the input size.
+        // n * min_size <= remaining bytes, so n fits in usize. Fixed-size
+        // elements take exactly their encoded size in memory, so reserving
+        // all n is safe; strings and arrays take more and reserve a bounded
+        // amount (see PREALLOC_MAX).
         let n = n as usize;
+        let cap = if ty.fixed_size().is_some() { n } else { n.min(PREALLOC_MAX) };
         macro_rules! fixed {
             ($variant:ident, $read:ident, $conv:expr) => {{
-                let mut v = Vec::with_capacity(n);
+                let mut v = Vec::with_capacity(cap);
                 for _ in 0..n {
                     v.push($conv(self.$read()?));
                 }
@@ -415,7 +424,7 @@ impl<'a, S: ByteSource + ?Sized> Reader<'a, S> {
             ValueType::Bool => fixed!(Bool, bool, |x| x),
             ValueType::String => fixed!(String, string, |x| x),
             ValueType::Array => {
-                let mut v = Vec::with_capacity(n);
+                let mut v = Vec::with_capacity(cap);
                 for _ in 0..n {
                     v.push(self.array(depth + 1)?);
                 }

@@ -82,4 +82,19 @@ fn parse_heap_is_bounded_by_input_size() {
     }
     // The counter is live (a parse of the dense file must register).
     assert!(worst > 0.0);
+
+    // Big inputs whose header claims as many entries as the bytes allow but
+    // whose first entry is bad: nothing is reserved for the claimed count.
+    let four_mib = 4 << 20;
+    let mut claims_tensors = common::Asm::header(3, (four_mib / 40) as u64, 0).done();
+    claims_tensors.resize(four_mib, 0); // the first name is empty
+    let mut claims_strings = common::Asm::header(3, 0, 1);
+    claims_strings.str("k.s").u32(9).u32(8).u64((four_mib / 9) as u64);
+    let mut claims_strings = claims_strings.done();
+    claims_strings.resize(four_mib, 0xff); // the first string is absurdly long
+    for b in [claims_tensors, claims_strings] {
+        assert!(pulsar_gguf::parse_header(&b[..], 0).is_err());
+        let peak = parse_peak(&b);
+        assert!(peak < 1 << 20, "a bad first entry after a big claimed count peaked at {peak} bytes");
+    }
 }

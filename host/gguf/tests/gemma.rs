@@ -24,7 +24,7 @@ fn gemma_opens_with_the_expected_directory_and_metadata() {
     let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.version(), 3);
     assert_eq!(f.n_shards(), 1);
-    assert_eq!(f.shard_paths(), [path.clone()]);
+    assert_eq!(f.shard_paths(), std::slice::from_ref(&path));
     assert_eq!(f.alignment(), 32);
     assert_eq!(f.architecture().unwrap(), "gemma3");
     assert_eq!(f.tensors().len(), 236);
