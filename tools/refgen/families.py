@@ -37,7 +37,8 @@ class Family:
     notes: list[str] = field(default_factory=list)
     seed: int = 1234
     # Extra tensors written into the checkpoint next to the HF ones (e.g. MTP
-    # layers that transformers does not instantiate): fn(config, gen) -> dict.
+    # layers that transformers does not instantiate):
+    # fn(saved tensors, config, gen) -> dict of new tensors.
     extra_tensors: Callable | None = None
     # Known, explained difference between the HF and GGUF element counts.
     numel_delta: int = 0
@@ -427,4 +428,86 @@ register(Family(
               "prompt opens with [gMASK]<sop> (GLM's template), no BOS token"],
     notes=["Same MLA conventions as deepseek2 (attn_k_b/attn_v_b split, head_count_kv 1).",
            "No MTP/NextN block: transformers' GlmMoeDsa has none (the converter exports num_nextn_predict_layers when present)."],
+))
+
+
+def qwen35_mtp(saved: dict, cfg, gen) -> dict:
+    """A Qwen3.5-style MTP block, as Qwen's checkpoints carry it: mtp.fc
+    [H, 2H], mtp.pre_fc_norm_{embedding,hidden}, mtp.norm and mtp.layers.0.*,
+    one full-attention decoder layer. transformers does not model MTP (it
+    ignores mtp.* on load), so the block is random and absent from the logits;
+    its layer is shaped like the model's last (full-attention) layer, with the
+    same init rule as gen.reinit (norms zero-centred, as Qwen3.5's are)."""
+    import math
+    import torch
+    n = cfg.num_hidden_layers
+    assert cfg.layer_types[n - 1] == "full_attention"
+    src = f"model.layers.{n - 1}."
+    h = cfg.hidden_size
+    out = {}
+
+    def rnd(shape):
+        t = torch.randn(shape, generator=gen)
+        return 0.1 * t if len(shape) == 1 else t / math.sqrt(shape[-1])
+
+    for k in sorted(saved):
+        if k.startswith(src):
+            out["mtp.layers.0." + k[len(src):]] = rnd(tuple(saved[k].shape))
+    out["mtp.fc.weight"] = rnd((h, 2 * h))
+    for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{k}.weight"] = rnd((h,))
+    return out
+
+
+QWEN35_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    # gated delta net: 2 key heads, 4 value heads (v heads grouped per k head,
+    # which the converter reorders), head dims 16, conv kernel 4
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    # interleaved M-RoPE on 1/4 of head_dim (8 dims = 4 pairs, sections 2+1+1);
+    # text-only positions make it plain RoPE on those dims
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    mtp_num_hidden_layers=1,
+    max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=381, pad_token_id=381,
+)
+QWEN35_FEATURES = [
+    "gated delta net (linear attention) on layers 0-2, gated full attention on layer 3 (3 of 4)",
+    "GDN: 2 k heads / 4 v heads x 16, short conv (kernel 4) over q/k/v, SiLU, gated RMSNorm output, A_log/dt_bias decay",
+    "full attention: 4 q heads, 2 kv heads, head_dim 32, q/k RMSNorm, sigmoid output gate from q_proj",
+    "partial interleaved M-RoPE (8 of 32 dims, sections [2,1,1])",
+    "MTP block (1 layer) in the GGUF as blk.4 nextn tensors; random, not part of logits",
+    "zero-centred (1+w) RMSNorm weights", "untied output", "no BOS (Qwen)",
+]
+QWEN35_NOTES = [
+    "Converter rewrites: A_log -> ssm_a = -exp(A_log); dt_bias -> ssm_dt.bias; conv1d weight squeezed to "
+    "[channels, kernel]; every *norm.weight +1 except the GDN's gated norm (linear_attn.norm, stored as is).",
+    "Converter reorders GDN value heads from HF's grouped order (per k head, its v heads) to tiled order "
+    "(in_proj_qkv V rows, in_proj_z, in_proj_a/b, A_log, dt_bias, conv1d V channels, out_proj columns).",
+    "MTP: logits.npy comes from the trunk only (transformers ignores mtp.*); block_count includes the MTP layer "
+    "and nextn_predict_layers=1.",
+]
+
+register(Family(
+    name="qwen3_5_moe", arch="qwen35moe", model_type="qwen3_5_moe_text", model_class="Qwen3_5MoeForCausalLM",
+    config=dict(QWEN35_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                num_experts=8, num_experts_per_tok=2),
+    tokpre="qwen35",
+    extra_tensors=qwen35_mtp,
+    features=QWEN35_FEATURES + ["MoE on every layer: softmax top-2 of 8 (renormalised), one shared expert "
+                                "with a sigmoid gate (shared_expert_gate)"],
+    notes=QWEN35_NOTES,
+))
+
+register(Family(
+    name="qwen3_5", arch="qwen35", model_type="qwen3_5_text", model_class="Qwen3_5ForCausalLM",
+    config=dict(QWEN35_COMMON, intermediate_size=64),
+    tokpre="qwen35",
+    extra_tensors=qwen35_mtp,
+    features=QWEN35_FEATURES + ["dense SwiGLU FFN"],
+    notes=QWEN35_NOTES,
 ))

@@ -125,11 +125,10 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
         cfg = AutoConfig.for_model(fam.model_type, **fam.config)
     torch.manual_seed(fam.seed)
     cls = model_class(fam)
-    if hasattr(cls, "from_config"):  # Auto* classes
-        model = cls.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    else:
-        cfg._attn_implementation = "eager"
-        model = cls(cfg).to(torch.float32)
+    # Auto* classes have from_config, model classes _from_config; both pick
+    # the same kernels (attention, experts) as from_pretrained does below.
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    model = make(cfg, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(fam.seed)
     reinit(model, gen)
     if fam.post_init:
@@ -141,7 +140,7 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
         from safetensors.torch import load_file, save_file
         st = hf_dir / "model.safetensors"
         tensors = load_file(str(st))
-        extra = fam.extra_tensors(cfg, gen)
+        extra = fam.extra_tensors(tensors, cfg, gen)
         clash = set(extra) & set(tensors)
         assert not clash, clash
         tensors.update({k: v.contiguous() for k, v in extra.items()})
@@ -270,9 +269,14 @@ def generate(fam: Family, keep_work: bool) -> None:
     ids = tinfo["ids"]
 
     logits = run_logits(fam, hf_dir, ids)
-    if not np.array_equal(logits, ref_logits.numpy()):
+    # The reloaded model must compute what the built one did. Bit-equality
+    # holds for most families; the gated-delta-net ones differ by ~1e-6 (a
+    # different reduction order between the two instances), so allow float32
+    # noise and record it. logits.npy is always the reloaded model's.
+    reload_diff = float(np.abs(logits - ref_logits.numpy()).max())
+    if reload_diff > 1e-5 * max(1.0, float(np.abs(logits).max())):
         raise RuntimeError(f"{fam.name}: logits of the reloaded checkpoint differ from the in-memory model "
-                           f"(max |d| = {np.abs(logits - ref_logits.numpy()).max()}): save/load is lossy")
+                           f"(max |d| = {reload_diff}): save/load is lossy")
     argmax = logits.argmax(-1)
     n_distinct = int(len(set(argmax.tolist())))
     log(f"{fam.name}: {len(ids)} tokens, logits std {logits.std():.3f}, distinct argmax {n_distinct}")
@@ -314,7 +318,7 @@ def generate(fam: Family, keep_work: bool) -> None:
         "n_tokens": len(ids),
         "logits": {"file": "logits.npy", "shape": list(logits.shape), "dtype": "float32",
                    "std": round(float(logits.std()), 4), "distinct_argmax": n_distinct,
-                   "argmax": argmax.tolist()},
+                   "argmax": argmax.tolist(), "max_diff_built_vs_reloaded": reload_diff},
         "hf_tensors": hf_names,
         "hf_tensors_not_in_gguf": hf_ignored,
         "hf_numel": hf_total,
