@@ -6,12 +6,13 @@ use crate::Tokenizer;
 /// Turns generated ids into text as soon as that text is valid UTF-8.
 ///
 /// The concatenation of everything [`push`](Self::push) and [`finish`](Self::finish) return
-/// equals [`Tokenizer::decode`] (or `decode_skip_special`) of the same ids.
+/// equals [`Tokenizer::decode`] (or `decode_skip_special`) of the same ids, except that the
+/// stream keeps the leading space `decode` drops from SentencePiece text with a dummy prefix:
+/// generated text continues a prompt, and its first word needs its space.
 pub struct StreamDecoder<'a> {
     tok: &'a Tokenizer,
     skip_special: bool,
     pending: Vec<u8>,
-    seen_text: bool,
 }
 
 impl<'a> StreamDecoder<'a> {
@@ -20,16 +21,13 @@ impl<'a> StreamDecoder<'a> {
             tok,
             skip_special,
             pending: Vec::new(),
-            seen_text: false,
         }
     }
 
     /// Adds one token; returns the text it completes (often empty mid-character). Bytes that
     /// can never start a valid character come out as U+FFFD rather than stalling the stream.
     pub fn push(&mut self, id: u32) -> String {
-        let piece = self
-            .tok
-            .piece_for_decode(id, self.skip_special, &mut self.seen_text);
+        let piece = self.tok.piece_for_decode(id, self.skip_special, &mut false);
         self.pending.extend_from_slice(piece);
         let mut out = String::new();
         let mut rest: &[u8] = &self.pending;

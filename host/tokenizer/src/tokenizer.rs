@@ -487,36 +487,31 @@ impl Tokenizer {
 
     fn decode_inner(&self, ids: &[u32], skip_special: bool) -> String {
         let mut bytes = Vec::new();
-        let mut seen_text = false;
+        let mut strip = self.add_space_prefix;
         for &id in ids {
-            bytes.extend_from_slice(self.piece_for_decode(id, skip_special, &mut seen_text));
+            bytes.extend_from_slice(self.piece_for_decode(id, skip_special, &mut strip));
         }
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// The bytes `id` contributes at this point of a decode. The space SentencePiece's dummy
-    /// prefix added comes off the first piece of text (after any leading special tokens), as
-    /// Hugging Face's and llama.cpp's decoders do.
-    pub(crate) fn piece_for_decode(
-        &self,
-        id: u32,
-        skip_special: bool,
-        seen_text: &mut bool,
-    ) -> &[u8] {
+    /// The bytes `id` contributes to a decode. While `strip` is set, the first piece of text
+    /// (after any leading special tokens) loses one leading space: the one SentencePiece's dummy
+    /// prefix added, as Hugging Face's and llama.cpp's decoders drop it.
+    pub(crate) fn piece_for_decode(&self, id: u32, skip_special: bool, strip: &mut bool) -> &[u8] {
         let (Some(bytes), Some(t)) = (self.token_bytes(id), self.token_type(id)) else {
             return &[];
         };
         if t.is_special() {
             return if skip_special { &[] } else { bytes };
         }
-        let first = !*seen_text;
-        *seen_text = true;
-        if first && self.add_space_prefix {
+        if std::mem::take(strip) {
             return bytes.strip_prefix(b" ").unwrap_or(bytes);
         }
         bytes
     }
 
+    /// A streaming decoder over this vocabulary; `skip_special` leaves control tokens out. It
+    /// continues a prompt, so unlike [`decode`](Self::decode) it keeps a leading space.
     /// A streaming decoder over this vocabulary; `skip_special` leaves control tokens out.
     pub fn stream_decoder(&self, skip_special: bool) -> StreamDecoder<'_> {
         StreamDecoder::new(self, skip_special)

@@ -20,7 +20,15 @@ fn ids_match_hugging_face_for_every_pre_tokenizer() {
     let gold = fixture("bpe_gold.json");
     let texts = strings(&gold["texts"]);
     let pres = gold["pre"].as_object().unwrap();
-    for required in ["default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "gpt-4o", "deepseek-v3"] {
+    for required in [
+        "default",
+        "gpt-2",
+        "llama-bpe",
+        "qwen2",
+        "qwen35",
+        "gpt-4o",
+        "deepseek-v3",
+    ] {
         assert!(
             pres.contains_key(required),
             "gold for {required} is missing"
@@ -54,7 +62,15 @@ fn ids_match_hugging_face_for_every_pre_tokenizer() {
 #[test]
 fn round_trip_and_streaming() {
     let texts = strings(&fixture("bpe_gold.json")["texts"]);
-    for pre in ["default", "gpt-2", "llama-bpe", "qwen2", "qwen35", "gpt-4o", "deepseek-v3"] {
+    for pre in [
+        "default",
+        "gpt-2",
+        "llama-bpe",
+        "qwen2",
+        "qwen35",
+        "gpt-4o",
+        "deepseek-v3",
+    ] {
         let t = Tokenizer::new(bpe_spec(pre)).unwrap();
         for text in &texts {
             for parse_special in [true, false] {
