@@ -511,3 +511,38 @@ register(Family(
     features=QWEN35_FEATURES + ["dense SwiGLU FFN"],
     notes=QWEN35_NOTES,
 ))
+
+
+register(Family(
+    name="laguna", arch="laguna", model_type="laguna",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        # heads vary per layer as in Laguna-XS.2
+        num_attention_heads_per_layer=[4, 2, 4, 4],
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500_000.0, "partial_rotary_factor": 0.5,
+                               "factor": 8.0, "original_max_position_embeddings": 512,
+                               "beta_fast": 32.0, "beta_slow": 1.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 1.0},
+        },
+        gating=True,  # per-head sigmoid output gate (g_proj)
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, moe_routed_scaling_factor=2.5,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=381, pad_token_id=381,
+    ),
+    tokpre="laguna",
+    features=["full attention on layer 3 (every 4th), sliding window 8 on layers 0-2",
+              "YaRN (factor 8) + partial rotary (8 of 16 dims) on the full layer only; plain RoPE 1e4 on all dims of sliding layers",
+              "per-head sigmoid output gate (g_proj -> attn_gate [hidden, n_head])", "per-layer head counts [4, 2, 4, 4], 2 kv heads", "q/k RMSNorm",
+              "leading dense layer, MoE layers 1-3: sigmoid router with selection bias, top-2 of 8, renormalised, "
+              "scaled by 2.5", "one shared expert", "untied output"],
+    notes=["The GGUF has no per-layer sliding pattern key: llama.cpp's laguna makes every 4th layer full, "
+           "which is what layer_types here says.",
+           "YaRN parameters (rope.scaling.*) apply to full layers only; sliding layers use rope.freq_base_swa "
+           "and rope.dimension_count_swa."],
+))
