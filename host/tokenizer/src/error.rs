@@ -11,6 +11,8 @@ pub enum TokenizerError {
     UnknownPre(String),
     #[error("the vocabulary is empty (tokenizer.ggml.tokens)")]
     EmptyVocab,
+    #[error("tokenizer.ggml.tokens has {0} entries; token ids are 32-bit")]
+    VocabTooLarge(usize),
     #[error("{key} has {got} entries but tokenizer.ggml.tokens has {expected}")]
     LengthMismatch {
         key: &'static str,

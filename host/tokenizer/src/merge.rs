@@ -65,7 +65,8 @@ impl MergeTable {
     /// Merges `ids` in place: repeatedly the best-ranked adjacent pair, the leftmost of equals
     /// (Hugging Face's and llama.cpp's order), until no adjacent pair has a merge.
     pub(crate) fn apply(&self, ids: &mut Vec<u32>, scratch: &mut Scratch) {
-        if ids.len() < 2 {
+        // Positions are u32; an input of 4G symbols is left unmerged rather than mis-linked.
+        if ids.len() < 2 || ids.len() >= NONE as usize {
             return;
         }
         let n = ids.len() as u32;

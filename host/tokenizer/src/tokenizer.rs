@@ -84,7 +84,7 @@ pub struct Tokenizer {
     specials: SpecialMatcher,
     /// Every token's decoded bytes, back to back; token `i` is `bytes[offsets[i]..offsets[i+1]]`.
     bytes: Vec<u8>,
-    offsets: Vec<u32>,
+    offsets: Vec<usize>,
     bos: Option<u32>,
     eos: Option<u32>,
     eot: Option<u32>,
@@ -155,11 +155,7 @@ impl Tokenizer {
             return Err(TokenizerError::EmptyVocab);
         }
         if n > u32::MAX as usize {
-            return Err(TokenizerError::LengthMismatch {
-                key: "tokenizer.ggml.tokens",
-                expected: u32::MAX as usize,
-                got: n,
-            });
+            return Err(TokenizerError::VocabTooLarge(n));
         }
         check_len("tokenizer.ggml.scores", &spec.scores, n)?;
         check_len("tokenizer.ggml.token_type", &spec.token_types, n)?;
@@ -216,38 +212,7 @@ impl Tokenizer {
                 .as_deref()
                 .is_some_and(|a| GEMMA_ARCHITECTURES.contains(&a));
 
-        // Spellings, and the maps from text to id.
-        let mut pieces: FxHashMap<Box<str>, u32> =
-            FxHashMap::with_capacity_and_hasher(n, Default::default());
-        let mut aliases: FxHashMap<Box<str>, u32> = FxHashMap::default();
-        let mut spelled_differently = vec![false; n];
-        for (id, text) in spec.tokens.iter().enumerate() {
-            let id = id as u32;
-            if text.is_empty() {
-                continue; // llama.cpp keeps such a slot but nothing can match it
-            }
-            let respell = gemma && text.contains(' ') && text.chars().all(py_isspace);
-            let spelling: Box<str> = if respell {
-                spelled_differently[id as usize] = true;
-                if let Some(first) = aliases.insert(text.as_str().into(), id) {
-                    return Err(TokenizerError::DuplicateToken {
-                        text: text.clone(),
-                        first,
-                        second: id,
-                    });
-                }
-                SPACE_MARK.to_string().repeat(text.chars().count()).into()
-            } else {
-                text.as_str().into()
-            };
-            if let Some(first) = pieces.insert(spelling.clone(), id) {
-                return Err(TokenizerError::DuplicateToken {
-                    text: spelling.into(),
-                    first,
-                    second: id,
-                });
-            }
-        }
+        let (pieces, aliases, spelled_differently) = piece_maps(&spec.tokens, gemma)?;
 
         for (id, &t) in types.iter().enumerate() {
             if t == TokenType::Byte
@@ -522,7 +487,7 @@ impl Tokenizer {
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
         let i = id as usize;
         let (start, end) = (*self.offsets.get(i)?, *self.offsets.get(i + 1)?);
-        Some(&self.bytes[start as usize..end as usize])
+        Some(&self.bytes[start..end])
     }
 
     /// The token's text as stored in the vocabulary.
@@ -599,16 +564,60 @@ impl Tokenizer {
     }
 }
 
+/// Maps from token spelling to id (`pieces`) and from stored text to id where the two differ
+/// (`aliases`, gemma's whitespace tokens), and which ids those are. Duplicates are an error.
+type PieceMaps = (
+    FxHashMap<Box<str>, u32>,
+    FxHashMap<Box<str>, u32>,
+    Vec<bool>,
+);
+
+fn piece_maps(tokens: &[String], gemma: bool) -> Result<PieceMaps, TokenizerError> {
+    let n = tokens.len();
+    let mut pieces: FxHashMap<Box<str>, u32> =
+        FxHashMap::with_capacity_and_hasher(n, Default::default());
+    let mut aliases: FxHashMap<Box<str>, u32> = FxHashMap::default();
+    let mut spelled_differently = vec![false; n];
+    for (id, text) in tokens.iter().enumerate() {
+        let id = id as u32;
+        if text.is_empty() {
+            continue; // llama.cpp keeps such a slot but nothing can match it
+        }
+        let respell = gemma && text.contains(' ') && text.chars().all(py_isspace);
+        let spelling: Box<str> = if respell {
+            spelled_differently[id as usize] = true;
+            if let Some(first) = aliases.insert(text.as_str().into(), id) {
+                return Err(TokenizerError::DuplicateToken {
+                    text: text.clone(),
+                    first,
+                    second: id,
+                });
+            }
+            SPACE_MARK.to_string().repeat(text.chars().count()).into()
+        } else {
+            text.as_str().into()
+        };
+        if let Some(first) = pieces.insert(spelling.clone(), id) {
+            return Err(TokenizerError::DuplicateToken {
+                text: spelling.into(),
+                first,
+                second: id,
+            });
+        }
+    }
+    Ok((pieces, aliases, spelled_differently))
+}
+
 /// Every token's bytes, as `Tokenizer::token_bytes` describes.
 fn decoded_bytes(
     kind: VocabKind,
     texts: &[String],
     types: &[TokenType],
     alphabet: &ByteAlphabet,
-) -> (Vec<u8>, Vec<u32>) {
+) -> (Vec<u8>, Vec<usize>) {
     let mut bytes = Vec::with_capacity(texts.iter().map(String::len).sum());
     let mut offsets = Vec::with_capacity(texts.len() + 1);
-    offsets.push(0u32);
+    offsets.push(0);
     for (text, &t) in texts.iter().zip(types) {
         if let (TokenType::Byte, Some(b)) = (t, parse_byte_token(text)) {
             bytes.push(b);
@@ -632,7 +641,7 @@ fn decoded_bytes(
                 },
             }
         }
-        offsets.push(bytes.len() as u32);
+        offsets.push(bytes.len());
     }
     (bytes, offsets)
 }
