@@ -27,6 +27,8 @@ pub enum StoreError {
     UnknownSlab { slab: SlabId },
     #[error("layer {layer} expert {expert} is not in the catalogue")]
     UnknownExpert { layer: u32, expert: u32 },
+    #[error("{got} shard mapping(s) given for a catalogue of {expected} file(s)")]
+    ShardCount { expected: usize, got: usize },
 
     // ---- files and disk reads ----
     #[error("cannot open shard {file}: {source}")]

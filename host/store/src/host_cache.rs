@@ -204,6 +204,7 @@ pub enum Lookup {
 pub struct CacheCounters {
     pub hits: u64,
     pub hit_bytes: u64,
+    /// Demand reservations (slabs a step had to read).
     pub misses: u64,
     pub inserts: u64,
     pub evictions: u64,
@@ -304,7 +305,6 @@ impl HostCache {
         if self.pending.contains(&id) {
             return Lookup::Pending;
         }
-        self.counters.misses += 1;
         Lookup::Miss
     }
 
@@ -340,6 +340,9 @@ impl HostCache {
         };
         self.reserved[owner as usize] += cost;
         self.pending.insert(id);
+        if owner == Owner::Demand {
+            self.counters.misses += 1;
+        }
         self.counters.peak_held_bytes = self.counters.peak_held_bytes.max(self.held_bytes());
         Ok(Some(buf))
     }
@@ -497,7 +500,7 @@ mod tests {
         assert!(matches!(c.lookup_pin(id(7)), Lookup::Hit { prefetched: false, .. }));
         assert!(matches!(c.lookup_pin(id(1)), Lookup::Miss));
         let k = c.counters();
-        assert_eq!((k.prefetch_used, k.evictions, k.misses), (1, 1, 1));
+        assert_eq!((k.prefetch_used, k.evictions, k.misses, k.hits), (1, 1, 3, 2));
         assert!(k.peak_held_bytes <= k.budget);
     }
 

@@ -10,8 +10,11 @@ pub mod hotlist;
 pub mod hotset;
 pub mod io;
 pub mod placement;
+pub mod prefetch;
 pub mod reader;
 pub mod sim;
+pub mod stats;
+pub mod store;
 
 pub use buffer::{page_size, AlignedBuf, HostAllocator, PageAllocator};
 pub use catalog::{Catalog, SlabId, SlabKind, SlabLoc, Triple, TripleLayout};
@@ -23,3 +26,6 @@ pub use census::{load_sidecar, save_sidecar, sidecar_path, Census, SidecarLoad};
 pub use hotlist::{builtin_hotlist, hotlist_from_census, Hotlist};
 pub use hotset::{Admission, HotSet, HotSetConfig, HotSetCounters};
 pub use placement::{place_resident, Placement};
+pub use prefetch::PrefetchLimits;
+pub use stats::{PrefetchStats, StepStats, StoreStats, TierCount, TierStats};
+pub use store::{ExpertStore, Selection, ShardBytes, StepGuard, StoreConfig, TripleBytes};

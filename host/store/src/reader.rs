@@ -185,6 +185,11 @@ fn open_file(path: &Path, direct: bool) -> io::Result<File> {
     o.open(path)
 }
 
+/// Bytes that hold the `align`-aligned superset of any `bytes`-long range.
+pub fn aligned_buffer_len(bytes: u64, align: u64) -> u64 {
+    if align <= 1 { bytes } else { round_up(bytes, align) + align }
+}
+
 fn round_down(v: u64, a: u64) -> u64 {
     v - v % a
 }
@@ -281,9 +286,12 @@ impl DiskReader {
 
     /// Buffer bytes needed to read a slab of `bytes` bytes at any offset.
     pub fn buffer_len(&self, bytes: u64) -> usize {
-        let a = self.span_align;
-        let n = if a == 1 { bytes } else { round_up(bytes, a) + a };
-        n as usize
+        aligned_buffer_len(bytes, self.span_align) as usize
+    }
+
+    /// The largest offset alignment of any shard (1 if all are buffered).
+    pub fn span_align(&self) -> u64 {
+        self.span_align
     }
 
     /// Alignment destination buffers must have.
@@ -398,7 +406,7 @@ impl Flight<'_> {
             let (start, stop) = (round_down(req.loc.offset, a), round_up(end, a));
             let need = (stop - start) as usize;
             let align = self.reader.buf_align;
-            if req.buf.len() < need || (req.buf.as_ptr() as usize) % align != 0 {
+            if req.buf.len() < need || !(req.buf.as_ptr() as usize).is_multiple_of(align) {
                 return Err(StoreError::BadBuffer { slab: req.id, have: req.buf.len(), need, align });
             }
             let piece_max = round_down(self.reader.max_read, a).max(a);
