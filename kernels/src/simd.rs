@@ -32,7 +32,53 @@ pub(crate) unsafe fn hsum_f32(v: __m256) -> f32 {
 /// One f16 (as bits) to f32 with F16C; exact, like `half`.
 #[inline(always)]
 pub(crate) unsafe fn f16_to_f32(bits: u16) -> f32 {
-    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16))) }
+}
+
+/// One f16 (as bits) to f32 in all eight lanes. For the per-block scales of
+/// the 32-block dots: LLVM shrinks a scalar conversion to a `vpinsrw` into a
+/// spare register, which it picks as the accumulator, chaining every block on
+/// the previous one; a full-width conversion keeps the blocks independent.
+#[inline(always)]
+pub(crate) unsafe fn f16x8(bits: u16) -> __m256 {
+    unsafe { _mm256_cvtph_ps(_mm_set1_epi16(bits as i16)) }
+}
+
+/// Unchecked little-endian field reads for the SIMD kernels, whose callers
+/// checked the whole buffer's length once (a checked read per byte costs more
+/// than the arithmetic in the IQ kernels).
+///
+/// # Safety
+/// `off + 2 <= p.len()` (`+ 4` for the 32-bit reads).
+#[inline(always)]
+pub(crate) unsafe fn ld_u16(p: &[u8], off: usize) -> u16 {
+    debug_assert!(off + 2 <= p.len());
+    unsafe { u16::from_le(p.as_ptr().add(off).cast::<u16>().read_unaligned()) }
+}
+#[inline(always)]
+pub(crate) unsafe fn ld_u32(p: &[u8], off: usize) -> u32 {
+    debug_assert!(off + 4 <= p.len());
+    unsafe { u32::from_le(p.as_ptr().add(off).cast::<u32>().read_unaligned()) }
+}
+#[inline(always)]
+pub(crate) unsafe fn ld_f32(p: &[u8], off: usize) -> f32 {
+    unsafe { f32::from_bits(ld_u32(p, off)) }
+}
+#[inline(always)]
+pub(crate) unsafe fn ld_u8(p: &[u8], off: usize) -> u8 {
+    debug_assert!(off < p.len());
+    unsafe { *p.get_unchecked(off) }
+}
+
+/// Two adjacent f16 fields (as one u32) to f32: `(low, high)`. A 32-bit load
+/// goes straight into a vector register, so unlike a 16-bit one it carries no
+/// false dependency on a previous value of that register.
+#[inline(always)]
+pub(crate) unsafe fn f16_pair(bits: u32) -> (f32, f32) {
+    unsafe {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
 }
 
 /// Unaligned 32-byte load from `p[off..off + 32]`.
@@ -134,6 +180,32 @@ pub(crate) unsafe fn dot_u8i8_scaled(a: __m256i, b: __m256i, scales: __m256i) ->
 #[inline(always)]
 pub(crate) unsafe fn scales_lo_hi(lo: i32, hi: i32) -> __m256i {
     unsafe { _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16)) }
+}
+
+/// `_mm256_shuffle_epi8` masks turning "eight i16 scales in both lanes" into
+/// the scale vector of run k of 32 values: i16 scale 2k in the low lane (its
+/// first 16 values), 2k + 1 in the high lane.
+#[inline(always)]
+pub(crate) unsafe fn pair_shuffles() -> [__m256i; 4] {
+    unsafe {
+        std::array::from_fn(|k| {
+            let lo = (((4 * k + 1) << 8) | (4 * k)) as i16;
+            let hi = (((4 * k + 3) << 8) | (4 * k + 2)) as i16;
+            _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+        })
+    }
+}
+
+/// Lane `c` (scales 8c..8c+8 of sixteen i16 scales) copied to both lanes.
+#[inline(always)]
+pub(crate) unsafe fn half_scales(sc16: __m256i, c: usize) -> __m256i {
+    unsafe {
+        if c == 0 {
+            _mm256_permute2x128_si256::<0x00>(sc16, sc16)
+        } else {
+            _mm256_permute2x128_si256::<0x11>(sc16, sc16)
+        }
+    }
 }
 
 /// The 128 sign patterns of the IQ formats as byte masks for `_mm256_sign_epi8`:

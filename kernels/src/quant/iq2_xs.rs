@@ -68,20 +68,21 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = 0f32;
     unsafe {
         for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
             let mut v = _mm256_setzero_si256();
             for ib in 0..8 {
-                let q = |k: usize| rd_u16(w, ow + 2 + 2 * (4 * ib + k));
+                let q = |k: usize| ld_u16(w, ow + 2 + 2 * (4 * ib + k));
                 let g = |k: usize| IQ2XS_GRID[(q(k) & 511) as usize] as i64;
                 let sg = |k: usize| SIGNS64[(q(k) >> 9) as usize] as i64;
                 let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
                 let signs = _mm256_set_epi64x(sg(3), sg(2), sg(1), sg(0));
-                let y = _mm256_sign_epi8(load256(x, ox + 32 * ib), signs);
-                let sc = w[ow + SC + ib];
+                let y = _mm256_sign_epi8(load256(x, ox + q8_k::QS + 32 * ib), signs);
+                let sc = ld_u8(w, ow + SC + ib);
                 let scl = scales_lo_hi(2 * (sc & 0x0f) as i32 + 1, 2 * (sc >> 4) as i32 + 1);
                 v = _mm256_add_epi32(v, dot_u8i8_scaled(grid, y, scl));
             }
-            acc += q8_k::d(x, i) * f16_to_f32(super::rd_u16(w, ow)) * hsum_i32(v) as f32;
+            let (d, _) = f16_pair(ld_u32(w, ow));
+            acc += ld_f32(x, ox) * d * hsum_i32(v) as f32;
         }
     }
     0.125 * acc

@@ -66,19 +66,20 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = 0f32;
     unsafe {
         for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
             let mut v = _mm256_setzero_si256();
             for ib in 0..8 {
-                let (a, s) = (rd_u32(w, ow + 2 + 8 * ib), rd_u32(w, ow + 6 + 8 * ib));
+                let (a, s) = (ld_u32(w, ow + 2 + 8 * ib), ld_u32(w, ow + 6 + 8 * ib));
                 let g = |k: u32| IQ2XXS_GRID[((a >> (8 * k)) & 0xff) as usize] as i64;
                 let sg = |k: u32| SIGNS64[((s >> (7 * k)) & 127) as usize] as i64;
                 let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
                 let signs = _mm256_set_epi64x(sg(3), sg(2), sg(1), sg(0));
-                let y = _mm256_sign_epi8(load256(x, ox + 32 * ib), signs);
+                let y = _mm256_sign_epi8(load256(x, ox + q8_k::QS + 32 * ib), signs);
                 let ls = (2 * (s >> 28) + 1) as i16;
                 v = _mm256_add_epi32(v, dot_u8i8_scaled(grid, y, _mm256_set1_epi16(ls)));
             }
-            acc += q8_k::d(x, i) * f16_to_f32(super::rd_u16(w, ow)) * hsum_i32(v) as f32;
+            let (d, _) = f16_pair(ld_u32(w, ow));
+            acc += ld_f32(x, ox) * d * hsum_i32(v) as f32;
         }
     }
     0.125 * acc

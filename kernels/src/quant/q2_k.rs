@@ -86,25 +86,32 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     let mut acc = 0f32;
     unsafe {
         let m2 = _mm256_set1_epi8(3);
+        let pick = pair_shuffles();
         for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
             let sb = load128(w, ow);
+            let sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(sb, _mm_set1_epi8(0x0f)));
             let mut v = _mm256_setzero_si256();
             for c in 0..2 {
                 let q = load256(w, ow + QS + 32 * c);
-                for s in 0..4 {
-                    let qs = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), m2);
-                    let j = 8 * c + 2 * s;
-                    let scl = scales_lo_hi((w[ow + j] & 0x0f) as i32, (w[ow + j + 1] & 0x0f) as i32);
-                    v = _mm256_add_epi32(v, dot_u8i8_scaled(qs, load256(x, ox + 128 * c + 32 * s), scl));
+                let half = half_scales(sc16, c);
+                let lv = [
+                    _mm256_and_si256(q, m2),
+                    _mm256_and_si256(_mm256_srli_epi16::<2>(q), m2),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(q), m2),
+                    _mm256_and_si256(_mm256_srli_epi16::<6>(q), m2),
+                ];
+                for (s, qs) in lv.iter().enumerate() {
+                    let y = load256(x, ox + q8_k::QS + 128 * c + 32 * s);
+                    v = _mm256_add_epi32(v, dot_u8i8_scaled(*qs, y, _mm256_shuffle_epi8(half, pick[s])));
                 }
             }
             let sumi = hsum_i32(v);
             let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sb), _mm_set1_epi8(0x0f)));
-            let summ = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS - q8_k::QS), mins));
-            let dx = q8_k::d(x, i);
-            acc += dx * f16_to_f32(super::rd_u16(w, ow + D)) * sumi as f32
-                - dx * f16_to_f32(super::rd_u16(w, ow + D + 2)) * summ as f32;
+            let summ = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS), mins));
+            let (d, dmin) = f16_pair(ld_u32(w, ow + D));
+            let dx = ld_f32(x, ox);
+            acc += dx * d * sumi as f32 - dx * dmin * summ as f32;
         }
     }
     acc

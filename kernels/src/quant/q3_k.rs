@@ -71,13 +71,24 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     unsafe {
         let m2 = _mm256_set1_epi8(3);
         let b2 = _mm256_set1_epi8(4);
+        let pick = pair_shuffles();
         for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
-            let sc = scales(&w[ow + SC..ow + SC + 12]);
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
+            // Scales word-parallel: low nibbles from bytes 0-7, top bits from 8-11.
+            let (a0, a1, t) = (ld_u32(w, ow + SC), ld_u32(w, ow + SC + 4), ld_u32(w, ow + SC + 8));
+            let (m4, m3) = (0x0f0f_0f0f_u32, 0x0303_0303_u32);
+            let s = _mm_set_epi32(
+                (((a1 >> 4) & m4) | (((t >> 6) & m3) << 4)) as i32,
+                (((a0 >> 4) & m4) | (((t >> 4) & m3) << 4)) as i32,
+                ((a1 & m4) | (((t >> 2) & m3) << 4)) as i32,
+                ((a0 & m4) | ((t & m3) << 4)) as i32,
+            );
+            let sc16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
             let hm = load256(w, ow);
             let mut v = _mm256_setzero_si256();
             for c in 0..2 {
                 let q = load256(w, ow + QS + 32 * c);
+                let half = half_scales(sc16, c);
                 for s in 0..4 {
                     let lo = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), m2);
                     // hmask bit (4c + s) to bit 2 of each byte.
@@ -88,16 +99,15 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                         _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - k))
                     };
                     let ql = _mm256_or_si256(lo, _mm256_and_si256(hb, b2));
-                    let j = 8 * c + 2 * s;
-                    let scl = scales_lo_hi(sc[j] as i32, sc[j + 1] as i32);
-                    v = _mm256_add_epi32(v, dot_u8i8_scaled(ql, load256(x, ox + 128 * c + 32 * s), scl));
+                    let y = load256(x, ox + q8_k::QS + 128 * c + 32 * s);
+                    v = _mm256_add_epi32(v, dot_u8i8_scaled(ql, y, _mm256_shuffle_epi8(half, pick[s])));
                 }
             }
             // The -4 offset: sum_j sc_j * 4 * bsum_j.
-            let scv = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
-            let offs = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS - q8_k::QS), scv));
+            let offs = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS), sc16));
             let sumi = hsum_i32(v) - 4 * offs;
-            acc += q8_k::d(x, i) * f16_to_f32(super::rd_u16(w, ow + D)) * sumi as f32;
+            let (_, d) = f16_pair(ld_u32(w, ow + D - 2));
+            acc += ld_f32(x, ox) * d * sumi as f32;
         }
     }
     acc

@@ -62,28 +62,30 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
         let m4 = _mm256_set1_epi8(0x0f);
         let b4 = _mm256_set1_epi8(0x10);
         for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
-            let (sc, m) = scales_mins(&w[ow + 4..ow + 16]);
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
+            let (d, dmin) = f16_pair(ld_u32(w, ow));
+            let s: [u8; 12] = w.as_ptr().add(ow + 4).cast::<[u8; 12]>().read_unaligned();
+            let (sc, m) = scales_mins(&s);
             let qh = load256(w, ow + QH);
             let mut v = _mm256_setzero_si256();
             for c in 0..4 {
                 let q = load256(w, ow + QS + 32 * c);
-                // Bit j of qh moved to bit 4 of each byte: shift right j, left 4 (as 2c - 4 and 2c + 1 - 4).
+                // Bit j of qh moved to bit 4 of each byte, for j = 2c and 2c + 1.
                 let h1 = _mm256_and_si256(shift_to_bit4(qh, 2 * c), b4);
                 let h2 = _mm256_and_si256(shift_to_bit4(qh, 2 * c + 1), b4);
                 let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h1);
                 let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h2);
-                let p1 = dot_u8i8_scaled(lo, load256(x, ox + 64 * c), _mm256_set1_epi16(sc[2 * c] as i16));
-                let p2 = dot_u8i8_scaled(hi, load256(x, ox + 64 * c + 32), _mm256_set1_epi16(sc[2 * c + 1] as i16));
+                let y = ox + q8_k::QS + 64 * c;
+                let p1 = dot_u8i8_scaled(lo, load256(x, y), _mm256_set1_epi16(sc[2 * c] as i16));
+                let p2 = dot_u8i8_scaled(hi, load256(x, y + 32), _mm256_set1_epi16(sc[2 * c + 1] as i16));
                 v = _mm256_add_epi32(v, _mm256_add_epi32(p1, p2));
             }
             let sumi = hsum_i32(v);
-            let bs = _mm256_madd_epi16(load256(x, ox + q8_k::BSUMS - q8_k::QS), _mm256_set1_epi16(1));
+            let bs = _mm256_madd_epi16(load256(x, ox + q8_k::BSUMS), _mm256_set1_epi16(1));
             let mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(m.as_ptr() as *const __m128i));
             let summ = hsum_i32(_mm256_mullo_epi32(bs, mv));
-            let dx = q8_k::d(x, i);
-            acc += dx * f16_to_f32(super::rd_u16(w, ow)) * sumi as f32
-                - dx * f16_to_f32(super::rd_u16(w, ow + 2)) * summ as f32;
+            let dx = ld_f32(x, ox);
+            acc += dx * d * sumi as f32 - dx * dmin * summ as f32;
         }
     }
     acc

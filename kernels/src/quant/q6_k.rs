@@ -87,9 +87,10 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     unsafe {
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
+        let pick = pair_shuffles();
         for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_k::BYTES + q8_k::QS);
-            let sc: [i32; 16] = std::array::from_fn(|j| (w[ow + SC + j] as i8) as i32);
+            let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
+            let sc16 = _mm256_cvtepi8_epi16(load128(w, ow + SC));
             let mut v = _mm256_setzero_si256();
             for c in 0..2 {
                 let ql0 = load256(w, ow + 64 * c);
@@ -111,18 +112,17 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                         _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2)),
                     ),
                 ];
+                let half = half_scales(sc16, c);
                 for (k, qk) in q.iter().enumerate() {
-                    let j = 8 * c + 2 * k;
-                    let y = load256(x, ox + 128 * c + 32 * k);
-                    v = _mm256_add_epi32(v, dot_u8i8_scaled(*qk, y, scales_lo_hi(sc[j], sc[j + 1])));
+                    let y = load256(x, ox + q8_k::QS + 128 * c + 32 * k);
+                    v = _mm256_add_epi32(v, dot_u8i8_scaled(*qk, y, _mm256_shuffle_epi8(half, pick[k])));
                 }
             }
             // The -32 offset: sum_j scale_j * 32 * bsum_j.
-            let bs = load256(x, ox + q8_k::BSUMS - q8_k::QS);
-            let scv = _mm256_cvtepi8_epi16(load128(w, ow + SC));
-            let offs = hsum_i32(_mm256_madd_epi16(bs, scv));
+            let offs = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS), sc16));
             let sumi = hsum_i32(v) - 32 * offs;
-            acc += q8_k::d(x, i) * f16_to_f32(super::rd_u16(w, ow + D)) * sumi as f32;
+            let (_, d) = f16_pair(ld_u32(w, ow + D - 2));
+            acc += ld_f32(x, ox) * d * sumi as f32;
         }
     }
     acc

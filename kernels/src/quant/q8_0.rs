@@ -55,8 +55,8 @@ unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
         for i in 0..nb {
             let o = i * BYTES;
             let s = dot_i8::<D>(_mm256_setzero_si256(), load256(w, o + 2), load256(x, o + 2));
-            let d = f16_to_f32(super::rd_u16(w, o)) * f16_to_f32(super::rd_u16(x, o));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc);
+            let d = _mm256_mul_ps(f16x8(super::rd_u16(w, o)), f16x8(super::rd_u16(x, o)));
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
         }
         hsum_f32(acc)
     }
