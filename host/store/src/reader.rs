@@ -626,6 +626,29 @@ mod tests {
     }
 
     #[test]
+    fn no_io_uring_means_pread_for_everything_with_the_reason_warned() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cat, data) = one_slab_file(dir.path());
+        let opts = ReaderOptions::default();
+        let mut r = DiskReader::build(&cat, &opts, None, false, &open_file, vec!["io_uring unavailable (simulated)".into()]).unwrap();
+        assert!(opts.warn_once.fired());
+        assert_eq!(r.backend_name(), "pread");
+        assert!(r.fallback_reason().unwrap().contains("io_uring unavailable"));
+        let ids: Vec<_> = cat.slabs().iter().map(|e| e.0).collect();
+        r.read_alloc(&cat, &ids, &PageAllocator, &mut |d| {
+            let loc = cat.get(d.id()).unwrap();
+            assert_eq!(d.bytes(), &data[loc.offset as usize..(loc.offset + loc.bytes) as usize]);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(r.counters().slabs, 3);
+        // Chosen, not forced: no warning.
+        let quiet = ReaderOptions { io_uring: false, ..Default::default() };
+        DiskReader::open(&cat, &quiet).unwrap();
+        assert!(!quiet.warn_once.fired());
+    }
+
+    #[test]
     fn open_errors_other_than_einval_name_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let (cat, _) = one_slab_file(dir.path());

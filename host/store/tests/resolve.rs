@@ -197,3 +197,43 @@ fn mapped_mode_validates_its_shards() {
     let short: Vec<Arc<dyn ShardBytes>> = vec![Arc::new(m.contents[0].clone()), Arc::new(m.contents[1][..100].to_vec())];
     assert!(matches!(ExpertStore::mapped(cat, short), Err(StoreError::SlabPastEof { .. })));
 }
+
+#[test]
+fn prefetch_is_capped_by_requests_and_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write_model(dir.path(), 2, 16, 40, 1, 8);
+    let one = step_cost(&m, 1) / 3; // about one slab
+    // Cap by requests: one call on an empty queue queues exactly the cap.
+    let s = cached(&m, 1 << 22, Some(PrefetchLimits { max_requests: 4, max_bytes: u64::MAX }));
+    assert_eq!(s.prefetch(0, &[0, 1, 2, 3, 4, 5, 6, 7]), 4);
+    assert_eq!(s.stats().prefetch.dropped, 20);
+    s.wait_prefetch_idle();
+    assert_eq!(s.stats().prefetch.read, 4);
+    // Resident slabs are skipped, not queued again.
+    assert_eq!(s.prefetch(0, &[0]), 0);
+    assert!(s.stats().prefetch.skipped >= 3);
+    // Cap by bytes.
+    let s = cached(&m, 1 << 22, Some(PrefetchLimits { max_requests: 1000, max_bytes: 2 * one + one / 2 }));
+    assert_eq!(s.prefetch(0, &[0, 1, 2, 3]), 2);
+    s.wait_prefetch_idle();
+    // Prefetched slabs are served from the cache and counted as such.
+    let g = s.resolve(0, &selections(&[0])).unwrap();
+    assert_eq!(g.stats().tiers.host_prefetched.slabs, 2);
+    assert_eq!(g.slab(SlabId::new(0, SlabKind::Gate, 0)).unwrap(), m.bytes(SlabId::new(0, SlabKind::Gate, 0)));
+}
+
+#[test]
+fn prediction_accuracy_is_scored_against_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write_model(dir.path(), 2, 16, 40, 1, 9);
+    for store in [cached(&m, 1 << 22, Some(PrefetchLimits::default())), cached(&m, 1 << 22, None), mapped(&m)] {
+        store.prefetch(0, &[1, 2, 3, 4, 4, 99]); // duplicates and unknown experts ignored
+        store.wait_prefetch_idle();
+        drop(store.resolve(0, &selections(&[3, 4, 5])).unwrap());
+        // A layer without a prediction does not count.
+        drop(store.resolve(1, &selections(&[3])).unwrap());
+        let p = store.stats().prefetch;
+        assert_eq!((p.predicted, p.predicted_used, p.used), (4, 2, 3), "{p:?}");
+        assert!((p.precision() - 0.5).abs() < 1e-9 && (p.recall() - 2.0 / 3.0).abs() < 1e-9);
+    }
+}
