@@ -56,6 +56,9 @@ class Family:
     # Full model config kwargs for multimodal wrappers (text_config inside);
     # when None, `config` is the model's config.
     wrapper_config: Callable | None = None
+    # Build the converter's input dir from the saved HF dir, per outtype, when
+    # the converter wants another checkpoint layout: fn(hf_dir, out_dir, outtype) -> dir.
+    convert_input: Callable | None = None
     # Pass --raw-config-keys to convert_wrapper.py (see there).
     raw_config_keys: bool = False
     # Special tokens put before the prompt (after BOS if any), e.g. GLM's
@@ -545,4 +548,71 @@ register(Family(
            "which is what layer_types here says.",
            "YaRN parameters (rope.scaling.*) apply to full layers only; sliding layers use rope.freq_base_swa "
            "and rope.dimension_count_swa."],
+))
+
+
+def _dsv4_post_init(model, gen):
+    import dsv4
+    dsv4.round_experts_to_mxfp4(model, gen)
+
+
+def _dsv4_convert_input(hf_dir, out_dir, outtype):
+    import dsv4
+    return dsv4.convert_input(hf_dir, out_dir, outtype)
+
+
+register(Family(
+    name="deepseek_v4", arch="deepseek4", model_type="deepseek_v4",
+    config=dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+        q_lora_rank=32, o_groups=2, o_lora_rank=32,
+        # one layer of each attention kind: sliding-window only, compressed
+        # sparse (CSA, every 4 keys pooled, indexer top-4), heavily compressed
+        # (HCA; 8 instead of 128 so ~30 tokens fill some compressed slots)
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        sliding_window=8, index_n_heads=2, index_head_dim=16, index_topk=4,
+        rope_theta=10_000.0, compress_rope_theta=160_000.0,
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        # token-id hash routing on the first two layers, learned routing after
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5,
+        # real models clamp at 10; 2 makes the clamp bite at O(1) activations
+        # (the GGUF carries the value per layer: swiglu_clamp_exp / _shexp)
+        swiglu_limit=2.0,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=380, eos_token_id=381, pad_token_id=381,
+    ),
+    tokpre="deepseek-v3", specials=DS_SPECIALS, bos=DS_SPECIALS[0], eos=DS_SPECIALS[1], add_bos=True,
+    chat_template=None,
+    post_init=_dsv4_post_init, convert_input=_dsv4_convert_input,
+    features=["4-stream hyper-connections (hc_mult 4) with Sinkhorn-normalised mixing (20 iterations), "
+              "per-layer attn/ffn hc fn/base/scale and the final hc_head",
+              "attention: q_lora 32, a single shared kv head of 32 (MQA), partial rotary 8 of 32 dims, "
+              "learned attention sinks, grouped low-rank output (o_groups 2, o_lora 32)",
+              "layer 0 sliding window 8 only; layers 1 and 3 compressed sparse attention (ratio 4, lightning "
+              "indexer 2x16, top-4 compressed blocks) + window; layer 2 heavily compressed (ratio 8) + window",
+              "plain RoPE 1e4 on sliding layers, YaRN (factor 16) RoPE 1.6e5 on compressed layers",
+              "token-id hash routing (tid2eid) on layers 0-1, sqrt-softplus router with selection bias on 2-3, "
+              "top-2 of 8, renormalised, scaled by 1.5",
+              "one shared expert", "SwiGLU with clamp (limit 2, active)", "routed experts in MXFP4 (as released)",
+              "untied output", "BOS first"],
+    notes=["llama.cpp's deepseek4 converter reads only DeepSeek's release layout; tools/refgen/dsv4.py writes it "
+           "from the HF checkpoint (original tensor names, experts packed MXFP4, config keys compress_ratios / "
+           "num_hash_layers / qk_rope_head_dim / rope_scaling).",
+           "Routed experts are MXFP4 in BOTH GGUFs (the converter always repacks them; there is no f32 path). "
+           "The HF weights were rounded to the MXFP4 grid before the logits were taken, so the f32 file is still "
+           "exact: MXFP4 dequantization is lossless for these values.",
+           "model-q8_0.gguf: the 2-D attention/compressor/indexer/shared-expert projections were handed to the "
+           "converter as FP8 e4m3 (E8M0 128x128 block scales) like the release, dequantized and stored Q8_0; "
+           "embed/head as BF16 (stored BF16). It is therefore further from logits.npy than other q8_0 files.",
+           "model-f32.gguf: everything but the experts F32 (the converter keeps float32 sources F32 whatever "
+           "--outtype says).",
+           "No MTP block (num_nextn_predict_layers 0): the converter leaves MTP out of the main GGUF anyway."],
 ))

@@ -175,8 +175,11 @@ def convert(fam: Family, hf_dir: Path, out_dir: Path) -> None:
         if fam_custom_converter(fam):
             fam_custom_converter(fam)(fam, hf_dir, dst, outtype)
             continue
+        src = hf_dir
+        if fam.convert_input:
+            src = fam.convert_input(hf_dir, hf_dir.parent / f"convert-input-{outtype}" / hf_dir.name, outtype)
         cmd = [sys.executable, str(HERE / "convert_wrapper.py"), "--llamacpp", str(LLAMACPP),
-               "--pre", fam.tokpre, str(hf_dir), "--outtype", outtype, "--outfile", str(dst)]
+               "--pre", fam.tokpre, str(src), "--outtype", outtype, "--outfile", str(dst)]
         if fam.raw_config_keys:
             cmd.append("--raw-config-keys")
         log(" ".join(cmd[1:]))
