@@ -237,3 +237,40 @@ fn prediction_accuracy_is_scored_against_the_step() {
         assert!((p.precision() - 0.5).abs() < 1e-9 && (p.recall() - 2.0 / 3.0).abs() < 1e-9);
     }
 }
+
+#[test]
+fn concurrent_steps_and_prefetch_share_one_small_cache() {
+    fn assert_sync<T: Send + Sync>() {}
+    assert_sync::<ExpertStore>();
+    let dir = tempfile::tempdir().unwrap();
+    let (layers, experts) = (3u32, 24u32);
+    let m = write_model(dir.path(), layers, experts, 40, 2, 10);
+    let budget = step_cost(&m, 8) * 3;
+    let store = cached(&m, budget, Some(PrefetchLimits { max_requests: 48, max_bytes: budget }));
+    std::thread::scope(|s| {
+        for seed in 0..2u64 {
+            let (store, m) = (&store, &m);
+            s.spawn(move || {
+                let mut router = ZipfRouter::new(layers, experts, 8, 1.0, 0.2, 40 + seed);
+                for _ in 0..60 {
+                    let routes = router.next_token();
+                    for layer in 0..layers {
+                        if layer + 1 < layers {
+                            store.prefetch(layer + 1, &routes[layer as usize + 1]);
+                        }
+                        let g = store.resolve(layer, &selections(&routes[layer as usize])).unwrap();
+                        for &e in g.experts() {
+                            for id in m.catalog.triple(layer, e).unwrap().slabs() {
+                                assert_eq!(g.slab(id).unwrap(), m.bytes(id), "{id}");
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    store.wait_prefetch_idle();
+    let c = store.stats().cache.unwrap();
+    assert!(c.peak_held_bytes <= budget, "{c:?}");
+    assert_eq!(store.stats().steps, 2 * 60 * layers as u64);
+}
