@@ -61,6 +61,8 @@ class Family:
     convert_input: Callable | None = None
     # Pass --raw-config-keys to convert_wrapper.py (see there).
     raw_config_keys: bool = False
+    # ... and --raw-config-prefer with these keys.
+    raw_config_prefer: tuple[str, ...] = ()
     # Special tokens put before the prompt (after BOS if any), e.g. GLM's
     # "[gMASK]<sop>" that its chat template opens with.
     prefix: list[str] = field(default_factory=list)
@@ -615,4 +617,50 @@ register(Family(
            "model-f32.gguf: everything but the experts F32 (the converter keeps float32 sources F32 whatever "
            "--outtype says).",
            "No MTP block (num_nextn_predict_layers 0): the converter leaves MTP out of the main GGUF anyway."],
+))
+
+
+def _qwen4exp_post_save(hf_dir):
+    # Qwen's checkpoints call the QSA layers "full_attention"; transformers
+    # renames them "indexed_attention" and saves that. Write the checkpoint's
+    # spelling back (transformers maps it again on load).
+    import json
+    p = hf_dir / "config.json"
+    c = json.loads(p.read_text())
+    c["layer_types"] = ["full_attention" if t == "indexed_attention" else t for t in c["layer_types"]]
+    p.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+
+
+register(Family(
+    name="qwen4_exp", arch="qwen4exp", model_type="qwen4_exp_text", model_class="Qwen4ExpForCausalLM",
+    config=dict(
+        QWEN35_COMMON,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True,
+        hc_count=4, hc_lowrank=16,
+        # PLE n-gram hash embeddings on layer 2 (1-based id; a GDN layer): 2- and
+        # 3-grams x 2 hashed heads of 16 dims, small prime vocabs, 2 shards
+        ple_layer_ids=[2], ple_embed_dim=64, ngram_size=3, heads_per_ngram=2, ple_conv_kernel_size=4,
+        ngram_vocab_size_base=64, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2,
+        # QSA on the full layer: 2 index heads x 16, one key head, keys pooled by 4, 8-token budget
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+        mtp_num_hidden_layers=0,
+    ),
+    tokpre="qwen35",
+    post_save=_qwen4exp_post_save, raw_config_prefer=("layer_types",),
+    numel_delta=-11,
+    numel_delta_why="the PLE hash constants (int64 layer_multipliers[3], ngram_heads_offsets[4], "
+                    "ngram_heads_vocab_sizes[4]) become GGUF metadata arrays, not tensors",
+    features=[f for f in QWEN35_FEATURES if not f.startswith("MTP")] + [
+        "4-stream hyper-connections (hc_count 4, low-rank 16 input mixer) in place of the layer norms, final mixer",
+        "QSA sparse attention on the full layer: indexer 2 heads x 16, 1 key head, compress ratio 4, budget 8",
+        "per-layer n-gram hash embeddings (PLE) on layer 1 (0-based): table split in 2 shards, depthwise conv k=4",
+        "MoE on every layer: softmax top-2 of 8 renormalised, shared expert with sigmoid gate"],
+    notes=[n for n in QWEN35_NOTES if not n.startswith("MTP")] + [
+        "No MTP: llama.cpp's qwen4exp converter drops the MTP head (supports_mtp_export False), so real GGUFs "
+        "have none either.",
+        "The converter concatenates the PLE shards into per_layer_token_embd.weight and stores the hash "
+        "constants as ple.* metadata; ple.layers are 0-based. PLE/indexer norm weights get +1 (zero-centred).",
+        "The converter splits indexer.index_qk_proj into indexer q and k projections.",
+        "In model-q8_0.gguf the converter stores the PLE conv kernel, the PLE table and the hc up-projections F16 (rows not a multiple of 32); the GDN conv kernel stays F32. In model-f32.gguf all are F32."],
 ))

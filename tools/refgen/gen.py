@@ -182,6 +182,8 @@ def convert(fam: Family, hf_dir: Path, out_dir: Path) -> None:
                "--pre", fam.tokpre, str(src), "--outtype", outtype, "--outfile", str(dst)]
         if fam.raw_config_keys:
             cmd.append("--raw-config-keys")
+        if fam.raw_config_prefer:
+            cmd += ["--raw-config-prefer", ",".join(fam.raw_config_prefer)]
         log(" ".join(cmd[1:]))
         r = subprocess.run(cmd, capture_output=True, text=True)
         (hf_dir.parent / f"convert-{outtype}.log").write_text(r.stdout + r.stderr)
