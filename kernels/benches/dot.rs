@@ -1,5 +1,10 @@
-//! Weight GB/s of `matvec` per format on a 4096 x 4096 matrix (decode shape),
-//! at the best SIMD level this CPU has, on one thread and on all threads.
+//! Weight GB/s per format:
+//! - `matvec_4096x4096_<isa>`: decode shape, the matrix streamed from memory
+//!   (9-64 MB), on one thread and on all threads;
+//! - `dot_cached_<isa>` / `dot_cached_scalar`: 16 rows of 8192 values that stay
+//!   in L2, so the kernel's arithmetic is what is measured;
+//! - `matmul_64tok_<isa>`: a 64-token prefill tile against 4096 x 4096, GB/s of
+//!   weights per pass (each weight is used 64 times).
 //!
 //!     CARGO_TARGET_DIR=/work/targets/kernels cargo bench -p pulsar-kernels --bench dot
 //!
@@ -8,7 +13,8 @@
 
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use criterion::measurement::WallTime;
 use pulsar_gguf::GgmlType;
 use pulsar_kernels::quant::{can_dot, random_blocks, random_values};
 use pulsar_kernels::{Activations, Kernels, WeightMatrix};
@@ -24,33 +30,75 @@ fn formats() -> Vec<GgmlType> {
     }
 }
 
-fn bench(c: &mut Criterion) {
+fn configure(g: &mut BenchmarkGroup<'_, WallTime>) {
     let secs: f64 = std::env::var("PULSAR_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0);
+    g.measurement_time(Duration::from_secs_f64(secs)).warm_up_time(Duration::from_millis(300)).sample_size(10);
+}
+
+fn pool(t: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool")
+}
+
+fn matvec(c: &mut Criterion) {
     let k = Kernels::detect();
     let all = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let mut threads = vec![1];
-    if all > 1 {
-        threads.push(all);
-    }
+    let threads = if all > 1 { vec![1, all] } else { vec![1] };
     let x = random_values(COLS, 1);
     let mut g = c.benchmark_group(format!("matvec_{ROWS}x{COLS}_{}", k.isa()));
-    g.measurement_time(Duration::from_secs_f64(secs)).warm_up_time(Duration::from_millis(500)).sample_size(10);
+    configure(&mut g);
     for ty in formats() {
-        let nb = ROWS * COLS / ty.block_elems() as usize;
-        let data = random_blocks(ty, nb, 7).expect("random blocks");
+        let data = random_blocks(ty, ROWS * COLS / ty.block_elems() as usize, 7).expect("blocks");
         let w = WeightMatrix::new(ty, &data, ROWS, COLS).expect("matrix");
         let a = Activations::for_weight(ty, &x, COLS).expect("activations");
         let mut y = vec![0f32; ROWS];
         g.throughput(Throughput::Bytes(data.len() as u64));
         for &t in &threads {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool");
-            g.bench_function(format!("{}/t{t}", ty.name()), |b| {
-                b.iter(|| k.matvec(&pool, &w, &a, &mut y).expect("matvec"))
-            });
+            let p = pool(t);
+            g.bench_function(format!("{}/t{t}", ty.name()), |b| b.iter(|| k.matvec(&p, &w, &a, &mut y).expect("matvec")));
         }
     }
     g.finish();
 }
 
-criterion_group!(benches, bench);
+fn dot_cached(c: &mut Criterion) {
+    const N: usize = 8192;
+    const R: usize = 16;
+    let x = random_values(N, 2);
+    for k in [Kernels::detect(), Kernels::scalar()] {
+        let mut g = c.benchmark_group(format!("dot_cached_{}", k.isa()));
+        configure(&mut g);
+        for ty in formats() {
+            let data = random_blocks(ty, R * N / ty.block_elems() as usize, 8).expect("blocks");
+            let rb = data.len() / R;
+            let a = Activations::for_weight(ty, &x, N).expect("activations");
+            let r = a.row(0).expect("row");
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            g.bench_function(ty.name(), |b| {
+                b.iter(|| (0..R).map(|i| k.dot(ty, &data[i * rb..(i + 1) * rb], r).expect("dot")).sum::<f32>())
+            });
+        }
+        g.finish();
+    }
+}
+
+fn matmul(c: &mut Criterion) {
+    const T: usize = 64;
+    let k = Kernels::detect();
+    let all = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let p = pool(all);
+    let x = random_values(T * COLS, 3);
+    let mut g = c.benchmark_group(format!("matmul_{T}tok_{}_t{all}", k.isa()));
+    configure(&mut g);
+    for ty in formats().into_iter().filter(|t| matches!(t, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::IQ2_XXS)) {
+        let data = random_blocks(ty, ROWS * COLS / ty.block_elems() as usize, 9).expect("blocks");
+        let w = WeightMatrix::new(ty, &data, ROWS, COLS).expect("matrix");
+        let a = Activations::for_weight(ty, &x, COLS).expect("activations");
+        let mut y = vec![0f32; T * ROWS];
+        g.throughput(Throughput::Bytes(data.len() as u64));
+        g.bench_function(ty.name(), |b| b.iter(|| k.matmul(&p, &w, &a, &mut y).expect("matmul")));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, matvec, dot_cached, matmul);
 criterion_main!(benches);
