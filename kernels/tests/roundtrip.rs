@@ -7,9 +7,10 @@
 //! Integer formats, with `step` the level spacing of each block or sub-block
 //! (q8_0: amax/127, q8_K: amax/127, q4_0: amax/8, q5_0: amax/16,
 //! q4_1: (max-min)/15, q5_1: (max-min)/31, q4_K: (max - min(0, min))/15 per 32,
-//! q2_K: the same /3 per 16, q6_K: amax/32 per 16):
-//! - RMSE <= 0.35 * RMS(step) (0.40 for q6_K, whose extreme level is clamped
-//!   and whose 8-bit scale codes round): nearest rounding alone gives
+//! q5_K: the same /31 per 32, q2_K: the same /3 per 16, q3_K: amax/4 per 16,
+//! q6_K: amax/32 per 16):
+//! - RMSE <= 0.35 * RMS(step) (0.40 for q3_K and q6_K, whose extreme level is
+//!   clamped and whose signed scale codes round): nearest rounding alone gives
 //!   step/sqrt(12) = 0.289 step; anything biased (truncation, a wrong scale) is
 //!   far above;
 //! - max error (the 32-block formats and q8_K): half a step, plus the f16
@@ -153,12 +154,16 @@ proptest! {
         prop_assert!(rmse_over_step(&x, &y, 16, |c| range(c, true) / 3.0) <= 0.35, "q2_K");
         let y = round_trip(GgmlType::Q6_K, &x);
         prop_assert!(rmse_over_step(&x, &y, 16, |c| amax(c) / 32.0) <= 0.40, "q6_K");
+        let y = round_trip(GgmlType::Q5_K, &x);
+        prop_assert!(rmse_over_step(&x, &y, 32, |c| range(c, true) / 31.0) <= 0.35, "q5_K");
+        let y = round_trip(GgmlType::Q3_K, &x);
+        prop_assert!(rmse_over_step(&x, &y, 16, |c| amax(c) / 4.0) <= 0.40, "q3_K");
     }
 }
 
 #[test]
 fn zeros_and_constants_round_trip_exactly() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_K, GgmlType::Q4_K, GgmlType::Q2_K, GgmlType::Q6_K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_K, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
         let z = vec![0f32; 512];
         assert_eq!(round_trip(ty, &z), z, "{ty}");
     }

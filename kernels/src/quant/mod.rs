@@ -97,7 +97,7 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
 /// Whether [`quantize`] handles `ty`.
 pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_K | Q2_K | Q4_K | Q6_K)
+    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_K | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
 }
 
 /// Whether [`Kernels::dot`] (and so the matvec) handles weights of `ty`.
@@ -172,7 +172,9 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q8_0 => q8_0::quantize(src, dst),
         Q8_K => q8_k::quantize(src, dst),
         Q2_K => q2_k::quantize(src, dst),
+        Q3_K => q3_k::quantize(src, dst),
         Q4_K => q4_k::quantize(src, dst),
+        Q5_K => q5_k::quantize(src, dst),
         Q6_K => q6_k::quantize(src, dst),
         _ => unreachable!("can_quantize lists exactly the types above"),
     }

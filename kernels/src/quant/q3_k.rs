@@ -4,7 +4,7 @@
 //! bits from `qs[32c + l] >> 2s` and high bit `hmask[l] >> (4c + s)`;
 //! q = low - (high ? 0 : 4); value = `d * (sc_j - 32) * q`. Dots against `q8_K`.
 
-use super::{q8_k, rd_f16};
+use super::{q8_k, rd_f16, wr_f16};
 
 pub(crate) const QK: usize = 256;
 pub(crate) const BYTES: usize = 110;
@@ -39,6 +39,40 @@ pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
         for (e, ye) in y.iter_mut().enumerate() {
             let dl = d * sc[e / 16] as f32;
             *ye = dl * (level(b, e) as i8 - 4) as f32;
+        }
+    }
+}
+
+/// Our own quantizer: per run of 16 the signed extreme maps to level -4
+/// (`s = max / -4`), the sixteen scales get signed 6-bit codes under
+/// `d = max|s| / 31`, and each value takes its nearest level in -4..=3 under
+/// the stored scale.
+pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BYTES)) {
+        let mut s = [0f32; 16];
+        for (j, sj) in s.iter_mut().enumerate() {
+            *sj = super::q4_0::signed_absmax(&x[16 * j..16 * j + 16]) / -4.0;
+        }
+        let smax = s.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = half::f16::from_f32(smax / 31.0).to_f32();
+        wr_f16(b, D, d);
+        b[..D].fill(0);
+        for j in 0..16 {
+            let code = if d > 0.0 { (s[j] / d).round().clamp(-32.0, 31.0) as i32 } else { 0 };
+            let v = (code + 32) as u8;
+            if j < 8 {
+                b[SC + j] |= v & 0x0f;
+            } else {
+                b[SC + j - 8] |= (v & 0x0f) << 4;
+            }
+            b[SC + 8 + j % 4] |= (v >> 4) << (2 * (j / 4));
+            let dl = d * code as f32;
+            for e in 16 * j..16 * j + 16 {
+                let q = if dl != 0.0 { (x[e] / dl).round().clamp(-4.0, 3.0) as i32 + 4 } else { 4 } as u8;
+                let (c, sh, l) = (e / 128, (e % 128) / 32, e % 32);
+                b[QS + 32 * c + l] |= (q & 3) << (2 * sh);
+                b[l] |= (q >> 2) << (4 * c + sh);
+            }
         }
     }
 }

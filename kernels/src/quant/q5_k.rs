@@ -4,8 +4,9 @@
 //! `qs[32c..]`) takes its fifth bit from bit j of `qh[l]`; value =
 //! `d*sc_j*q - dmin*m_j`. Dots against `q8_K`.
 
-use super::q4_k::scales_mins;
-use super::{q8_k, rd_f16};
+use super::fit::{fit_scale_min, level as fit_level, quantize_scales};
+use super::q4_k::{pack_scales_mins, scales_mins};
+use super::{q8_k, rd_f16, wr_f16};
 
 pub(crate) const QK: usize = 256;
 pub(crate) const BYTES: usize = 176;
@@ -26,6 +27,33 @@ pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
             let (dl, ml) = (d * sc[j] as f32, dmin * m[j] as f32);
             for l in 0..32 {
                 y[32 * j + l] = dl * level(b, j, l) as f32 - ml;
+            }
+        }
+    }
+}
+
+/// Our own quantizer, as q4_K's with 32 levels: least-squares scale/min per
+/// run of 32, 6-bit codes under f16 superblock scales, nearest levels under the
+/// stored scale and min.
+pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BYTES)) {
+        let (mut s, mut mn) = ([0f32; 8], [0f32; 8]);
+        for j in 0..8 {
+            (s[j], mn[j]) = fit_scale_min(&x[32 * j..32 * j + 32], 31);
+        }
+        let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
+        let d = quantize_scales(&s, 63, &mut sc);
+        let dmin = quantize_scales(&mn, 63, &mut m);
+        wr_f16(b, 0, d);
+        wr_f16(b, 2, dmin);
+        pack_scales_mins(&sc, &m, &mut b[4..16]);
+        b[QH..].fill(0);
+        for j in 0..8 {
+            let (sj, bj) = (d * sc[j] as f32, dmin * m[j] as f32);
+            for l in 0..32 {
+                let q = fit_level(x[32 * j + l], sj, bj, 31);
+                b[QS + 32 * (j / 2) + l] |= (q & 0x0f) << (4 * (j % 2));
+                b[QH + l] |= (q >> 4) << j;
             }
         }
     }
