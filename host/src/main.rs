@@ -1,1 +1,87 @@
-fn main() {}
+//! `pulsar-host`: run giant MoE models from GGUF files through family plugins.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use pulsar_host::cli;
+use pulsar_host::config::{self, Config, FileConfig};
+
+#[derive(Parser, Debug)]
+#[command(name = "pulsar-host", version, about = "Run Mixture-of-Experts GGUF models through model-family plugins", long_about = None)]
+struct Cli {
+    /// Extra plugin folder, searched first (repeatable).
+    #[arg(long = "plugin-dir", global = true, value_name = "DIR", env = "PULSAR_PLUGIN_DIR")]
+    plugin_dir: Vec<PathBuf>,
+    /// Compute threads (default: the number of cores).
+    #[arg(long, short = 't', global = true, env = "PULSAR_THREADS")]
+    threads: Option<usize>,
+    /// Config file (TOML; default ~/.config/pulsar/config.toml when it exists).
+    #[arg(long, global = true, env = "PULSAR_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Print the resolved configuration and where each value came from, then continue.
+    #[arg(long, global = true)]
+    print_config: bool,
+    /// More logging (-v info, -vv debug) and full diagnostics.
+    #[arg(long, short = 'v', global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// List every plugin found, with version, architectures, API requirement and status.
+    Archs(cli::archs::Args),
+    /// Show a GGUF file: header, metadata, tensors, totals per type, expert bytes per layer.
+    Inspect(cli::inspect::Args),
+    /// Generate text, chat, or check a model (teacher forcing, decode consistency).
+    Run(Box<cli::run::Args>),
+    /// Write a synthetic model of a real family's geometry with random weights.
+    Synth(cli::synth::Args),
+}
+
+fn main() -> ExitCode {
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    let level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("PULSAR_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+
+    let result = (|| -> anyhow::Result<ExitCode> {
+        let config_file = cli.config.clone().or_else(|| FileConfig::default_path().filter(|p| p.is_file()));
+        let file = match &config_file {
+            Some(p) => FileConfig::load(p)?,
+            None => FileConfig::default(),
+        };
+        let cfg = Config {
+            threads: config::resolve(&matches, "threads", cli.threads, file.threads, config::default_threads),
+            ctx: config::Setting { value: None, source: config::Source::Default },
+            plugin_dirs: config::resolve(&matches, "plugin_dir", Some(cli.plugin_dir.clone()), file.plugin_dirs.clone(), Vec::new),
+            plugin_path_env: std::env::var("PULSAR_PLUGIN_PATH").ok(),
+            config_file,
+        };
+        let sub = matches.subcommand().map(|(_, m)| m.clone()).unwrap_or_default();
+        let ctx = cli::Ctx { cfg, file, verbose: cli.verbose, print_config: cli.print_config, sub };
+        match cli.cmd {
+            Cmd::Archs(a) => cli::archs::main(&ctx, a),
+            Cmd::Inspect(a) => cli::inspect::main(&ctx, a),
+            Cmd::Run(a) => cli::run::main(ctx, *a),
+            Cmd::Synth(a) => cli::synth::main(&ctx, a),
+        }
+    })();
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

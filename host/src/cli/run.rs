@@ -1,0 +1,296 @@
+//! `pulsar-host run`: generate, chat, or check a model.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Context;
+use pulsar_tokenizer::Tokenizer;
+
+use super::Ctx;
+use crate::chat::{ChatTemplate, Message};
+use crate::config::{self, Setting};
+use crate::cpu::{moe::MappedExperts, CpuBackend};
+use crate::engine::Engine;
+use crate::model::Model;
+use crate::sample::{argmax, Sampler, SamplerConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The GGUF model (default: a built-in tiny synthetic model, created on first use).
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// Prompt text.
+    #[arg(short = 'p', long = "prompt")]
+    pub prompt: Option<String>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
+    pub n_predict: usize,
+    /// Context length (default: the model's, capped at 4096).
+    #[arg(long, env = "PULSAR_CTX")]
+    pub ctx: Option<usize>,
+    /// Do not add the vocabulary's BOS token to the prompt.
+    #[arg(long)]
+    pub no_bos: bool,
+    /// Prompt as token ids (`1,2,3`) instead of text; used as given.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+    /// Sampling temperature (0 = greedy, the default).
+    #[arg(long, default_value_t = 0.0)]
+    pub temp: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 0x5eed)]
+    pub seed: u64,
+    /// Interactive multi-turn chat on stdin (the KV cache is kept across turns).
+    #[arg(long)]
+    pub chat: bool,
+    /// System prompt for --chat.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Write the logits of every prompt position to a NumPy .npy [n_tokens, n_vocab].
+    #[arg(long, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
+    /// Print, per prompt position, the token and the five highest next-token logits (JSON Lines).
+    #[arg(long)]
+    pub teacher_force: bool,
+    /// Decode N tokens, prefill the same sequence fresh, report max |Δlogit|.
+    #[arg(long, value_name = "N")]
+    pub decode_consistency: Option<usize>,
+    /// Use this plugin instead of the one `general.architecture` selects.
+    #[arg(long, value_name = "NAME")]
+    pub arch_plugin: Option<String>,
+    /// Largest prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    pub ubatch: usize,
+}
+
+struct Timing {
+    prefill_tokens: usize,
+    prefill_secs: f64,
+    decode_tokens: usize,
+    decode_secs: f64,
+}
+
+impl Timing {
+    fn line(&self) -> String {
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        format!(
+            "prefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+            self.prefill_tokens,
+            rate(self.prefill_tokens, self.prefill_secs),
+            self.decode_tokens,
+            rate(self.decode_tokens, self.decode_secs)
+        )
+    }
+}
+
+fn prompt_tokens(a: &Args, tok: &Tokenizer, text: &str) -> Vec<u32> {
+    if let Some(t) = &a.tokens {
+        return t.clone();
+    }
+    let mut ids = Vec::new();
+    if tok.add_bos() && !a.no_bos {
+        ids.extend(tok.bos());
+    }
+    ids.extend(tok.encode(text, false, true));
+    ids
+}
+
+pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
+    let model_path = match &a.model {
+        Some(p) => p.clone(),
+        None => {
+            let p = crate::synth::default_model()?;
+            eprintln!("no -m given: running the built-in default model {} (random weights: the text is noise)", p.display());
+            p
+        }
+    };
+    ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
+    if ctx.print_config {
+        eprint!("{}", ctx.cfg.print());
+    }
+    let t_load = Instant::now();
+    let model = ctx.open_model(&model_path, a.arch_plugin.as_deref())?;
+    let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
+    let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
+    let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
+    let experts = MappedExperts;
+    let mut engine = Engine::new(&model, &cpu, &experts, n_ctx);
+    engine.ubatch = a.ubatch.max(1);
+    let mem = model.memory_plan();
+    tracing::info!(
+        "loaded {} ({}, plugin {}) in {:.2} s: {:.1} MiB resident, {:.1} MiB routed experts, ctx {n_ctx}, {} threads ({})",
+        model_path.display(),
+        model.arch,
+        model.plugin,
+        t_load.elapsed().as_secs_f64(),
+        mem.resident_bytes as f64 / 1048576.0,
+        mem.expert_bytes as f64 / 1048576.0,
+        cpu.pool.current_num_threads(),
+        cpu.kernels.isa().name(),
+    );
+    let sampling = SamplerConfig { temperature: a.temp, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, seed: a.seed };
+    sampling.validate().map_err(|e| anyhow::anyhow!(e))?;
+    let _ = Setting { value: (), source: config::Source::Default };
+
+    if a.chat {
+        return chat(&a, &model, &tok, &mut engine, sampling);
+    }
+    let text = a.prompt.clone().unwrap_or_default();
+    let prompt = prompt_tokens(&a, &tok, &text);
+    if prompt.is_empty() {
+        anyhow::bail!("the prompt is empty: give -p TEXT or --tokens (the vocabulary adds no BOS)");
+    }
+    if let Some(n) = a.decode_consistency {
+        return decode_consistency(&mut engine, &prompt, n);
+    }
+    let want_all = a.teacher_force || a.dump_logits.is_some();
+    let t0 = Instant::now();
+    let logits = engine.forward(&prompt, want_all)?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    if let Some(path) = &a.dump_logits {
+        let vocab = logits.first().map_or(0, |r| r.len());
+        let flat: Vec<f32> = logits.iter().flatten().copied().collect();
+        crate::npy::write_f32(path, &[logits.len(), vocab], &flat).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote logits [{}, {vocab}] to {}", logits.len(), path.display());
+    }
+    if a.teacher_force {
+        let out = std::io::stdout();
+        let mut out = out.lock();
+        for (pos, (row, &token)) in logits.iter().zip(&prompt).enumerate() {
+            let mut idx: Vec<usize> = (0..row.len()).collect();
+            idx.sort_by(|&x, &y| row[y].partial_cmp(&row[x]).unwrap_or(std::cmp::Ordering::Equal).then(x.cmp(&y)));
+            let top: Vec<(usize, f32)> = idx.iter().take(5).map(|&i| (i, row[i])).collect();
+            writeln!(out, "{}", serde_json::json!({"pos": pos, "token": token, "top": top}))?;
+        }
+        eprintln!("{}", Timing { prefill_tokens: prompt.len(), prefill_secs, decode_tokens: 0, decode_secs: 0.0 }.line());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut sampler = Sampler::new(sampling);
+    let mut next = sampler.sample(logits.last().expect("one row"));
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if a.tokens.is_none() {
+        write!(out, "{text}")?;
+    }
+    let mut dec = tok.stream_decoder(true);
+    let t1 = Instant::now();
+    let mut generated = 0;
+    let stops = stop_ids(&model, &tok);
+    while generated < a.n_predict {
+        if stops.contains(&next) {
+            break;
+        }
+        write!(out, "{}", dec.push(next))?;
+        out.flush()?;
+        generated += 1;
+        if generated == a.n_predict || engine.n_past + 1 > engine.n_ctx() {
+            break;
+        }
+        let l = engine.forward(&[next], false)?;
+        next = sampler.sample(&l[0]);
+    }
+    writeln!(out, "{}", dec.finish())?;
+    let decode_secs = t1.elapsed().as_secs_f64();
+    // The first generated token comes from the prefill's logits.
+    let decode_tokens = generated.saturating_sub(1);
+    eprintln!("{}", Timing { prefill_tokens: prompt.len(), prefill_secs, decode_tokens, decode_secs }.line());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Token ids that end a turn: the vocabulary's stops plus the plugin's markers.
+fn stop_ids(model: &Model, tok: &Tokenizer) -> Vec<u32> {
+    let mut v: Vec<u32> = tok.stop_tokens().to_vec();
+    for m in model.chat.stop_markers.iter() {
+        if let Some(id) = tok.token_id(m.as_str()) {
+            v.push(id);
+        }
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn decode_consistency(engine: &mut Engine<'_>, prompt: &[u32], n: usize) -> anyhow::Result<ExitCode> {
+    // Incremental: prefill the prompt, then one token at a time (greedy).
+    let mut seq = prompt.to_vec();
+    let mut inc: Vec<Vec<f32>> = vec![engine.forward(prompt, false)?.pop().expect("one row")];
+    for _ in 0..n {
+        let next = argmax(inc.last().expect("non-empty"));
+        seq.push(next);
+        inc.push(engine.forward(&[next], false)?.pop().expect("one row"));
+    }
+    // Fresh: the whole sequence in one prefill, every row's logits.
+    engine.reset();
+    let fresh = engine.forward(&seq, true)?;
+    let mut max = 0f32;
+    for (i, row) in inc.iter().enumerate() {
+        let f = &fresh[prompt.len() - 1 + i];
+        for (x, y) in row.iter().zip(f) {
+            max = max.max((x - y).abs());
+        }
+    }
+    println!("decode-consistency: {n} decoded tokens, {} positions compared, max |Δlogit| = {max:e}", inc.len());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
+    let gguf_tpl = model.file.metadata().get_str("tokenizer.chat_template")?;
+    let piece = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_string();
+    let tpl = ChatTemplate::new(gguf_tpl, model.chat.fallback_template.as_ref().map(|s| s.as_str()).into_option(), &piece(tok.bos()), &piece(tok.eos()))?;
+    let mut messages = Vec::new();
+    if let Some(s) = &a.system {
+        messages.push(Message { role: "system".into(), content: s.clone() });
+    }
+    let stops = stop_ids(model, tok);
+    let mut sampler = Sampler::new(sampling);
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    eprintln!("chat with {} (template: {}); an empty line or EOF ends it", model.arch, tpl.source);
+    loop {
+        write!(out, "> ")?;
+        out.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        messages.push(Message { role: "user".into(), content: line.trim_end().to_string() });
+        let text = tpl.render(&messages, true)?;
+        // The template adds BOS itself when the family wants one.
+        let ids = tok.encode(&text, false, true);
+        // Reuse the cached prefix shared with the previous turns.
+        let common = engine.history.iter().zip(&ids).take_while(|(x, y)| x == y).count().min(ids.len() - 1);
+        engine.truncate(common);
+        let t0 = Instant::now();
+        let mut logits = engine.forward(&ids[common..], false)?.pop().expect("one row");
+        let prefill = (ids.len() - common, t0.elapsed().as_secs_f64());
+        let mut reply = Vec::new();
+        let mut dec = tok.stream_decoder(true);
+        let t1 = Instant::now();
+        for _ in 0..a.n_predict {
+            let next = sampler.sample(&logits);
+            if stops.contains(&next) {
+                break;
+            }
+            reply.push(next);
+            write!(out, "{}", dec.push(next))?;
+            out.flush()?;
+            if engine.n_past + 1 > engine.n_ctx() {
+                eprintln!("\n[context full]");
+                break;
+            }
+            logits = engine.forward(&[next], false)?.pop().expect("one row");
+        }
+        writeln!(out, "{}", dec.finish())?;
+        let timing = Timing { prefill_tokens: prefill.0, prefill_secs: prefill.1, decode_tokens: reply.len(), decode_secs: t1.elapsed().as_secs_f64() };
+        eprintln!("[{}]", timing.line());
+        messages.push(Message { role: "assistant".into(), content: tok.decode(&reply) });
+    }
+    Ok(ExitCode::SUCCESS)
+}

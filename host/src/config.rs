@@ -1,0 +1,113 @@
+//! One configuration, resolved once at start-up: command-line flag >
+//! `PULSAR_*` environment variable > config file > measured default.
+//! `--print-config` shows every value and where it came from.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use clap::ArgMatches;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Source {
+    Flag,
+    Env,
+    File,
+    Default,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Source::Flag => "flag",
+            Source::Env => "env",
+            Source::File => "config file",
+            Source::Default => "default",
+        })
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Setting<T> {
+    pub value: T,
+    pub source: Source,
+}
+
+/// Keys a config file may set (TOML, every key optional).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub threads: Option<usize>,
+    pub ctx: Option<usize>,
+    pub plugin_dirs: Option<Vec<PathBuf>>,
+    pub host_cache_gb: Option<f64>,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> anyhow::Result<FileConfig> {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("config file {}: {}", path.display(), e.to_string().lines().next().unwrap_or("")))
+    }
+
+    /// `$XDG_CONFIG_HOME/pulsar/config.toml` or `~/.config/pulsar/config.toml`.
+    pub fn default_path() -> Option<PathBuf> {
+        let base = std::env::var_os("XDG_CONFIG_HOME")
+            .filter(|x| !x.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?;
+        Some(base.join("pulsar").join("config.toml"))
+    }
+}
+
+/// Where a clap argument's value came from, if it was given at all.
+fn given(m: &ArgMatches, id: &str) -> Option<Source> {
+    match m.try_contains_id(id).ok().and_then(|has| has.then(|| m.value_source(id)).flatten()) {
+        Some(ValueSource::CommandLine) => Some(Source::Flag),
+        Some(ValueSource::EnvVariable) => Some(Source::Env),
+        _ => None,
+    }
+}
+
+/// Resolve one setting from the CLI/env value, the file value and a default.
+pub fn resolve<T: Clone>(m: &ArgMatches, id: &str, cli: Option<T>, file: Option<T>, default: impl FnOnce() -> T) -> Setting<T> {
+    if let (Some(src), Some(v)) = (given(m, id), cli) {
+        return Setting { value: v, source: src };
+    }
+    if let Some(v) = file {
+        return Setting { value: v, source: Source::File };
+    }
+    Setting { value: default(), source: Source::Default }
+}
+
+/// The settings every subcommand shares.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Config {
+    pub threads: Setting<usize>,
+    /// `None` = the model's training context, capped at 4096.
+    pub ctx: Setting<Option<usize>>,
+    pub plugin_dirs: Setting<Vec<PathBuf>>,
+    pub plugin_path_env: Option<String>,
+    pub config_file: Option<PathBuf>,
+}
+
+impl Config {
+    pub fn print(&self) -> String {
+        let mut s = String::new();
+        let row = |s: &mut String, k: &str, v: String, src: Source| s.push_str(&format!("{k:<14} {v:<40} ({src})\n"));
+        row(&mut s, "threads", self.threads.value.to_string(), self.threads.source);
+        row(&mut s, "ctx", self.ctx.value.map_or("model default (<= 4096)".into(), |c| c.to_string()), self.ctx.source);
+        let dirs: Vec<String> = self.plugin_dirs.value.iter().map(|d| d.display().to_string()).collect();
+        row(&mut s, "plugin_dirs", if dirs.is_empty() { "(none)".into() } else { dirs.join(":") }, self.plugin_dirs.source);
+        s.push_str(&format!("{:<14} {}\n", "plugin_path", self.plugin_path_env.as_deref().unwrap_or("(PULSAR_PLUGIN_PATH unset)")));
+        s.push_str(&format!(
+            "{:<14} {}\n",
+            "config_file",
+            self.config_file.as_ref().map_or("(none)".into(), |p| p.display().to_string())
+        ));
+        s
+    }
+}
+
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}

@@ -1,0 +1,14 @@
+//! The Pulsar host runtime: model loading through family plugins, the CPU
+//! backend, tokenization, chat templates, sampling and the `pulsar-host`
+//! subcommands.
+
+pub mod chat;
+pub mod cli;
+pub mod config;
+pub mod cpu;
+pub mod engine;
+pub mod model;
+pub mod npy;
+pub mod sample;
+pub mod synth;
+pub mod tok;

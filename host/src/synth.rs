@@ -1,0 +1,245 @@
+//! Synthetic models: valid GGUFs of a real family's geometry with random,
+//! well-scaled weights, for benchmarks and for the built-in default model.
+//!
+//! Weights are uniform with the variance of a 1/sqrt(fan_in) init, so
+//! activations stay O(1) through any number of layers; norms are 1. Every
+//! row is generated from its own seed (tensor index, row), so the output does
+//! not depend on the thread count. The vocabulary is GPT-2 byte-level: 256
+//! byte tokens plus three specials, no merges, so any tool can tokenize.
+
+use std::path::Path;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use pulsar_gguf::{GgmlType, GgufWriter, Value};
+use rayon::prelude::*;
+
+use crate::sample::Rng;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthSpec {
+    pub arch: String,
+    pub n_layers: u32,
+    pub n_embd: u32,
+    pub n_head: u32,
+    pub n_kv_head: u32,
+    pub head_dim: u32,
+    pub n_expert: u32,
+    pub n_expert_used: u32,
+    pub n_ff_exp: u32,
+    pub expert_type: GgmlType,
+    /// Attention, embedding and output weights.
+    pub dense_type: GgmlType,
+    pub n_ctx: u32,
+    pub seed: u64,
+}
+
+/// Named geometries of real models.
+pub fn preset(name: &str) -> anyhow::Result<SynthSpec> {
+    let base = |n_layers, n_embd, n_head, n_kv_head, head_dim, n_expert, n_expert_used, n_ff_exp| SynthSpec {
+        arch: "qwen3moe".into(),
+        n_layers,
+        n_embd,
+        n_head,
+        n_kv_head,
+        head_dim,
+        n_expert,
+        n_expert_used,
+        n_ff_exp,
+        expert_type: GgmlType::Q4_K,
+        dense_type: GgmlType::Q8_0,
+        n_ctx: 4096,
+        seed: 1,
+    };
+    Ok(match name {
+        // The built-in default: small enough to create in a second on first use.
+        "tiny" => SynthSpec { expert_type: GgmlType::Q8_0, ..base(4, 128, 4, 2, 32, 16, 4, 64) },
+        "qwen3-30b-a3b" => base(48, 2048, 32, 4, 128, 128, 8, 768),
+        "qwen3-235b-a22b" => base(94, 4096, 64, 4, 128, 128, 8, 1536),
+        other => anyhow::bail!("unknown preset `{other}` (known: tiny, qwen3-30b-a3b, qwen3-235b-a22b)"),
+    })
+}
+
+/// GPT-2's printable spelling of each byte.
+fn byte_token(b: u8) -> String {
+    let printable = |c: u8| (b'!'..=b'~').contains(&c) || (0xA1..=0xAC).contains(&c) || (0xAE..=0xFF).contains(&c);
+    if printable(b) {
+        return char::from(b).to_string();
+    }
+    let n = (0..b).filter(|&c| !printable(c)).count() as u32;
+    char::from_u32(256 + n).expect("valid code point").to_string()
+}
+
+pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+struct TensorPlan {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    /// Values are uniform in [-a, a] (or exactly `a` for norms).
+    amp: f32,
+    constant: bool,
+}
+
+fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
+    let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
+    let (nq, nkv, nx, ff) = (s.n_head as u64 * hd, s.n_kv_head as u64 * hd, s.n_expert as u64, s.n_ff_exp as u64);
+    // Uniform [-a, a] has variance a^2/3: a = sqrt(3/fan_in) gives variance 1/fan_in.
+    let lin = |fan_in: u64| (3.0 / fan_in as f32).sqrt();
+    let t = |name: String, dims: Vec<u64>, ty: GgmlType, amp: f32| TensorPlan { name, dims, ty, amp, constant: false };
+    let norm = |name: String, n: u64| TensorPlan { name, dims: vec![n], ty: GgmlType::F32, amp: 1.0, constant: true };
+    let mut v = vec![
+        t("token_embd.weight".into(), vec![e, n_vocab], s.dense_type, 1.0),
+        norm("output_norm.weight".into(), e),
+        t("output.weight".into(), vec![e, n_vocab], s.dense_type, lin(e)),
+    ];
+    for l in 0..s.n_layers {
+        let n = |x: &str| format!("blk.{l}.{x}.weight");
+        v.push(norm(n("attn_norm"), e));
+        v.push(t(n("attn_q"), vec![e, nq], s.dense_type, lin(e)));
+        v.push(t(n("attn_k"), vec![e, nkv], s.dense_type, lin(e)));
+        v.push(t(n("attn_v"), vec![e, nkv], s.dense_type, lin(e)));
+        v.push(t(n("attn_output"), vec![nq, e], s.dense_type, lin(nq)));
+        v.push(norm(n("attn_q_norm"), hd));
+        v.push(norm(n("attn_k_norm"), hd));
+        v.push(norm(n("ffn_norm"), e));
+        v.push(t(n("ffn_gate_inp"), vec![e, nx], GgmlType::F32, lin(e)));
+        v.push(t(n("ffn_gate_exps"), vec![e, ff, nx], s.expert_type, lin(e)));
+        v.push(t(n("ffn_up_exps"), vec![e, ff, nx], s.expert_type, lin(e)));
+        v.push(t(n("ffn_down_exps"), vec![ff, e, nx], s.expert_type, lin(ff)));
+    }
+    v
+}
+
+/// Total bytes the file's tensors will take.
+pub fn tensor_bytes(s: &SynthSpec) -> u64 {
+    tensors(s, 256 + SPECIALS.len() as u64).iter().map(|t| pulsar_gguf::tensor_bytes(t.ty, &t.dims).unwrap_or(0)).sum()
+}
+
+/// Write the model to `path`; `progress` shows a bar on stderr.
+pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
+    if s.n_kv_head == 0 || s.n_head % s.n_kv_head != 0 || s.n_expert_used == 0 || s.n_expert_used > s.n_expert {
+        anyhow::bail!("inconsistent geometry: {s:?}");
+    }
+    let mut tokens: Vec<String> = (0..=255u8).map(byte_token).collect();
+    tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
+    let n_vocab = tokens.len() as u64;
+    let mut types = vec![1i32; 256];
+    types.extend([3, 3, 3]);
+    let mut w = GgufWriter::new();
+    let a = &s.arch;
+    let kv: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), a.as_str().into()),
+        ("general.name".into(), format!("synthetic {a} {}L", s.n_layers).as_str().into()),
+        (format!("{a}.block_count"), s.n_layers.into()),
+        (format!("{a}.context_length"), s.n_ctx.into()),
+        (format!("{a}.embedding_length"), s.n_embd.into()),
+        (format!("{a}.feed_forward_length"), (s.n_ff_exp * s.n_expert_used).into()),
+        (format!("{a}.attention.head_count"), s.n_head.into()),
+        (format!("{a}.attention.head_count_kv"), s.n_kv_head.into()),
+        (format!("{a}.attention.key_length"), s.head_dim.into()),
+        (format!("{a}.attention.value_length"), s.head_dim.into()),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6f32.into()),
+        (format!("{a}.rope.freq_base"), 1_000_000f32.into()),
+        (format!("{a}.expert_count"), s.n_expert.into()),
+        (format!("{a}.expert_used_count"), s.n_expert_used.into()),
+        (format!("{a}.expert_feed_forward_length"), s.n_ff_exp.into()),
+        ("tokenizer.ggml.model".into(), "gpt2".into()),
+        ("tokenizer.ggml.pre".into(), "qwen2".into()),
+        ("tokenizer.ggml.tokens".into(), Value::from(tokens.iter().map(String::as_str).collect::<Vec<&str>>())),
+        ("tokenizer.ggml.token_type".into(), Value::from(types)),
+        ("tokenizer.ggml.merges".into(), Value::from(Vec::<&str>::new())),
+        ("tokenizer.ggml.eos_token_id".into(), 256u32.into()),
+        ("tokenizer.ggml.bos_token_id".into(), 256u32.into()),
+        ("tokenizer.ggml.add_bos_token".into(), false.into()),
+    ];
+    for (k, v) in kv {
+        w.add_kv(k, v)?;
+    }
+    let plan = tensors(s, n_vocab);
+    for t in &plan {
+        w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
+    }
+    let total: u64 = plan.iter().map(|t| pulsar_gguf::tensor_bytes(t.ty, &t.dims).unwrap_or(0)).sum();
+    let bar = if progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!("synth {}", path.display()));
+    let tmp = path.with_extension("gguf.partial");
+    let mut out = w.create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    for (ti, t) in plan.iter().enumerate() {
+        let cols = t.dims[0] as usize;
+        let row_bytes = t.ty.row_bytes(cols as u64).context("row is not whole blocks")? as usize;
+        let seed = s.seed ^ ((ti as u64) << 32);
+        out.write_tensor_with(&t.name, |offset, buf| {
+            let first_row = offset as usize / row_bytes;
+            buf.par_chunks_mut(row_bytes).enumerate().try_for_each(|(i, dst)| {
+                let mut rng = Rng::new(seed.wrapping_add((first_row + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let vals: Vec<f32> = if t.constant {
+                    vec![t.amp; cols]
+                } else {
+                    (0..cols).map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * t.amp).collect()
+                };
+                pulsar_kernels::quantize(t.ty, &vals, dst).map_err(|e| std::io::Error::other(format!("{}: {e}", t.name)))
+            })?;
+            bar.inc(buf.len() as u64);
+            Ok(())
+        })?;
+    }
+    out.finish()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", tmp.display()))?;
+    bar.finish_and_clear();
+    Ok(())
+}
+
+/// The built-in default model, created in the cache folder on first use.
+pub fn default_model() -> anyhow::Result<std::path::PathBuf> {
+    let dir = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|x| !x.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("pulsar");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let path = dir.join("default-tiny-qwen3moe.gguf");
+    if !path.is_file() {
+        eprintln!("creating the built-in default model (a tiny synthetic qwen3moe) at {}", path.display());
+        write(&preset("tiny")?, &path, true)?;
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_alphabet_is_a_bijection() {
+        let all: std::collections::HashSet<String> = (0..=255u8).map(byte_token).collect();
+        assert_eq!(all.len(), 256);
+        assert_eq!(byte_token(b'a'), "a");
+        assert_eq!(byte_token(b' '), "\u{120}");
+        assert_eq!(byte_token(b'\n'), "\u{10a}");
+    }
+
+    #[test]
+    fn tiny_model_writes_and_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        let s = SynthSpec { n_layers: 2, ..preset("tiny").unwrap() };
+        write(&s, &p, false).unwrap();
+        let f = pulsar_gguf::GgufFile::open(&p).unwrap();
+        assert_eq!(f.architecture().unwrap(), "qwen3moe");
+        assert_eq!(f.tensors().len(), 3 + 2 * 12);
+        assert_eq!(f.tensors().iter().map(|t| t.n_bytes).sum::<u64>(), tensor_bytes(&s));
+        // Weights are finite and not all equal.
+        let t = f.tensor("blk.1.ffn_down_exps.weight").unwrap();
+        let mut v = vec![0f32; t.n_elements() as usize];
+        pulsar_kernels::dequantize(t.ty, f.data(t), &mut v).unwrap();
+        assert!(v.iter().all(|x| x.is_finite()));
+        assert!(v.iter().any(|&x| x != v[0]));
+    }
+}
