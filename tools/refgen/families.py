@@ -66,6 +66,11 @@ class Family:
     # Special tokens put before the prompt (after BOS if any), e.g. GLM's
     # "[gMASK]<sop>" that its chat template opens with.
     prefix: list[str] = field(default_factory=list)
+    # Hand-written converter (no llama.cpp converter for the arch):
+    # fn(fam, hf_dir, dst, outtype, llamacpp_dir).
+    custom_convert: Callable | None = None
+    # Size of the trained tokenizer when smaller than vocab_size (padded vocab).
+    tokenizer_vocab: int | None = None
     # fixtures/parity/<fixture_dir>; defaults to arch (a second fixture of one
     # arch, e.g. a Kimi variant of deepseek2, needs its own).
     fixture_dir: str | None = None
@@ -663,4 +668,61 @@ register(Family(
         "constants as ple.* metadata; ple.layers are 0-based. PLE/indexer norm weights get +1 (zero-centred).",
         "The converter splits indexer.index_qk_proj into indexer q and k projections.",
         "In model-q8_0.gguf the converter stores the PLE conv kernel, the PLE table and the hc up-projections F16 (rows not a multiple of 32); the GDN conv kernel stays F32. In model-f32.gguf all are F32."],
+))
+
+
+def _inkling_post_init(model, gen):
+    # Inkling divides the final hidden state by logits_mup_width_multiplier
+    # (24) before lm_head; scale lm_head up by as much so the logits are O(1).
+    import torch
+    with torch.no_grad():
+        model.lm_head.weight.mul_(model.config.logits_mup_width_multiplier)
+
+
+def _inkling_convert(fam, hf_dir, dst, outtype, llamacpp):
+    import inkling_convert
+    inkling_convert.convert(hf_dir, dst, outtype, llamacpp, eos_id=fam.config["eos_token_id"])
+
+
+register(Family(
+    name="inkling", arch="inkling", model_type="inkling_text", model_class="InklingForCausalLM",
+    config=dict(
+        # 380 real tokens padded to 384 rows, as Inkling pads its vocab
+        vocab_size=VOCAB, unpadded_vocab_size=380, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, head_dim=16, num_key_value_heads=2,
+        swa_num_attention_heads=4, swa_head_dim=16, swa_num_key_value_heads=1,
+        # layers 0, 1, 3 sliding (window 8, whose bias bank is 8 wide), layer 2 full
+        local_layer_ids=[0, 1, 3], sliding_window_size=8,
+        d_rel=8, rel_extent=16,  # full layer's bias bank: 16 < ~30 positions, so the cut-off matters
+        log_scaling_n_floor=8, log_scaling_alpha=0.1,  # active past position 8 on the full layer
+        conv_kernel_size=4,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, shared_expert_sink=True, route_scale=8.0,
+        logits_mup_width_multiplier=24.0,
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=377, eos_token_id=377, pad_token_id=377,
+    ),
+    tokenizer_vocab=380, tokpre="inkling",
+    specials=["<|end_of_text|>", "<|begin_message|>", "<|end_message|>"], eos="<|end_of_text|>", add_bos=False,
+    chat_template=None,
+    post_init=_inkling_post_init, custom_convert=_inkling_convert,
+    features=["no RoPE: position enters through a learned relative-position bias (attn_r coefficients x "
+              "attn_rel_proj bank, d_rel 8; bank 8 wide on sliding layers, 16 on the full layer, zero beyond)",
+              "attention scale 1/head_dim (per-head q/k RMSNorm)", "sliding window 8 on layers 0, 1, 3; full on 2",
+              "per-layer kv heads [1, 1, 2, 1] (4 q heads)", "log-length scaling of q and bias on the full layer past "
+              "position 8 (alpha 0.1)",
+              "four causal depthwise short convs per layer (k, v on the raw projections; after attention; after FFN), "
+              "each conv(x)+x, kernel 4",
+              "RMSNorm on the token embeddings", "leading dense layer with global scale",
+              "MoE layers 1-3: sigmoid router over 8 routed + 2 shared rows, selection bias, top-2; routed and shared "
+              "weights normalised together (sink), x route_scale 8 x global scale",
+              "final hidden state divided by 24 (logit_scale_denom); untied output",
+              "padded vocab: 380 real tokens of 384; logits.npy has 380 columns", "no BOS"],
+    notes=["No llama.cpp converter exists: tools/refgen/inkling_convert.py writes the GGUF in the dialect public "
+           "Inkling GGUF readers use (documented there and in README.md).",
+           "logits.npy is [n_tokens, 380]: transformers drops the padding rows; GGUF readers mask ids >= "
+           "inkling.unpadded_vocab_size to -inf instead.",
+           "lm_head was scaled x24 at init to undo the 1/24 logit divisor (weights only; the math is Inkling's).",
+           "No MTP: transformers ignores model.mtp.*, and the readers drop it too."],
 ))

@@ -116,7 +116,8 @@ def build_hf(fam: Family, hf_dir: Path) -> tuple[dict, dict, torch.Tensor]:
     elif fam.tokenizer == "spm_hf":
         tinfo = tok.build_spm_hf(hf_dir, fam.config["vocab_size"], fam.specials)
     else:
-        tinfo = tok.build_bpe(hf_dir, fam.config["vocab_size"], fam.specials, bos=fam.bos, eos=fam.eos,
+        tinfo = tok.build_bpe(hf_dir, fam.tokenizer_vocab or fam.config["vocab_size"], fam.specials, bos=fam.bos,
+                              eos=fam.eos,
                               add_bos=fam.add_bos, chat_template=fam.chat_template)
 
     if fam.wrapper_config:
@@ -172,8 +173,9 @@ def run_logits(fam: Family, hf_dir: Path, ids: list[int]) -> np.ndarray:
 def convert(fam: Family, hf_dir: Path, out_dir: Path) -> None:
     for outtype in ("f32", "q8_0"):
         dst = out_dir / f"model-{outtype}.gguf"
-        if fam_custom_converter(fam):
-            fam_custom_converter(fam)(fam, hf_dir, dst, outtype)
+        if fam.custom_convert:
+            log(f"custom converter for {fam.arch} ({outtype})")
+            fam.custom_convert(fam, hf_dir, dst, outtype, LLAMACPP)
             continue
         src = hf_dir
         if fam.convert_input:
@@ -193,7 +195,7 @@ def convert(fam: Family, hf_dir: Path, out_dir: Path) -> None:
 
 
 def fam_custom_converter(fam: Family):
-    return getattr(fam, "custom_convert", None)
+    return fam.custom_convert
 
 
 def gguf_module():
