@@ -13,8 +13,8 @@
 
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use pulsar_gguf::GgmlType;
 use pulsar_kernels::quant::{can_dot, random_blocks, random_values};
 use pulsar_kernels::{Activations, Kernels, WeightMatrix};
@@ -23,25 +23,43 @@ const ROWS: usize = 4096;
 const COLS: usize = 4096;
 
 fn formats() -> Vec<GgmlType> {
-    let all: Vec<GgmlType> = GgmlType::ALL.iter().copied().filter(|t| can_dot(*t)).collect();
+    let all: Vec<GgmlType> = GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|t| can_dot(*t))
+        .collect();
     match std::env::var("PULSAR_BENCH_FORMATS") {
-        Ok(list) => list.split(',').filter_map(GgmlType::from_name).filter(|t| all.contains(t)).collect(),
+        Ok(list) => list
+            .split(',')
+            .filter_map(GgmlType::from_name)
+            .filter(|t| all.contains(t))
+            .collect(),
         Err(_) => all,
     }
 }
 
 fn configure(g: &mut BenchmarkGroup<'_, WallTime>) {
-    let secs: f64 = std::env::var("PULSAR_BENCH_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0);
-    g.measurement_time(Duration::from_secs_f64(secs)).warm_up_time(Duration::from_millis(300)).sample_size(10);
+    let secs: f64 = std::env::var("PULSAR_BENCH_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2.0);
+    g.measurement_time(Duration::from_secs_f64(secs))
+        .warm_up_time(Duration::from_millis(300))
+        .sample_size(10);
 }
 
 fn pool(t: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool")
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(t)
+        .build()
+        .expect("pool")
 }
 
 fn matvec(c: &mut Criterion) {
     let k = Kernels::detect();
-    let all = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let all = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let threads = if all > 1 { vec![1, all] } else { vec![1] };
     let x = random_values(COLS, 1);
     let mut g = c.benchmark_group(format!("matvec_{ROWS}x{COLS}_{}", k.isa()));
@@ -54,7 +72,9 @@ fn matvec(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(data.len() as u64));
         for &t in &threads {
             let p = pool(t);
-            g.bench_function(format!("{}/t{t}", ty.name()), |b| b.iter(|| k.matvec(&p, &w, &a, &mut y).expect("matvec")));
+            g.bench_function(format!("{}/t{t}", ty.name()), |b| {
+                b.iter(|| k.matvec(&p, &w, &a, &mut y).expect("matvec"))
+            });
         }
     }
     g.finish();
@@ -74,7 +94,11 @@ fn dot_cached(c: &mut Criterion) {
             let r = a.row(0).expect("row");
             g.throughput(Throughput::Bytes(data.len() as u64));
             g.bench_function(ty.name(), |b| {
-                b.iter(|| (0..R).map(|i| k.dot(ty, &data[i * rb..(i + 1) * rb], r).expect("dot")).sum::<f32>())
+                b.iter(|| {
+                    (0..R)
+                        .map(|i| k.dot(ty, &data[i * rb..(i + 1) * rb], r).expect("dot"))
+                        .sum::<f32>()
+                })
             });
         }
         g.finish();
@@ -84,18 +108,27 @@ fn dot_cached(c: &mut Criterion) {
 fn matmul(c: &mut Criterion) {
     const T: usize = 64;
     let k = Kernels::detect();
-    let all = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let all = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let p = pool(all);
     let x = random_values(T * COLS, 3);
     let mut g = c.benchmark_group(format!("matmul_{T}tok_{}_t{all}", k.isa()));
     configure(&mut g);
-    for ty in formats().into_iter().filter(|t| matches!(t, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::IQ2_XXS)) {
+    for ty in formats().into_iter().filter(|t| {
+        matches!(
+            t,
+            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::IQ2_XXS
+        )
+    }) {
         let data = random_blocks(ty, ROWS * COLS / ty.block_elems() as usize, 9).expect("blocks");
         let w = WeightMatrix::new(ty, &data, ROWS, COLS).expect("matrix");
         let a = Activations::for_weight(ty, &x, COLS).expect("activations");
         let mut y = vec![0f32; T * ROWS];
         g.throughput(Throughput::Bytes(data.len() as u64));
-        g.bench_function(ty.name(), |b| b.iter(|| k.matmul(&p, &w, &a, &mut y).expect("matmul")));
+        g.bench_function(ty.name(), |b| {
+            b.iter(|| k.matmul(&p, &w, &a, &mut y).expect("matmul"))
+        });
     }
     g.finish();
 }

@@ -14,13 +14,26 @@ pub enum QuantError {
     Unsupported { ty: GgmlType, op: &'static str },
     /// A buffer is not a whole number of blocks of its type.
     #[error("{ty}: {len} {unit} is not a whole number of {block}-{unit} blocks")]
-    NotWholeBlocks { ty: GgmlType, len: usize, block: usize, unit: &'static str },
+    NotWholeBlocks {
+        ty: GgmlType,
+        len: usize,
+        block: usize,
+        unit: &'static str,
+    },
     /// Two buffers that must describe the same number of values do not.
     #[error("{what}: expected {expected}, got {got}")]
-    LengthMismatch { what: &'static str, expected: usize, got: usize },
+    LengthMismatch {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
     /// The activations were quantized to a format this weight type does not dot against.
     #[error("tensor type {ty} dots against {expected} activations, got {got}")]
-    WrongActivationFormat { ty: GgmlType, expected: ActFormat, got: ActFormat },
+    WrongActivationFormat {
+        ty: GgmlType,
+        expected: ActFormat,
+        got: ActFormat,
+    },
     /// The requested instruction set is not available on this CPU.
     #[error("instruction set {0} is not available on this CPU")]
     IsaUnavailable(Isa),

@@ -48,7 +48,12 @@ impl Isa {
 
     /// The best level this CPU runs.
     pub fn detect() -> Isa {
-        Isa::ALL.iter().rev().copied().find(|i| i.is_available()).unwrap_or(Isa::Scalar)
+        Isa::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|i| i.is_available())
+            .unwrap_or(Isa::Scalar)
     }
 
     /// Short name for logs and benchmark labels.

@@ -37,9 +37,19 @@ impl<'a> WeightMatrix<'a> {
             got: data.len(),
         })?;
         if data.len() != need {
-            return Err(QuantError::LengthMismatch { what: "weight matrix bytes", expected: need, got: data.len() });
+            return Err(QuantError::LengthMismatch {
+                what: "weight matrix bytes",
+                expected: need,
+                got: data.len(),
+            });
         }
-        Ok(WeightMatrix { ty, data, rows, cols, row_bytes: rb })
+        Ok(WeightMatrix {
+            ty,
+            data,
+            rows,
+            cols,
+            row_bytes: rb,
+        })
     }
 
     pub fn ty(&self) -> GgmlType {
@@ -75,9 +85,19 @@ const SERIAL_BYTES: usize = 256 * 1024;
 
 impl Kernels {
     /// `y = W x` for one activation row (`x.rows() == 1`); `y` has `w.rows()` values.
-    pub fn matvec(&self, pool: &ThreadPool, w: &WeightMatrix<'_>, x: &Activations, y: &mut [f32]) -> Result<(), QuantError> {
+    pub fn matvec(
+        &self,
+        pool: &ThreadPool,
+        w: &WeightMatrix<'_>,
+        x: &Activations,
+        y: &mut [f32],
+    ) -> Result<(), QuantError> {
         if x.rows() != 1 {
-            return Err(QuantError::LengthMismatch { what: "activation rows for matvec", expected: 1, got: x.rows() });
+            return Err(QuantError::LengthMismatch {
+                what: "activation rows for matvec",
+                expected: 1,
+                got: x.rows(),
+            });
         }
         self.matmul(pool, w, x, y)
     }
@@ -85,7 +105,13 @@ impl Kernels {
     /// Quantizes `x` (one row of `w.cols()` values) to the format `w` dots
     /// against, then [`Kernels::matvec`]. Allocates; the host's hot path should
     /// keep an [`Activations`] and refill it with [`Activations::set`].
-    pub fn matvec_f32(&self, pool: &ThreadPool, w: &WeightMatrix<'_>, x: &[f32], y: &mut [f32]) -> Result<(), QuantError> {
+    pub fn matvec_f32(
+        &self,
+        pool: &ThreadPool,
+        w: &WeightMatrix<'_>,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), QuantError> {
         let a = Activations::for_weight(w.ty(), x, w.cols())?;
         self.matvec(pool, w, &a, y)
     }
@@ -94,13 +120,27 @@ impl Kernels {
     /// Activations are quantized once (by the caller) and reused for every weight row;
     /// each task walks a tile of weight rows against tiles of tokens, so weights
     /// are read from memory once.
-    pub fn matmul(&self, pool: &ThreadPool, w: &WeightMatrix<'_>, x: &Activations, y: &mut [f32]) -> Result<(), QuantError> {
+    pub fn matmul(
+        &self,
+        pool: &ThreadPool,
+        w: &WeightMatrix<'_>,
+        x: &Activations,
+        y: &mut [f32],
+    ) -> Result<(), QuantError> {
         let n = x.rows();
         if x.cols() != w.cols() {
-            return Err(QuantError::LengthMismatch { what: "activation width", expected: w.cols(), got: x.cols() });
+            return Err(QuantError::LengthMismatch {
+                what: "activation width",
+                expected: w.cols(),
+                got: x.cols(),
+            });
         }
         if y.len() != n * w.rows() {
-            return Err(QuantError::LengthMismatch { what: "output values", expected: n * w.rows(), got: y.len() });
+            return Err(QuantError::LengthMismatch {
+                what: "output values",
+                expected: n * w.rows(),
+                got: y.len(),
+            });
         }
         if n == 0 || w.rows() == 0 {
             return Ok(());
@@ -130,7 +170,8 @@ impl Kernels {
 
         // For each task (a run of `chunk` rows), its slice of every token's output row.
         let n_chunks = rows.div_ceil(chunk);
-        let mut per_task: Vec<Vec<&mut [f32]>> = (0..n_chunks).map(|_| Vec::with_capacity(n)).collect();
+        let mut per_task: Vec<Vec<&mut [f32]>> =
+            (0..n_chunks).map(|_| Vec::with_capacity(n)).collect();
         for yt in y.chunks_mut(rows) {
             for (c, part) in yt.chunks_mut(chunk).enumerate() {
                 per_task[c].push(part);
@@ -142,7 +183,10 @@ impl Kernels {
             }
         } else {
             pool.install(|| {
-                per_task.par_iter_mut().enumerate().for_each(|(c, outs)| run(c * chunk, outs));
+                per_task
+                    .par_iter_mut()
+                    .enumerate()
+                    .for_each(|(c, outs)| run(c * chunk, outs));
             });
         }
         Ok(())

@@ -7,7 +7,11 @@ use pulsar_kernels::{dequantize, ActFormat, ActRow, Activations, Isa, Kernels, Q
 
 /// Every weight format with a dot.
 fn dot_types() -> Vec<GgmlType> {
-    GgmlType::ALL.iter().copied().filter(|t| can_dot(*t)).collect()
+    GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|t| can_dot(*t))
+        .collect()
 }
 
 /// The formats whose dot is a sum of per-superblock exact integer sums times a
@@ -44,7 +48,11 @@ fn act_values(a: &Activations, x: &[f32]) -> Vec<f32> {
 #[test]
 fn simd_matches_scalar_for_every_format_and_width() {
     let scalar = Kernels::scalar();
-    let others: Vec<Kernels> = Isa::ALL.iter().filter_map(|&i| Kernels::with_isa(i).ok()).filter(|k| k.isa() != Isa::Scalar).collect();
+    let others: Vec<Kernels> = Isa::ALL
+        .iter()
+        .filter_map(|&i| Kernels::with_isa(i).ok())
+        .filter(|k| k.isa() != Isa::Scalar)
+        .collect();
     if others.is_empty() {
         eprintln!("no SIMD level on this CPU: nothing to compare");
     }
@@ -60,23 +68,40 @@ fn simd_matches_scalar_for_every_format_and_width() {
             // rounding is below eps times the running magnitude, so
             // (terms + 16) * eps * sum|w x| bounds the difference.
             let (wd, xd) = (dequant(ty, &w, n), act_values(&a, &x));
-            let mag: f64 = wd.iter().zip(&xd).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            let mag: f64 = wd
+                .iter()
+                .zip(&xd)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
             let terms = if ty.block_elems() == 1 { n } else { nb };
             let tol = (terms + 16) as f64 * f32::EPSILON as f64 * mag;
             let mut per_isa = Vec::new();
             for k in &others {
                 let v = k.dot(ty, &w, r).unwrap();
                 if integer_exact(ty) {
-                    assert_eq!(v.to_bits(), s.to_bits(), "{ty} n={n} {}: {v} vs scalar {s}", k.isa());
+                    assert_eq!(
+                        v.to_bits(),
+                        s.to_bits(),
+                        "{ty} n={n} {}: {v} vs scalar {s}",
+                        k.isa()
+                    );
                 } else {
-                    assert!(((v - s) as f64).abs() <= tol, "{ty} n={n} {}: {v} vs scalar {s} (tol {tol})", k.isa());
+                    assert!(
+                        ((v - s) as f64).abs() <= tol,
+                        "{ty} n={n} {}: {v} vs scalar {s} (tol {tol})",
+                        k.isa()
+                    );
                 }
                 per_isa.push(v);
             }
             // AVX2 and AVX-512 VNNI form the same integers and the same float
             // accumulation: identical for every format.
             for v in &per_isa {
-                assert_eq!(v.to_bits(), per_isa[0].to_bits(), "{ty} n={n}: SIMD levels differ");
+                assert_eq!(
+                    v.to_bits(),
+                    per_isa[0].to_bits(),
+                    "{ty} n={n}: SIMD levels differ"
+                );
             }
         }
     }
@@ -89,7 +114,10 @@ fn dot_equals_dequantized_dot_within_the_q8_bound() {
             for (wi, &n) in widths(ty).iter().enumerate() {
                 let nb = n / ty.block_elems() as usize;
                 let w = random_blocks(ty, nb, 3000 + wi as u64).unwrap();
-                let x: Vec<f32> = random_values(n, 4000 + wi as u64).iter().map(|v| v * 3.0).collect();
+                let x: Vec<f32> = random_values(n, 4000 + wi as u64)
+                    .iter()
+                    .map(|v| v * 3.0)
+                    .collect();
                 let a = Activations::for_weight(ty, &x, n).unwrap();
                 let got = k.dot(ty, &w, a.row(0).unwrap()).unwrap() as f64;
                 let wd = dequant(ty, &w, n);
@@ -108,9 +136,17 @@ fn dot_equals_dequantized_dot_within_the_q8_bound() {
                     };
                     bound += delta * wb.iter().map(|v| v.abs() as f64).sum::<f64>();
                 }
-                let mag: f64 = wd.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                let mag: f64 = wd
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
                 bound += 2.0 * (n / be + 16) as f64 * f32::EPSILON as f64 * mag;
-                assert!((got - exact).abs() <= bound, "{ty} n={n} {}: dot {got}, dequantized {exact}, bound {bound}", k.isa());
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "{ty} n={n} {}: dot {got}, dequantized {exact}, bound {bound}",
+                    k.isa()
+                );
             }
         }
     }
@@ -127,13 +163,20 @@ fn q8_0_weights_with_minus_128_are_exact_in_simd() {
     }
     let x = random_values(128, 6);
     let a = Activations::for_weight(GgmlType::Q8_0, &x, 128).unwrap();
-    let s = Kernels::scalar().dot(GgmlType::Q8_0, &w, a.row(0).unwrap()).unwrap();
-    let v = Kernels::detect().dot(GgmlType::Q8_0, &w, a.row(0).unwrap()).unwrap();
+    let s = Kernels::scalar()
+        .dot(GgmlType::Q8_0, &w, a.row(0).unwrap())
+        .unwrap();
+    let v = Kernels::detect()
+        .dot(GgmlType::Q8_0, &w, a.row(0).unwrap())
+        .unwrap();
     assert!((s - v).abs() <= 1e-5 * s.abs().max(1.0), "{s} vs {v}");
     let wd = dequant(GgmlType::Q8_0, &w, 128);
     let xd = act_values(&a, &x);
     let exact: f32 = wd.iter().zip(&xd).map(|(a, b)| a * b).sum();
-    assert!((s - exact).abs() <= 1e-4 * exact.abs().max(1.0), "{s} vs {exact}");
+    assert!(
+        (s - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+        "{s} vs {exact}"
+    );
 }
 
 #[test]
@@ -152,11 +195,19 @@ fn bad_inputs_are_errors() {
         k.dot(GgmlType::Q4_K, &w[..144], q8k.row(0).unwrap()),
         Err(QuantError::LengthMismatch { .. })
     ));
-    assert!(matches!(k.dot(GgmlType::F16, &[0u8; 6], ActRow::from_f32(&x[..4])), Err(QuantError::LengthMismatch { .. })));
-    assert!(matches!(k.dot(GgmlType::IQ1_S, &[], ActRow::from_f32(&[])), Err(QuantError::Unsupported { .. })));
+    assert!(matches!(
+        k.dot(GgmlType::F16, &[0u8; 6], ActRow::from_f32(&x[..4])),
+        Err(QuantError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        k.dot(GgmlType::IQ1_S, &[], ActRow::from_f32(&[])),
+        Err(QuantError::Unsupported { .. })
+    ));
     // f32 weights take any width.
     let wf: Vec<u8> = x[..5].iter().flat_map(|v| v.to_le_bytes()).collect();
-    let d = k.dot(GgmlType::F32, &wf, ActRow::from_f32(&x[..5])).unwrap();
+    let d = k
+        .dot(GgmlType::F32, &wf, ActRow::from_f32(&x[..5]))
+        .unwrap();
     let e: f32 = x[..5].iter().map(|v| v * v).sum();
     assert!((d - e).abs() <= 1e-5 * e);
 }

@@ -18,8 +18,11 @@ use pulsar_gguf::GgmlType;
 use pulsar_kernels::{dequantize, quantize};
 
 fn fixture(name: &str) -> Vec<u8> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
-    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e} (run tools/quantgold/gen.py)", p.display()))
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
+    std::fs::read(&p)
+        .unwrap_or_else(|e| panic!("{}: {e} (run tools/quantgold/gen.py)", p.display()))
 }
 
 fn u32_at(b: &[u8], o: usize) -> u32 {
@@ -27,7 +30,9 @@ fn u32_at(b: &[u8], o: usize) -> u32 {
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 struct Dequant {
@@ -46,18 +51,32 @@ fn load_dequant(name: &str) -> Dequant {
     let blocks = b[16..16 + bytes].to_vec();
     let values = f32s(&b[16 + bytes..]);
     assert_eq!(values.len(), nb * ty.block_elems() as usize, "{name}");
-    Dequant { ty, n_real, blocks, values }
+    Dequant {
+        ty,
+        n_real,
+        blocks,
+        values,
+    }
 }
 
 fn check_dequant(name: &str, ty: GgmlType, want_real: bool) {
     let f = load_dequant(name);
     assert_eq!(f.ty, ty, "{name}");
-    assert_eq!(f.n_real > 0, want_real, "{name}: real model blocks expected: {want_real}");
+    assert_eq!(
+        f.n_real > 0,
+        want_real,
+        "{name}: real model blocks expected: {want_real}"
+    );
     let mut got = vec![f32::NAN; f.values.len()];
     dequantize(ty, &f.blocks, &mut got).unwrap();
     let be = ty.block_elems() as usize;
     for (i, (g, e)) in got.iter().zip(&f.values).enumerate() {
-        assert_eq!(g.to_bits(), e.to_bits(), "{name}: value {i} (block {}): got {g}, want {e}", i / be);
+        assert_eq!(
+            g.to_bits(),
+            e.to_bits(),
+            "{name}: value {i} (block {}): got {g}, want {e}",
+            i / be
+        );
     }
     // Every block on its own too (the API takes any whole number of blocks).
     let bb = ty.block_bytes() as usize;
@@ -147,7 +166,10 @@ fn check_quant(name: &str, ty: GgmlType) {
     quantize(ty, &x, &mut got).unwrap();
     let bb = ty.block_bytes() as usize;
     for (i, (g, w)) in got.chunks(bb).zip(want.chunks(bb)).enumerate() {
-        assert_eq!(g, w, "{name}: block {i} differs from the gguf package's quantizer");
+        assert_eq!(
+            g, w,
+            "{name}: block {i} differs from the gguf package's quantizer"
+        );
     }
 }
 

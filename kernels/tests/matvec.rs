@@ -24,18 +24,28 @@ fn matvec_is_the_row_dots_on_any_thread_count() {
             _ => 512,
         };
         // Enough rows that the threaded path (not the serial shortcut) runs.
-        let rows = (300 * 1024 / (cols * ty.block_bytes() as usize / ty.block_elems() as usize)).max(64) + 3;
+        let rows = (300 * 1024 / (cols * ty.block_bytes() as usize / ty.block_elems() as usize))
+            .max(64)
+            + 3;
         let nb = rows * cols / ty.block_elems() as usize;
         let data = random_blocks(ty, nb, 11).unwrap();
         let w = WeightMatrix::new(ty, &data, rows, cols).unwrap();
         let x = random_values(cols, 12);
         for k in [Kernels::scalar(), Kernels::detect()] {
             let a = Activations::for_weight(ty, &x, cols).unwrap();
-            let want: Vec<f32> = (0..rows).map(|r| k.dot(ty, w.row(r), a.row(0).unwrap()).unwrap()).collect();
+            let want: Vec<f32> = (0..rows)
+                .map(|r| k.dot(ty, w.row(r), a.row(0).unwrap()).unwrap())
+                .collect();
             for p in &pools {
                 let mut y = vec![f32::NAN; rows];
                 k.matvec(p, &w, &a, &mut y).unwrap();
-                assert_eq!(bits(&y), bits(&want), "{ty} {} threads={}", k.isa(), p.current_num_threads());
+                assert_eq!(
+                    bits(&y),
+                    bits(&want),
+                    "{ty} {} threads={}",
+                    k.isa(),
+                    p.current_num_threads()
+                );
             }
             let mut y = vec![0f32; rows];
             k.matvec_f32(&pools[1], &w, &x, &mut y).unwrap();
@@ -48,7 +58,12 @@ fn matvec_is_the_row_dots_on_any_thread_count() {
 fn matmul_equals_matvec_per_token() {
     let p = pool(2);
     let k = Kernels::detect();
-    for ty in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::IQ2_XS, GgmlType::F16] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q8_0,
+        GgmlType::IQ2_XS,
+        GgmlType::F16,
+    ] {
         let (rows, cols) = (37, 512);
         let data = random_blocks(ty, rows * cols / ty.block_elems() as usize, 21).unwrap();
         let w = WeightMatrix::new(ty, &data, rows, cols).unwrap();
@@ -62,7 +77,11 @@ fn matmul_equals_matvec_per_token() {
                 let one = Activations::quantize(fmt, &x[t * cols..(t + 1) * cols], cols).unwrap();
                 let mut yt = vec![0f32; rows];
                 k.matvec(&p, &w, &one, &mut yt).unwrap();
-                assert_eq!(bits(&y[t * rows..(t + 1) * rows]), bits(&yt), "{ty} n_tok={n_tok} t={t}");
+                assert_eq!(
+                    bits(&y[t * rows..(t + 1) * rows]),
+                    bits(&yt),
+                    "{ty} n_tok={n_tok} t={t}"
+                );
             }
         }
     }
@@ -89,20 +108,38 @@ fn shapes_and_formats_are_checked() {
     let k = Kernels::scalar();
     let data = random_blocks(GgmlType::Q4_0, 8, 1).unwrap();
     assert!(WeightMatrix::new(GgmlType::Q4_0, &data, 4, 64).is_ok());
-    assert!(matches!(WeightMatrix::new(GgmlType::Q4_0, &data, 3, 64), Err(QuantError::LengthMismatch { .. })));
-    assert!(matches!(WeightMatrix::new(GgmlType::Q4_0, &data, 4, 60), Err(QuantError::NotWholeBlocks { .. })));
-    assert!(matches!(WeightMatrix::new(GgmlType::IQ1_S, &data, 1, 256), Err(QuantError::Unsupported { .. })));
+    assert!(matches!(
+        WeightMatrix::new(GgmlType::Q4_0, &data, 3, 64),
+        Err(QuantError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        WeightMatrix::new(GgmlType::Q4_0, &data, 4, 60),
+        Err(QuantError::NotWholeBlocks { .. })
+    ));
+    assert!(matches!(
+        WeightMatrix::new(GgmlType::IQ1_S, &data, 1, 256),
+        Err(QuantError::Unsupported { .. })
+    ));
     let w = WeightMatrix::new(GgmlType::Q4_0, &data, 4, 64).unwrap();
     let x = random_values(128, 2);
     let a = Activations::quantize(ActFormat::Q8_0, &x, 64).unwrap();
     let mut y = vec![0f32; 4];
     // Two rows of activations are not a matvec, but are a matmul.
-    assert!(matches!(k.matvec(&p, &w, &a, &mut y), Err(QuantError::LengthMismatch { .. })));
+    assert!(matches!(
+        k.matvec(&p, &w, &a, &mut y),
+        Err(QuantError::LengthMismatch { .. })
+    ));
     let mut y2 = vec![0f32; 8];
     assert!(k.matmul(&p, &w, &a, &mut y2).is_ok());
-    assert!(matches!(k.matmul(&p, &w, &a, &mut y), Err(QuantError::LengthMismatch { .. })));
+    assert!(matches!(
+        k.matmul(&p, &w, &a, &mut y),
+        Err(QuantError::LengthMismatch { .. })
+    ));
     let wrong = Activations::quantize(ActFormat::Q8K, &random_values(256, 3), 256).unwrap();
     assert!(k.matvec(&p, &w, &wrong, &mut y).is_err());
     let a_f32 = Activations::quantize(ActFormat::F32, &x[..64], 64).unwrap();
-    assert!(matches!(k.matvec(&p, &w, &a_f32, &mut y), Err(QuantError::WrongActivationFormat { .. })));
+    assert!(matches!(
+        k.matvec(&p, &w, &a_f32, &mut y),
+        Err(QuantError::WrongActivationFormat { .. })
+    ));
 }

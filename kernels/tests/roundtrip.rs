@@ -34,8 +34,11 @@ fn f16err(v: f32) -> f32 {
 /// with outliers.
 fn vectors() -> impl Strategy<Value = Vec<f32>> {
     (1usize..=3, -8i32..8, 0u8..3).prop_flat_map(|(nb, e, mode)| {
-        (prop::collection::vec(-1f32..1.0, nb * 256), prop::collection::vec(0.05f32..1.0, nb * 16)).prop_map(
-            move |(mut x, mags)| {
+        (
+            prop::collection::vec(-1f32..1.0, nb * 256),
+            prop::collection::vec(0.05f32..1.0, nb * 16),
+        )
+            .prop_map(move |(mut x, mags)| {
                 let s = (2f32).powi(e);
                 for (i, v) in x.iter_mut().enumerate() {
                     *v *= mags[i / 16] * s;
@@ -47,8 +50,7 @@ fn vectors() -> impl Strategy<Value = Vec<f32>> {
                     }
                 }
                 x
-            },
-        )
+            })
     })
 }
 
@@ -65,14 +67,22 @@ fn amax(c: &[f32]) -> f32 {
 }
 fn range(c: &[f32], floor_at_zero: bool) -> f32 {
     let hi = c.iter().fold(f32::MIN, |m, v| m.max(*v));
-    let lo = c.iter().fold(if floor_at_zero { 0.0 } else { f32::MAX }, |m, v| m.min(*v));
+    let lo = c
+        .iter()
+        .fold(if floor_at_zero { 0.0 } else { f32::MAX }, |m, v| m.min(*v));
     hi - lo
 }
 
 /// RMSE of the round trip over RMS of the per-run step.
 fn rmse_over_step(x: &[f32], y: &[f32], run: usize, step: impl Fn(&[f32]) -> f32) -> f64 {
-    let mse: f64 = x.iter().zip(y).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / x.len() as f64;
-    let s2: f64 = x.chunks(run).map(|c| (step(c) as f64).powi(2)).sum::<f64>() / (x.len() / run) as f64;
+    let mse: f64 = x
+        .iter()
+        .zip(y)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum::<f64>()
+        / x.len() as f64;
+    let s2: f64 =
+        x.chunks(run).map(|c| (step(c) as f64).powi(2)).sum::<f64>() / (x.len() / run) as f64;
     if s2 == 0.0 {
         return if mse == 0.0 { 0.0 } else { f64::INFINITY };
     }
@@ -163,7 +173,19 @@ proptest! {
 
 #[test]
 fn zeros_and_constants_round_trip_exactly() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q8_K, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q8_K,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ] {
         let z = vec![0f32; 512];
         assert_eq!(round_trip(ty, &z), z, "{ty}");
     }

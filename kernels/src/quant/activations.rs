@@ -68,7 +68,13 @@ pub struct Activations {
 impl Activations {
     /// An empty set in `format`, to be filled (and refilled) with [`Activations::set`].
     pub fn new(format: ActFormat) -> Activations {
-        Activations { format, rows: 0, cols: 0, f32s: Vec::new(), bytes: Vec::new() }
+        Activations {
+            format,
+            rows: 0,
+            cols: 0,
+            f32s: Vec::new(),
+            bytes: Vec::new(),
+        }
     }
 
     /// Quantize `x`, rows of `cols` values laid end to end, to `format`.
@@ -138,7 +144,12 @@ impl Activations {
             },
             _ => {
                 let rb = self.bytes.len() / self.rows;
-                ActRow { format: self.format, cols: self.cols, f32s: &[], bytes: &self.bytes[i * rb..(i + 1) * rb] }
+                ActRow {
+                    format: self.format,
+                    cols: self.cols,
+                    f32s: &[],
+                    bytes: &self.bytes[i * rb..(i + 1) * rb],
+                }
             }
         })
     }
@@ -162,7 +173,12 @@ pub struct ActRow<'a> {
 impl<'a> ActRow<'a> {
     /// A plain `f32` row (for f32/f16/bf16 weights); no copy.
     pub fn from_f32(x: &'a [f32]) -> ActRow<'a> {
-        ActRow { format: ActFormat::F32, cols: x.len(), f32s: x, bytes: &[] }
+        ActRow {
+            format: ActFormat::F32,
+            cols: x.len(),
+            f32s: x,
+            bytes: &[],
+        }
     }
     pub fn format(&self) -> ActFormat {
         self.format
@@ -197,7 +213,10 @@ mod tests {
         let f = Activations::quantize(ActFormat::F32, &x, 128).unwrap();
         assert_eq!(f.row(3).unwrap().f32s(), &x[384..]);
         assert_eq!(ActFormat::for_weight(GgmlType::Q5_1), Some(ActFormat::Q8_0));
-        assert_eq!(ActFormat::for_weight(GgmlType::IQ3_XXS), Some(ActFormat::Q8K));
+        assert_eq!(
+            ActFormat::for_weight(GgmlType::IQ3_XXS),
+            Some(ActFormat::Q8K)
+        );
         assert_eq!(ActFormat::for_weight(GgmlType::IQ1_S), None);
     }
 }

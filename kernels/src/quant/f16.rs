@@ -29,7 +29,9 @@ pub(crate) fn dot_lanes(x: &[f32], w: impl Fn(usize) -> f32) -> f32 {
 
 /// Scalar reference.
 pub(crate) fn dot(w: &[u8], x: &[f32]) -> f32 {
-    dot_lanes(x, |i| f16::from_bits(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])).to_f32())
+    dot_lanes(x, |i| {
+        f16::from_bits(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])).to_f32()
+    })
 }
 
 /// # Safety

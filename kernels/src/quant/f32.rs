@@ -16,7 +16,9 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
 
 /// Scalar reference: eight running sums (lane `i % 8`), added pairwise at the end.
 pub(crate) fn dot(w: &[u8], x: &[f32]) -> f32 {
-    super::f16_::dot_lanes(x, |i| f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]))
+    super::f16_::dot_lanes(x, |i| {
+        f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]])
+    })
 }
 
 /// # Safety
@@ -39,7 +41,11 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[f32]) -> f32 {
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(wp.add(i)),
+                _mm256_loadu_ps(xp.add(i)),
+                acc[0],
+            );
             i += 8;
         }
         let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));

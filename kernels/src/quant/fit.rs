@@ -52,7 +52,11 @@ pub(crate) fn fit_scale_min(x: &[f32], nmax: i32) -> (f32, f32) {
 fn err(x: &[f32], s: f32, b: f32, nmax: i32) -> f32 {
     x.iter()
         .map(|&v| {
-            let l = if s > 0.0 { ((v + b) / s).round().clamp(0.0, nmax as f32) } else { 0.0 };
+            let l = if s > 0.0 {
+                ((v + b) / s).round().clamp(0.0, nmax as f32)
+            } else {
+                0.0
+            };
             let e = s * l - b - v;
             e * e
         })
@@ -75,7 +79,11 @@ pub(crate) fn quantize_scales(v: &[f32], nmax: i32, codes: &mut [u8]) -> f32 {
     let max = v.iter().fold(0f32, |m, &s| m.max(s));
     let d = half::f16::from_f32(max / nmax as f32).to_f32();
     for (c, &s) in codes.iter_mut().zip(v) {
-        *c = if d > 0.0 { (s / d).round().clamp(0.0, nmax as f32) as u8 } else { 0 };
+        *c = if d > 0.0 {
+            (s / d).round().clamp(0.0, nmax as f32) as u8
+        } else {
+            0
+        };
     }
     d
 }

@@ -16,6 +16,7 @@ use crate::isa::{Isa, Kernels};
 
 mod activations;
 mod fit;
+#[rustfmt::skip]
 pub(crate) mod iq_tables;
 mod random;
 
@@ -79,7 +80,12 @@ pub(crate) fn geometry(ty: GgmlType) -> (usize, usize) {
 pub fn row_bytes(ty: GgmlType, n: usize) -> Result<usize, QuantError> {
     let (be, bb) = geometry(ty);
     if n % be != 0 {
-        return Err(QuantError::NotWholeBlocks { ty, len: n, block: be, unit: "values" });
+        return Err(QuantError::NotWholeBlocks {
+            ty,
+            len: n,
+            block: be,
+            unit: "values",
+        });
     }
     Ok(n / be * bb)
 }
@@ -89,15 +95,44 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K
-            | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | Q8_K
+            | IQ2_XXS
+            | IQ2_XS
+            | IQ3_XXS
     )
 }
 
 /// Whether [`quantize`] handles `ty`.
 pub fn can_quantize(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_K | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K)
+    matches!(
+        ty,
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q8_K
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+    )
 }
 
 /// Whether [`Kernels::dot`] (and so the matvec) handles weights of `ty`.
@@ -109,11 +144,20 @@ pub fn can_dot(ty: GgmlType) -> bool {
 fn check_pair(ty: GgmlType, bytes: usize, values: usize) -> Result<(), QuantError> {
     let (be, bb) = geometry(ty);
     if bytes % bb != 0 {
-        return Err(QuantError::NotWholeBlocks { ty, len: bytes, block: bb, unit: "bytes" });
+        return Err(QuantError::NotWholeBlocks {
+            ty,
+            len: bytes,
+            block: bb,
+            unit: "bytes",
+        });
     }
     let n = bytes / bb * be;
     if n != values {
-        return Err(QuantError::LengthMismatch { what: "values for these bytes", expected: n, got: values });
+        return Err(QuantError::LengthMismatch {
+            what: "values for these bytes",
+            expected: n,
+            got: values,
+        });
     }
     Ok(())
 }
@@ -122,7 +166,10 @@ fn check_pair(ty: GgmlType, bytes: usize, values: usize) -> Result<(), QuantErro
 /// hold exactly the values those blocks encode.
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     if !can_dequantize(ty) {
-        return Err(QuantError::Unsupported { ty, op: "dequantize" });
+        return Err(QuantError::Unsupported {
+            ty,
+            op: "dequantize",
+        });
     }
     check_pair(ty, src.len(), dst.len())?;
     use GgmlType::*;
@@ -158,7 +205,11 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     }
     let need = row_bytes(ty, src.len())?;
     if dst.len() != need {
-        return Err(QuantError::LengthMismatch { what: "quantized bytes", expected: need, got: dst.len() });
+        return Err(QuantError::LengthMismatch {
+            what: "quantized bytes",
+            expected: need,
+            got: dst.len(),
+        });
     }
     use GgmlType::*;
     match ty {
@@ -211,11 +262,19 @@ impl Kernels {
 pub(crate) fn check_dot(ty: GgmlType, w_len: usize, x: ActRow<'_>) -> Result<(), QuantError> {
     let expected = ActFormat::for_weight(ty).ok_or(QuantError::Unsupported { ty, op: "dot" })?;
     if x.format() != expected {
-        return Err(QuantError::WrongActivationFormat { ty, expected, got: x.format() });
+        return Err(QuantError::WrongActivationFormat {
+            ty,
+            expected,
+            got: x.format(),
+        });
     }
     let need = row_bytes(ty, x.cols())?;
     if w_len != need {
-        return Err(QuantError::LengthMismatch { what: "weight row bytes", expected: need, got: w_len });
+        return Err(QuantError::LengthMismatch {
+            what: "weight row bytes",
+            expected: need,
+            got: w_len,
+        });
     }
     Ok(())
 }

@@ -64,7 +64,9 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
     for (i, b) in w.chunks_exact(BYTES).enumerate() {
         let (mut sumi, mut summ) = (0i32, 0i32);
         for j in 0..16 {
-            let s: i32 = (16 * j..16 * j + 16).map(|e| level(b, e) as i32 * q8_k::q(x, i, e)).sum();
+            let s: i32 = (16 * j..16 * j + 16)
+                .map(|e| level(b, e) as i32 * q8_k::q(x, i, e))
+                .sum();
             sumi += (b[j] & 0x0f) as i32 * s;
             summ += (b[j] >> 4) as i32 * q8_k::bsum(x, i, j);
         }
@@ -103,11 +105,15 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                 ];
                 for (s, qs) in lv.iter().enumerate() {
                     let y = load256(x, ox + q8_k::QS + 128 * c + 32 * s);
-                    v = _mm256_add_epi32(v, dot_u8i8_scaled(*qs, y, _mm256_shuffle_epi8(half, pick[s])));
+                    v = _mm256_add_epi32(
+                        v,
+                        dot_u8i8_scaled(*qs, y, _mm256_shuffle_epi8(half, pick[s])),
+                    );
                 }
             }
             let sumi = hsum_i32(v);
-            let mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sb), _mm_set1_epi8(0x0f)));
+            let mins =
+                _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sb), _mm_set1_epi8(0x0f)));
             let summ = hsum_i32(_mm256_madd_epi16(load256(x, ox + q8_k::BSUMS), mins));
             let (d, dmin) = f16_pair(ld_u32(w, ow + D));
             let dx = ld_f32(x, ox);

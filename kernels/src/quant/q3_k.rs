@@ -58,7 +58,11 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
         wr_f16(b, D, d);
         b[..D].fill(0);
         for j in 0..16 {
-            let code = if d > 0.0 { (s[j] / d).round().clamp(-32.0, 31.0) as i32 } else { 0 };
+            let code = if d > 0.0 {
+                (s[j] / d).round().clamp(-32.0, 31.0) as i32
+            } else {
+                0
+            };
             let v = (code + 32) as u8;
             if j < 8 {
                 b[SC + j] |= v & 0x0f;
@@ -68,7 +72,11 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
             b[SC + 8 + j % 4] |= (v >> 4) << (2 * (j / 4));
             let dl = d * code as f32;
             for e in 16 * j..16 * j + 16 {
-                let q = if dl != 0.0 { (x[e] / dl).round().clamp(-4.0, 3.0) as i32 + 4 } else { 4 } as u8;
+                let q = if dl != 0.0 {
+                    (x[e] / dl).round().clamp(-4.0, 3.0) as i32 + 4
+                } else {
+                    4
+                } as u8;
                 let (c, sh, l) = (e / 128, (e % 128) / 32, e % 32);
                 b[QS + 32 * c + l] |= (q & 3) << (2 * sh);
                 b[l] |= (q >> 2) << (4 * c + sh);
@@ -84,7 +92,9 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
         let sc = scales(&b[SC..SC + 12]);
         let mut sumi = 0i32;
         for j in 0..16 {
-            let s: i32 = (16 * j..16 * j + 16).map(|e| (level(b, e) as i32 - 4) * q8_k::q(x, i, e)).sum();
+            let s: i32 = (16 * j..16 * j + 16)
+                .map(|e| (level(b, e) as i32 - 4) * q8_k::q(x, i, e))
+                .sum();
             sumi += sc[j] as i32 * s;
         }
         acc += q8_k::d(x, i) * rd_f16(b, D) * sumi as f32;
@@ -109,7 +119,11 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
         for i in 0..nb {
             let (ow, ox) = (i * BYTES, i * q8_k::BYTES);
             // Scales word-parallel: low nibbles from bytes 0-7, top bits from 8-11.
-            let (a0, a1, t) = (ld_u32(w, ow + SC), ld_u32(w, ow + SC + 4), ld_u32(w, ow + SC + 8));
+            let (a0, a1, t) = (
+                ld_u32(w, ow + SC),
+                ld_u32(w, ow + SC + 4),
+                ld_u32(w, ow + SC + 8),
+            );
             let (m4, m3) = (0x0f0f_0f0f_u32, 0x0303_0303_u32);
             let s = _mm_set_epi32(
                 (((a1 >> 4) & m4) | (((t >> 6) & m3) << 4)) as i32,
@@ -124,7 +138,8 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                 let q = load256(w, ow + QS + 32 * c);
                 let half = half_scales(sc16, c);
                 for s in 0..4 {
-                    let lo = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), m2);
+                    let lo =
+                        _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * s as i32)), m2);
                     // hmask bit (4c + s) to bit 2 of each byte.
                     let k = (4 * c + s) as i32;
                     let hb = if k >= 2 {
@@ -134,7 +149,10 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                     };
                     let ql = _mm256_or_si256(lo, _mm256_and_si256(hb, b2));
                     let y = load256(x, ox + q8_k::QS + 128 * c + 32 * s);
-                    v = _mm256_add_epi32(v, dot_u8i8_scaled(ql, y, _mm256_shuffle_epi8(half, pick[s])));
+                    v = _mm256_add_epi32(
+                        v,
+                        dot_u8i8_scaled(ql, y, _mm256_shuffle_epi8(half, pick[s])),
+                    );
                 }
             }
             // The -4 offset: sum_j sc_j * 4 * bsum_j.

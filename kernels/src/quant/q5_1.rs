@@ -32,7 +32,9 @@ pub(crate) fn dequantize(src: &[u8], dst: &mut [f32]) {
 /// ggml's reference: `d = (max - min) / 31`, `q = min(31, trunc((x - min) / d + 0.5))`.
 pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BYTES)) {
-        let (min, max) = x.iter().fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let (min, max) = x
+            .iter()
+            .fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)));
         let d = (max - min) / 31.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         wr_f16(b, 0, d);

@@ -66,10 +66,14 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
         let (sc, m) = scales_mins(&b[4..16]);
         let mut sumi = 0i32;
         for j in 0..8 {
-            let s: i32 = (0..32).map(|l| level(b, j, l) as i32 * q8_k::q(x, i, 32 * j + l)).sum();
+            let s: i32 = (0..32)
+                .map(|l| level(b, j, l) as i32 * q8_k::q(x, i, 32 * j + l))
+                .sum();
             sumi += sc[j] as i32 * s;
         }
-        let summ: i32 = (0..8).map(|j| m[j] as i32 * (q8_k::bsum(x, i, 2 * j) + q8_k::bsum(x, i, 2 * j + 1))).sum();
+        let summ: i32 = (0..8)
+            .map(|j| m[j] as i32 * (q8_k::bsum(x, i, 2 * j) + q8_k::bsum(x, i, 2 * j + 1)))
+            .sum();
         let dx = q8_k::d(x, i);
         acc += dx * rd_f16(b, 0) * sumi as f32 - dx * rd_f16(b, 2) * summ as f32;
     }
@@ -105,7 +109,11 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                 let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(q), m4), h2);
                 let y = ox + q8_k::QS + 64 * c;
                 let p1 = dot_u8i8_scaled(lo, load256(x, y), _mm256_set1_epi16(sc[2 * c] as i16));
-                let p2 = dot_u8i8_scaled(hi, load256(x, y + 32), _mm256_set1_epi16(sc[2 * c + 1] as i16));
+                let p2 = dot_u8i8_scaled(
+                    hi,
+                    load256(x, y + 32),
+                    _mm256_set1_epi16(sc[2 * c + 1] as i16),
+                );
                 v = _mm256_add_epi32(v, _mm256_add_epi32(p1, p2));
             }
             let sumi = hsum_i32(v);

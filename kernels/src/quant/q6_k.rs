@@ -46,11 +46,19 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
         wr_f16(b, D, d);
         b[..SC].fill(0);
         for j in 0..16 {
-            let code = if d > 0.0 { (s[j] / d).round().clamp(-127.0, 127.0) as i8 } else { 0 };
+            let code = if d > 0.0 {
+                (s[j] / d).round().clamp(-127.0, 127.0) as i8
+            } else {
+                0
+            };
             b[SC + j] = code as u8;
             let dl = d * code as f32;
             for e in 16 * j..16 * j + 16 {
-                let q = if dl != 0.0 { ((x[e] / dl).round().clamp(-32.0, 31.0) as i32 + 32) as u8 } else { 32 };
+                let q = if dl != 0.0 {
+                    ((x[e] / dl).round().clamp(-32.0, 31.0) as i32 + 32) as u8
+                } else {
+                    32
+                };
                 let (c, k, l) = (e / 128, (e % 128) / 32, e % 32);
                 b[64 * c + 32 * (k % 2) + l] |= (q & 0x0f) << (4 * (k / 2));
                 b[QH + 32 * c + l] |= (q >> 4) << (2 * k);
@@ -66,7 +74,9 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
     for (i, b) in w.chunks_exact(BYTES).enumerate() {
         let mut sumi = 0i32;
         for j in 0..16 {
-            let s: i32 = (16 * j..16 * j + 16).map(|e| (level(b, e) as i32 - 32) * q8_k::q(x, i, e)).sum();
+            let s: i32 = (16 * j..16 * j + 16)
+                .map(|e| (level(b, e) as i32 - 32) * q8_k::q(x, i, e))
+                .sum();
             sumi += (b[SC + j] as i8) as i32 * s;
         }
         acc += q8_k::d(x, i) * rd_f16(b, D) * sumi as f32;
@@ -98,7 +108,10 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                 let qh = load256(w, ow + QH + 32 * c);
                 // The four runs of 32 levels of this half, unsigned 0..=63.
                 let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m2))),
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql0, m4),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m2)),
+                    ),
                     _mm256_or_si256(
                         _mm256_and_si256(ql1, m4),
                         _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2)),
@@ -115,7 +128,10 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
                 let half = half_scales(sc16, c);
                 for (k, qk) in q.iter().enumerate() {
                     let y = load256(x, ox + q8_k::QS + 128 * c + 32 * k);
-                    v = _mm256_add_epi32(v, dot_u8i8_scaled(*qk, y, _mm256_shuffle_epi8(half, pick[k])));
+                    v = _mm256_add_epi32(
+                        v,
+                        dot_u8i8_scaled(*qk, y, _mm256_shuffle_epi8(half, pick[k])),
+                    );
                 }
             }
             // The -32 offset: sum_j scale_j * 32 * bsum_j.

@@ -36,7 +36,10 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
             *q = ((iscale * v).round_ties_even() as i32).clamp(-127, 127) as i8 as u8;
         }
         for j in 0..16 {
-            let s: i32 = b[QS + 16 * j..QS + 16 * j + 16].iter().map(|&q| q as i8 as i32).sum();
+            let s: i32 = b[QS + 16 * j..QS + 16 * j + 16]
+                .iter()
+                .map(|&q| q as i8 as i32)
+                .sum();
             b[BSUMS + 2 * j..BSUMS + 2 * j + 2].copy_from_slice(&(s as i16).to_le_bytes());
         }
         b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());

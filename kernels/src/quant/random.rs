@@ -54,7 +54,10 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
 /// `n_blocks` random valid blocks of `ty` (see the module docs), reproducible from `seed`.
 pub fn random_blocks(ty: GgmlType, n_blocks: usize, seed: u64) -> Result<Vec<u8>, QuantError> {
     if !can_dequantize(ty) {
-        return Err(QuantError::Unsupported { ty, op: "random_blocks" });
+        return Err(QuantError::Unsupported {
+            ty,
+            op: "random_blocks",
+        });
     }
     let (_, bb) = geometry(ty);
     let mut rng = Rng(seed ^ (ty.id() as u64) << 32);
@@ -76,7 +79,9 @@ pub fn random_blocks(ty: GgmlType, n_blocks: usize, seed: u64) -> Result<Vec<u8>
             }
         }
         GgmlType::Q8_K => {
-            let x: Vec<f32> = (0..n_blocks * 256).map(|_| rng.normalish() * rng.scale().abs()).collect();
+            let x: Vec<f32> = (0..n_blocks * 256)
+                .map(|_| rng.normalish() * rng.scale().abs())
+                .collect();
             super::q8_k::quantize(&x, &mut out);
         }
         _ => {
