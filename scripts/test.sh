@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test suite, as CI runs it: fetch the real test model (cached), build the
+# whole workspace (the plugin libraries the registry tests load included),
+# stage the plugins next to the binary, run every test.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+PULSAR_GEMMA_GGUF="${PULSAR_GEMMA_GGUF:-$(scripts/fetch-gemma.sh)}"
+export PULSAR_GEMMA_GGUF
+cargo build --workspace --locked
+scripts/stage-plugins.sh debug >/dev/null
+cargo test --workspace --locked "$@"
