@@ -139,6 +139,8 @@ pub(crate) unsafe fn bytes_from_bits(bits: u32) -> __m256i {
 /// which holds for every caller: |b| <= 127 and a <= 128.
 pub(crate) trait U8I8Dot {
     unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+    /// [`bytes_from_bits`]; AVX-512 BW/VL does it in one `vpmovm2b`.
+    unsafe fn bit_bytes(bits: u32) -> __m256i;
 }
 
 pub(crate) struct Avx2Dot;
@@ -152,12 +154,20 @@ impl U8I8Dot for Avx2Dot {
             _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
         }
     }
+    #[inline(always)]
+    unsafe fn bit_bytes(bits: u32) -> __m256i {
+        unsafe { bytes_from_bits(bits) }
+    }
 }
 
 impl U8I8Dot for VnniDot {
     #[inline(always)]
     unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         unsafe { _mm256_dpbusd_epi32(acc, a, b) }
+    }
+    #[inline(always)]
+    unsafe fn bit_bytes(bits: u32) -> __m256i {
+        unsafe { _mm256_movm_epi8(bits) }
     }
 }
 

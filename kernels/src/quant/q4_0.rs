@@ -83,7 +83,7 @@ unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
             let (ow, ox) = (i * BYTES, i * q8_0::BYTES);
             let q = _mm256_sub_epi8(nibbles_lo_hi(load128(w, ow + 2)), _mm256_set1_epi8(8));
             let s = dot_i8::<D>(_mm256_setzero_si256(), q, load256(x, ox + 2));
-            let d = _mm256_mul_ps(f16x8(super::rd_u16(w, ow)), f16x8(super::rd_u16(x, ox)));
+            let d = _mm256_mul_ps(f16x8(ld_u16(w, ow)), f16x8(ld_u16(x, ox)));
             acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
         }
         hsum_f32(acc)

@@ -77,9 +77,9 @@ unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
             let y = load256(x, ox + 2);
             let s = D::dpbusd(_mm256_setzero_si256(), nibbles_lo_hi(load128(w, ow + 4)), y);
             let sy = D::dpbusd(_mm256_setzero_si256(), ones, y);
-            let dx = f16x8(super::rd_u16(x, ox));
-            let d = _mm256_mul_ps(f16x8(super::rd_u16(w, ow)), dx);
-            let m = _mm256_mul_ps(f16x8(super::rd_u16(w, ow + 2)), dx);
+            let dx = f16x8(ld_u16(x, ox));
+            let d = _mm256_mul_ps(f16x8(ld_u16(w, ow)), dx);
+            let m = _mm256_mul_ps(f16x8(ld_u16(w, ow + 2)), dx);
             acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
             accm = _mm256_fmadd_ps(m, _mm256_cvtepi32_ps(sy), accm);
         }

@@ -72,12 +72,12 @@ unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
             let (ow, ox) = (i * BYTES, i * q8_0::BYTES);
             // q - 16 as a signed byte is the nibble with 0xF0 or'ed in where the fifth bit is clear.
             let hi = _mm256_andnot_si256(
-                bytes_from_bits(rd_u32(w, ow + 2)),
+                D::bit_bytes(ld_u32(w, ow + 2)),
                 _mm256_set1_epi8(0xf0u8 as i8),
             );
             let q = _mm256_or_si256(nibbles_lo_hi(load128(w, ow + 6)), hi);
             let s = dot_i8::<D>(_mm256_setzero_si256(), q, load256(x, ox + 2));
-            let d = _mm256_mul_ps(f16x8(super::rd_u16(w, ow)), f16x8(super::rd_u16(x, ox)));
+            let d = _mm256_mul_ps(f16x8(ld_u16(w, ow)), f16x8(ld_u16(x, ox)));
             acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
         }
         hsum_f32(acc)

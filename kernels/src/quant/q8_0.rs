@@ -55,7 +55,7 @@ unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
         for i in 0..nb {
             let o = i * BYTES;
             let s = dot_i8::<D>(_mm256_setzero_si256(), load256(w, o + 2), load256(x, o + 2));
-            let d = _mm256_mul_ps(f16x8(super::rd_u16(w, o)), f16x8(super::rd_u16(x, o)));
+            let d = _mm256_mul_ps(f16x8(ld_u16(w, o)), f16x8(ld_u16(x, o)));
             acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
         }
         hsum_f32(acc)
