@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Independent check of a fixture pair: a small numpy forward pass that reads
+only model-f32.gguf (names, keys and semantics as llama.cpp uses them) and
+compares its logits with logits.npy (computed by transformers).
+
+If this agrees, the GGUF and the logits describe the same model, and a plugin
+that disagrees has a bug of its own. It is also a readable statement of what
+the GGUF means for the families it covers: qwen3moe, gemma3, hy_v3, minimax-m2.
+
+usage: check_numpy.py [ARCH ...]     (default: every arch implemented here)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+FIX = HERE.parent.parent / "fixtures" / "parity"
+LLAMACPP = Path(os.environ.get(
+    "REFGEN_LLAMACPP", "/root/.cache/pulsar/llamacpp-sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+sys.path.insert(0, str(LLAMACPP / "gguf-py"))
+import gguf  # noqa: E402
+
+
+class G:
+    def __init__(self, path: Path):
+        r = gguf.GGUFReader(str(path))
+        self.arch = r.fields["general.architecture"].contents()
+        self.kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+        # F32 data comes back shaped like numpy/torch ([out, in]: ne reversed)
+        self.t = {t.name: np.array(t.data, dtype=np.float64) for t in r.tensors}
+
+    def k(self, key):
+        return self.kv[f"{self.arch}.{key}"]
+
+
+def rmsnorm(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope_neox(x, pos, theta, n_rot):
+    # x [T, H, D]; rotate the first n_rot dims as two halves (NeoX pairing)
+    half = n_rot // 2
+    inv = theta ** (-np.arange(half) * 2.0 / n_rot)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:n_rot]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:n_rot] = x2 * cos + x1 * sin
+    return out
+
+
+def attention(q, k, v, scale, window=None):
+    # q [T, H, D], k/v [T, Hkv, D]; causal, optional sliding window (keys q-window+1..q)
+    T, H, D = q.shape
+    rep = H // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) * scale
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = j > i
+    if window:
+        mask |= (i - j) >= window
+    s = np.where(mask[None], -np.inf, s)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s /= s.sum(-1, keepdims=True)
+    return np.einsum("hts,shd->thd", s, v).reshape(T, H * D)
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def moe(t, b, h, n_used, gating="softmax", bias=None, norm=True, scale=1.0):
+    """Routed experts as llama.cpp's build_moe_ffn computes them: gating
+    probabilities, top-k chosen on probs + selection bias, weights the
+    unbiased probs of the chosen, optionally renormalised, times scale."""
+    logits = h @ t[b + "ffn_gate_inp.weight"].T
+    if gating == "softmax":
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+    else:
+        p = 1 / (1 + np.exp(-logits))
+    sel = p + (t[bias] if bias else 0.0)
+    top = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]
+    w = np.take_along_axis(p, top, -1)
+    if norm:
+        w /= w.sum(-1, keepdims=True)
+    w *= scale
+    out = np.zeros_like(h)
+    for ti in range(h.shape[0]):
+        for e, we in zip(top[ti], w[ti]):
+            gt = t[b + "ffn_gate_exps.weight"][e] @ h[ti]
+            up = t[b + "ffn_up_exps.weight"][e] @ h[ti]
+            out[ti] += we * (t[b + "ffn_down_exps.weight"][e] @ (silu(gt) * up))
+    return out
+
+
+def swiglu(t, b, h, suffix=""):
+    g_, u_, d_ = (t[f"{b}ffn_{n}{suffix}.weight"] for n in ("gate", "up", "down"))
+    return (silu(h @ g_.T) * (h @ u_.T)) @ d_.T
+
+
+def qwen3moe(g: G, ids):
+    t, eps = g.t, g.k("attention.layer_norm_rms_epsilon")
+    nh, nkv, hd = g.k("attention.head_count"), g.k("attention.head_count_kv"), g.k("attention.key_length")
+    n_used = g.k("expert_used_count")
+    pos = np.arange(len(ids), dtype=np.float64)
+    x = t["token_embd.weight"][ids]
+    for il in range(g.k("block_count")):
+        b = f"blk.{il}."
+        h = rmsnorm(x, t[b + "attn_norm.weight"], eps)
+        q = (h @ t[b + "attn_q.weight"].T).reshape(len(ids), nh, hd)
+        k = (h @ t[b + "attn_k.weight"].T).reshape(len(ids), nkv, hd)
+        v = (h @ t[b + "attn_v.weight"].T).reshape(len(ids), nkv, hd)
+        q = rope_neox(rmsnorm(q, t[b + "attn_q_norm.weight"], eps), pos, g.k("rope.freq_base"), hd)
+        k = rope_neox(rmsnorm(k, t[b + "attn_k_norm.weight"], eps), pos, g.k("rope.freq_base"), hd)
+        x = x + attention(q, k, v, 1 / math.sqrt(hd)) @ t[b + "attn_output.weight"].T
+        h = rmsnorm(x, t[b + "ffn_norm.weight"], eps)
+        # Qwen3 renormalises the top-k softmax weights
+        out = moe(t, b, h, n_used, "softmax", norm=True)
+        x = x + out
+    return rmsnorm(x, t["output_norm.weight"], eps) @ t["output.weight"].T
+
+
+def gemma3(g: G, ids):
+    t, eps = g.t, g.k("attention.layer_norm_rms_epsilon")
+    nh, nkv, hd = g.k("attention.head_count"), g.k("attention.head_count_kv"), g.k("attention.key_length")
+    n_embd, window = g.k("embedding_length"), g.k("attention.sliding_window")
+    pos = np.arange(len(ids), dtype=np.float64)
+    x = t["token_embd.weight"][ids] * math.sqrt(n_embd)
+    for il in range(g.k("block_count")):
+        b = f"blk.{il}."
+        swa = (il + 1) % 6 != 0  # llama.cpp's fixed gemma3 pattern: every 6th layer full
+        theta = g.k("rope.freq_base_swa") if swa else g.k("rope.freq_base")
+        h = rmsnorm(x, t[b + "attn_norm.weight"], eps)  # norm weights already hold 1+w
+        q = (h @ t[b + "attn_q.weight"].T).reshape(len(ids), nh, hd)
+        k = (h @ t[b + "attn_k.weight"].T).reshape(len(ids), nkv, hd)
+        v = (h @ t[b + "attn_v.weight"].T).reshape(len(ids), nkv, hd)
+        q = rope_neox(rmsnorm(q, t[b + "attn_q_norm.weight"], eps), pos, theta, hd)
+        k = rope_neox(rmsnorm(k, t[b + "attn_k_norm.weight"], eps), pos, theta, hd)
+        a = attention(q, k, v, 1 / math.sqrt(hd), window if swa else None) @ t[b + "attn_output.weight"].T
+        x = x + rmsnorm(a, t[b + "post_attention_norm.weight"], eps)
+        h = rmsnorm(x, t[b + "ffn_norm.weight"], eps)
+        f = (gelu_tanh(h @ t[b + "ffn_gate.weight"].T) * (h @ t[b + "ffn_up.weight"].T)) @ t[b + "ffn_down.weight"].T
+        x = x + rmsnorm(f, t[b + "post_ffw_norm.weight"], eps)
+    return rmsnorm(x, t["output_norm.weight"], eps) @ t["token_embd.weight"].T
+
+
+def hy_v3(g: G, ids):
+    t, eps = g.t, g.k("attention.layer_norm_rms_epsilon")
+    nh, nkv, hd = g.k("attention.head_count"), g.k("attention.head_count_kv"), g.k("attention.key_length")
+    pos = np.arange(len(ids), dtype=np.float64)
+    x = t["token_embd.weight"][ids]
+    for il in range(g.k("block_count")):
+        b = f"blk.{il}."
+        h = rmsnorm(x, t[b + "attn_norm.weight"], eps)
+        q = (h @ t[b + "attn_q.weight"].T).reshape(len(ids), nh, hd)
+        k = (h @ t[b + "attn_k.weight"].T).reshape(len(ids), nkv, hd)
+        v = (h @ t[b + "attn_v.weight"].T).reshape(len(ids), nkv, hd)
+        q = rope_neox(rmsnorm(q, t[b + "attn_q_norm.weight"], eps), pos, g.k("rope.freq_base"), hd)
+        k = rope_neox(rmsnorm(k, t[b + "attn_k_norm.weight"], eps), pos, g.k("rope.freq_base"), hd)
+        x = x + attention(q, k, v, 1 / math.sqrt(hd)) @ t[b + "attn_output.weight"].T
+        h = rmsnorm(x, t[b + "ffn_norm.weight"], eps)
+        if b + "ffn_gate_inp.weight" not in t:  # the leading dense layer
+            x = x + swiglu(t, b, h)
+            continue
+        x = x + moe(t, b, h, g.k("expert_used_count"), "sigmoid", bias=b + "exp_probs_b",
+                    norm=g.k("expert_weights_norm"), scale=g.k("expert_weights_scale")) + swiglu(t, b, h, "_shexp")
+    return rmsnorm(x, t["output_norm.weight"], eps) @ t["output.weight"].T
+
+
+def minimax_m2(g: G, ids):
+    t, eps = g.t, g.k("attention.layer_norm_rms_epsilon")
+    nh, nkv, hd = g.k("attention.head_count"), g.k("attention.head_count_kv"), g.k("attention.key_length")
+    n_rot = g.k("rope.dimension_count")
+    pos = np.arange(len(ids), dtype=np.float64)
+    x = t["token_embd.weight"][ids]
+    for il in range(g.k("block_count")):
+        b = f"blk.{il}."
+        h = rmsnorm(x, t[b + "attn_norm.weight"], eps)
+        # q/k norm over the whole projection (all heads at once), then split heads
+        q = rmsnorm(h @ t[b + "attn_q.weight"].T, t[b + "attn_q_norm.weight"], eps).reshape(len(ids), nh, hd)
+        k = rmsnorm(h @ t[b + "attn_k.weight"].T, t[b + "attn_k_norm.weight"], eps).reshape(len(ids), nkv, hd)
+        v = (h @ t[b + "attn_v.weight"].T).reshape(len(ids), nkv, hd)
+        q, k = (rope_neox(z, pos, g.k("rope.freq_base"), n_rot) for z in (q, k))
+        x = x + attention(q, k, v, 1 / math.sqrt(hd)) @ t[b + "attn_output.weight"].T
+        h = rmsnorm(x, t[b + "ffn_norm.weight"], eps)
+        x = x + moe(t, b, h, g.k("expert_used_count"), "sigmoid", bias=b + "exp_probs_b.bias", norm=True)
+    return rmsnorm(x, t["output_norm.weight"], eps) @ t["output.weight"].T
+
+
+FORWARD = {"qwen3moe": qwen3moe, "gemma3": gemma3, "hy_v3": hy_v3, "minimax-m2": minimax_m2}
+
+
+def main() -> int:
+    archs = sys.argv[1:] or list(FORWARD)
+    bad = 0
+    for arch in archs:
+        d = FIX / arch
+        meta = json.loads((d / "meta.json").read_text())
+        ref = np.load(d / "logits.npy")
+        got = FORWARD[arch](G(d / "model-f32.gguf"), np.array(meta["tokens"]))
+        err = float(np.abs(got - ref).max() / np.abs(ref).max())
+        agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+        ok = err < 1e-4 and agree == 1.0
+        bad += not ok
+        print(f"{arch}: max rel err {err:.2e}, argmax agreement {agree:.3f} -> {'ok' if ok else 'MISMATCH'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
