@@ -5,7 +5,8 @@ compares its logits with logits.npy (computed by transformers).
 
 If this agrees, the GGUF and the logits describe the same model, and a plugin
 that disagrees has a bug of its own. It is also a readable statement of what
-the GGUF means for the families it covers: qwen3moe, gemma3, hy_v3, minimax-m2.
+the GGUF means for the families it covers: qwen3moe, gemma3, hy_v3, minimax-m2, deepseek2
+(and its Kimi variant).
 
 usage: check_numpy.py [ARCH ...]     (default: every arch implemented here)
 """
@@ -57,6 +58,27 @@ def rope_neox(x, pos, theta, n_rot):
     return out
 
 
+def rope_norm_yarn(x, pos, theta, n_rot, factor=1.0, n_ctx_orig=0, beta_fast=32.0, beta_slow=1.0):
+    """ggml's rope type NORM (adjacent pairs 2i, 2i+1) with YaRN frequency
+    blending (ggml_rope_yarn_corr_dims + ramp); magnitude factor left at 1."""
+    half = n_rot // 2
+    freq = theta ** (-np.arange(half) * 2.0 / n_rot)
+    if factor != 1.0:
+        def corr(nr):
+            return n_rot * math.log(n_ctx_orig / (nr * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(0.0, math.floor(corr(beta_fast)))
+        high = min(n_rot - 1.0, math.ceil(corr(beta_slow)))
+        ramp = 1 - np.clip((np.arange(half) - low) / max(0.001, high - low), 0, 1)
+        freq = (freq / factor) * (1 - ramp) + freq * ramp
+    ang = pos[:, None] * freq[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+    out = x.copy()
+    out[..., 0:n_rot:2] = x0 * cos - x1 * sin
+    out[..., 1:n_rot:2] = x0 * sin + x1 * cos
+    return out
+
+
 def attention(q, k, v, scale, window=None):
     # q [T, H, D], k/v [T, Hkv, D]; causal, optional sliding window (keys q-window+1..q)
     T, H, D = q.shape
@@ -70,7 +92,7 @@ def attention(q, k, v, scale, window=None):
     s = np.where(mask[None], -np.inf, s)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
-    return np.einsum("hts,shd->thd", s, v).reshape(T, H * D)
+    return np.einsum("hts,shd->thd", s, v).reshape(T, -1)  # v's head dim may differ from q/k's
 
 
 def silu(x):
@@ -81,7 +103,7 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
-def moe(t, b, h, n_used, gating="softmax", bias=None, norm=True, scale=1.0):
+def moe(t, b, h, n_used, gating="softmax", bias=None, norm=True, scale=1.0, n_group=1, group_used=1):
     """Routed experts as llama.cpp's build_moe_ffn computes them: gating
     probabilities, top-k chosen on probs + selection bias, weights the
     unbiased probs of the chosen, optionally renormalised, times scale."""
@@ -92,6 +114,15 @@ def moe(t, b, h, n_used, gating="softmax", bias=None, norm=True, scale=1.0):
     else:
         p = 1 / (1 + np.exp(-logits))
     sel = p + (t[bias] if bias else 0.0)
+    if n_group > 1:
+        # group-limited: a group scores the sum of its two best (biased)
+        # experts; experts outside the best group_used groups are excluded
+        T, E = sel.shape
+        gs = np.sort(sel.reshape(T, n_group, E // n_group), axis=-1)[..., -2:].sum(-1)
+        keep = np.argsort(-gs, axis=-1, kind="stable")[:, :group_used]
+        gmask = np.zeros((T, n_group), bool)
+        np.put_along_axis(gmask, keep, True, -1)
+        sel = np.where(np.repeat(gmask, E // n_group, axis=1), sel, -np.inf)
     top = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]
     w = np.take_along_axis(p, top, -1)
     if norm:
@@ -200,7 +231,49 @@ def minimax_m2(g: G, ids):
     return rmsnorm(x, t["output_norm.weight"], eps) @ t["output.weight"].T
 
 
-FORWARD = {"qwen3moe": qwen3moe, "gemma3": gemma3, "hy_v3": hy_v3, "minimax-m2": minimax_m2}
+def deepseek2(g: G, ids):
+    t, eps = g.t, g.k("attention.layer_norm_rms_epsilon")
+    nh, T = g.k("attention.head_count"), len(ids)
+    kv_lora, n_rot = g.k("attention.kv_lora_rank"), g.k("rope.dimension_count")
+    nope = g.k("attention.key_length_mla") - n_rot
+    factor = g.k("rope.scaling.factor")
+    # llama.cpp deepseek2: cos/sin magnitude stays 1; YaRN's attention gain goes
+    # into the softmax scale as mscale^2, mscale = 1 + yarn_log_multiplier*ln(factor)
+    mscale = 1.0 + g.k("rope.scaling.yarn_log_multiplier") * math.log(factor)
+    kq_scale = mscale * mscale / math.sqrt(nope + n_rot)
+    rope = dict(theta=g.k("rope.freq_base"), n_rot=n_rot, factor=factor,
+                n_ctx_orig=g.k("rope.scaling.original_context_length"),
+                beta_fast=g.k("rope.scaling.yarn_beta_fast"), beta_slow=g.k("rope.scaling.yarn_beta_slow"))
+    pos = np.arange(T, dtype=np.float64)
+    x = t["token_embd.weight"][ids]
+    for il in range(g.k("block_count")):
+        b = f"blk.{il}."
+        h = rmsnorm(x, t[b + "attn_norm.weight"], eps)
+        q = rmsnorm(h @ t[b + "attn_q_a.weight"].T, t[b + "attn_q_a_norm.weight"], eps) @ t[b + "attn_q_b.weight"].T
+        q = q.reshape(T, nh, nope + n_rot)
+        kv = h @ t[b + "attn_kv_a_mqa.weight"].T
+        c = rmsnorm(kv[:, :kv_lora], t[b + "attn_kv_a_norm.weight"], eps)
+        k_pe = rope_norm_yarn(kv[:, None, kv_lora:], pos, **rope)  # one rope key shared by all heads
+        q_pe = rope_norm_yarn(q[..., nope:], pos, **rope)
+        k_nope = np.einsum("tc,hcd->thd", c, t[b + "attn_k_b.weight"])  # attn_k_b: [head, kv_lora, nope]
+        v = np.einsum("tc,hdc->thd", c, t[b + "attn_v_b.weight"])  # attn_v_b: [head, v, kv_lora]
+        qq = np.concatenate([q[..., :nope], q_pe], -1)
+        kk = np.concatenate([k_nope, np.repeat(k_pe, nh, axis=1)], -1)
+        x = x + attention(qq, kk, v, kq_scale) @ t[b + "attn_output.weight"].T
+        h = rmsnorm(x, t[b + "ffn_norm.weight"], eps)
+        if il < g.k("leading_dense_block_count"):
+            x = x + swiglu(t, b, h)
+            continue
+        gating = {1: "softmax", 2: "sigmoid"}[g.k("expert_gating_func")]
+        x = x + moe(t, b, h, g.k("expert_used_count"), gating, bias=b + "exp_probs_b.bias",
+                    norm=g.k("expert_weights_norm"), scale=g.k("expert_weights_scale"),
+                    n_group=g.k("expert_group_count"), group_used=g.k("expert_group_used_count")) \
+            + swiglu(t, b, h, "_shexp")
+    return rmsnorm(x, t["output_norm.weight"], eps) @ t["output.weight"].T
+
+
+FORWARD = {"qwen3moe": qwen3moe, "gemma3": gemma3, "hy_v3": hy_v3, "minimax-m2": minimax_m2,
+           "deepseek2": deepseek2, "deepseek2-kimi_k25": deepseek2}
 
 
 def main() -> int:
