@@ -6,7 +6,7 @@ compares its logits with logits.npy (computed by transformers).
 If this agrees, the GGUF and the logits describe the same model, and a plugin
 that disagrees has a bug of its own. It is also a readable statement of what
 the GGUF means for the families it covers: qwen3moe, gemma3, hy_v3, minimax-m2, deepseek2
-(and its Kimi variant).
+(and its Kimi variant), inkling (the hand-written dialect).
 
 usage: check_numpy.py [ARCH ...]     (default: every arch implemented here)
 """
@@ -272,8 +272,75 @@ def deepseek2(g: G, ids):
     return rmsnorm(x, t["output_norm.weight"], eps) @ t["output.weight"].T
 
 
+def shortconv(x, w):
+    """Inkling's causal depthwise conv with the residual inside: x + conv(x).
+    w is [channels, K] (GGUF ne [K, channels]), taps oldest first."""
+    T, K = x.shape[0], w.shape[1]
+    xp = np.concatenate([np.zeros((K - 1, x.shape[1])), x], 0)
+    return x + sum(xp[j:j + T] * w[:, j] for j in range(K))
+
+
+def inkling(g: G, ids):
+    t, eps = g.t, g.k("attention.layer_norm_rms_epsilon")
+    nh, hd, T = g.k("attention.head_count"), g.k("attention.key_length"), len(ids)
+    n_kv, swa_pat = g.k("attention.head_count_kv"), g.k("attention.sliding_window_pattern")
+    d_rel, window = g.k("d_rel"), g.k("attention.sliding_window")
+    floor, alpha = g.k("log_scaling_n_floor"), g.k("log_scaling_alpha")
+    n_exp, n_sh, n_used = g.k("expert_count"), g.k("expert_shared_count"), g.k("expert_used_count")
+    pos = np.arange(T, dtype=np.float64)
+    x = rmsnorm(t["token_embd.weight"][ids], t["token_embd_norm.weight"], eps)
+    for il in range(g.k("block_count")):
+        b, swa, nkv = f"blk.{il}.", bool(swa_pat[il]), n_kv[il]
+        h = rmsnorm(x, t[b + "attn_norm.weight"], eps)
+        q = (h @ t[b + "attn_q.weight"].T).reshape(T, nh, hd)
+        k = shortconv(h @ t[b + "attn_k.weight"].T, t[b + "shortconv_k.weight"]).reshape(T, nkv, hd)
+        v = shortconv(h @ t[b + "attn_v.weight"].T, t[b + "shortconv_v.weight"]).reshape(T, nkv, hd)
+        r = (h @ t[b + "attn_r.weight"].T).reshape(T, nh, d_rel)
+        q, k = rmsnorm(q, t[b + "attn_q_norm.weight"], eps), rmsnorm(k, t[b + "attn_k_norm.weight"], eps)
+        bank = t[b + "attn_rel_proj.weight"]  # [d_rel, extent]
+        extent = bank.shape[1]
+        dist = pos[:, None] - pos[None, :]
+        idx = np.clip(dist, 0, extent - 1).astype(int)
+        rel = np.einsum("thd,de->hte", r, bank)  # [h, tq, extent]
+        bias = np.take_along_axis(rel, np.broadcast_to(idx, (nh, T, T)), -1)
+        bias = np.where((dist < 0) | (dist >= extent), 0.0, bias)
+        if not swa and floor > 0:
+            tau = 1 + alpha * np.log(np.maximum((pos + 1) / floor, 1.0))
+            q, bias = q * tau[:, None, None], bias * tau[None, :, None]
+        kk, vv = np.repeat(k, nh // nkv, 1), np.repeat(v, nh // nkv, 1)
+        sc = np.einsum("thd,shd->hts", q, kk) / hd + bias  # scale 1/head_dim
+        mask = (dist < 0) | ((dist >= window) if swa else False)
+        sc = np.where(mask[None], -np.inf, sc)
+        sc = np.exp(sc - sc.max(-1, keepdims=True))
+        sc /= sc.sum(-1, keepdims=True)
+        a = np.einsum("hts,shd->thd", sc, vv).reshape(T, nh * hd) @ t[b + "attn_output.weight"].T
+        x = x + shortconv(a, t[b + "shortconv_attn.weight"])
+        h = rmsnorm(x, t[b + "ffn_norm.weight"], eps)
+        gscale = t[b + "ffn_gscale.weight"][0]
+        if il < g.k("dense_block_count"):
+            f = swiglu(t, b, h) * gscale
+        else:
+            lg = h @ t[b + "ffn_gate_inp.weight"].T  # [T, n_exp + n_sh]: routed rows, then shared
+            sel = 1 / (1 + np.exp(-lg[:, :n_exp])) + t[b + "exp_probs_b.bias"]
+            top = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]
+            chosen = np.concatenate([np.take_along_axis(lg, top, -1), lg[:, n_exp:]], -1)
+            sg = 1 / (1 + np.exp(-chosen))
+            w = sg / sg.sum(-1, keepdims=True) * g.k("expert_weights_scale") * gscale  # routed+shared together
+            f = np.zeros_like(h)
+            for ti in range(T):
+                for e, we in zip(top[ti], w[ti, :n_used]):
+                    gt, up = t[b + "ffn_gate_exps.weight"][e] @ h[ti], t[b + "ffn_up_exps.weight"][e] @ h[ti]
+                    f[ti] += we * (t[b + "ffn_down_exps.weight"][e] @ (silu(gt) * up))
+                for s_, we in enumerate(w[ti, n_used:]):
+                    gt, up = t[b + "ffn_gate_shexp.weight"][s_] @ h[ti], t[b + "ffn_up_shexp.weight"][s_] @ h[ti]
+                    f[ti] += we * (t[b + "ffn_down_shexp.weight"][s_] @ (silu(gt) * up))
+        x = x + shortconv(f, t[b + "shortconv_mlp.weight"])
+    logits = (rmsnorm(x, t["output_norm.weight"], eps) / g.k("logit_scale_denom")) @ t["output.weight"].T
+    return logits[:, :g.k("unpadded_vocab_size")]  # readers mask the padding rows; HF drops them
+
+
 FORWARD = {"qwen3moe": qwen3moe, "gemma3": gemma3, "hy_v3": hy_v3, "minimax-m2": minimax_m2,
-           "deepseek2": deepseek2, "deepseek2-kimi_k25": deepseek2}
+           "deepseek2": deepseek2, "deepseek2-kimi_k25": deepseek2, "inkling": inkling}
 
 
 def main() -> int:
