@@ -1,0 +1,197 @@
+//! Reference parity for every family in DESIGN.md: each fixture under
+//! fixtures/parity/<arch>/ (made by tools/refgen from a tiny random HF
+//! transformers model, converted by llama.cpp's converter) is run through its
+//! plugin on the CPU backend and compared with transformers' logits at every
+//! position. Families whose plugin has not landed are reported by name.
+//!
+//! Bounds:
+//! - f32: max |Δ| / max |ref| < 1e-4 and identical argmax everywhere. f32
+//!   weights are dotted against f32 activations, so only summation order differs.
+//! - q8_0: the MEDIAN over positions of max |Δ| / max |ref| < 0.05, and
+//!   argmax agreement >= 90%. q8_0 rounds
+//!   each weight to 1/254 of its block's absmax (~0.2% of a typical weight) and
+//!   we also round activations to q8_0 before each dot (same size again); on
+//!   models with random weights, whose logits are a sum of many such products
+//!   with little margin between the top two, that gives a few percent of the
+//!   logit range and occasional argmax flips between near-tied tokens. The
+//!   median, not the max, because a MoE router whose top-k has a near-tie can
+//!   pick another expert under that rounding, and that position's output then
+//!   moves by O(1): a discontinuity no tolerance on the max could honestly cover.
+
+use std::path::{Path, PathBuf};
+
+use pulsar_gguf::{GgufFile, GgufWriter, Value};
+use pulsar_host::cpu::{CpuBackend, MappedExperts};
+use pulsar_host::engine::Engine;
+use pulsar_host::model::Model;
+use pulsar_plugin_api::PluginModRef;
+use pulsar_registry::{Registry, SearchPath};
+use std::sync::OnceLock;
+
+/// Every `general.architecture` in DESIGN.md's family table.
+const FAMILIES: &[&str] = &[
+    "qwen3moe", "gemma3", "gemma4", "hy_v3", "minimax-m2", "minimax-m3", "deepseek2", "glm-dsa", "deepseek4", "qwen35moe",
+    "qwen35", "laguna", "inkling", "qwen4exp",
+];
+
+/// The plugin libraries themselves, as `scripts/stage-plugins.sh` lays them
+/// out next to the binary (two plugins cannot be linked into one test binary:
+/// each exports the same root-module symbol).
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let dir = exe.parent().and_then(Path::parent).unwrap().join("plugins");
+        assert!(dir.is_dir(), "{} is missing: run `cargo build --workspace && scripts/stage-plugins.sh` (scripts/test.sh does)", dir.display());
+        Registry::discover(&SearchPath::only(&[dir]))
+    })
+}
+
+fn plugin(arch: &str) -> Option<(String, PluginModRef)> {
+    let (p, _) = registry().select(arch, None).ok()?;
+    Some((p.name(), p.module()?))
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity")
+}
+
+/// A little-endian f32 C-order .npy.
+fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
+    let b = std::fs::read(path).unwrap();
+    assert_eq!(&b[..6], b"\x93NUMPY", "{}", path.display());
+    let (hl, start) = if b[6] == 1 {
+        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
+    } else {
+        (u32::from_le_bytes(b[8..12].try_into().unwrap()) as usize, 12)
+    };
+    let header = std::str::from_utf8(&b[start..start + hl]).unwrap();
+    assert!(header.contains("'<f4'") && header.contains("'fortran_order': False"), "{header}");
+    let shape_s = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
+    let shape: Vec<usize> = shape_s.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect();
+    let data = b[start + hl..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    (shape, data)
+}
+
+struct Outcome {
+    /// max over positions of max |Δ| / max |ref|.
+    max_rel: f64,
+    /// The median over positions of the same per-position error.
+    median_rel: f64,
+    argmax_agree: f64,
+}
+
+fn run(file: GgufFile, name: &str, module: PluginModRef, tokens: &[u32], reference: &[f32], vocab: usize) -> Result<Outcome, String> {
+    let model = Model::from_file(file, name, module).map_err(|e| e.to_string())?;
+    let cpu = CpuBackend::new(2).map_err(|e| e.to_string())?;
+    let mut eng = Engine::new(&model, &cpu, &MappedExperts, tokens.len() + 8);
+    let rows = eng.forward(tokens, true).map_err(|e| e.to_string())?;
+    let max_ref = reference.iter().fold(0f32, |m, &x| m.max(x.abs())) as f64;
+    let (mut per_pos, mut agree) = (Vec::new(), 0usize);
+    for (i, row) in rows.iter().enumerate() {
+        let r = &reference[i * vocab..(i + 1) * vocab];
+        if row.len() != vocab {
+            return Err(format!("vocab {} vs reference {vocab}", row.len()));
+        }
+        let max_abs = row.iter().zip(r).fold(0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+        per_pos.push(max_abs / max_ref);
+        agree += (pulsar_host::sample::argmax(row) == pulsar_host::sample::argmax(r)) as usize;
+    }
+    per_pos.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let max_rel = per_pos.last().copied().unwrap_or(0.0);
+    let median_rel = per_pos[per_pos.len() / 2];
+    Ok(Outcome { max_rel, median_rel, argmax_agree: agree as f64 / rows.len() as f64 })
+}
+
+struct Fixture {
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+    vocab: usize,
+}
+
+fn fixture(arch: &str) -> Option<Fixture> {
+    let dir = fixtures().join(arch);
+    let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).ok()?).unwrap();
+    let tokens: Vec<u32> = meta["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    let (shape, logits) = read_npy(&dir.join("logits.npy"));
+    assert_eq!(shape[0], tokens.len());
+    Some(Fixture { tokens, logits, vocab: shape[1] })
+}
+
+#[test]
+fn parity_table_for_every_family() {
+    let mut table = vec!["family      variant  max-rel-err  median-rel   argmax   status".to_string()];
+    let mut failures = Vec::new();
+    for &arch in FAMILIES {
+        let Some(fx) = fixture(arch) else {
+            table.push(format!("{arch:<11} -        -            -            -        NO FIXTURE (tools/refgen has not produced it)"));
+            continue;
+        };
+        let Some((name, module)) = plugin(arch) else {
+            table.push(format!("{arch:<11} -        -            -            -        not yet implemented (no plugin)"));
+            continue;
+        };
+        // (variant, bound on max, bound on median, minimum argmax agreement)
+        for (variant, tol_max, tol_median, min_agree) in [("f32", 1e-4, 1e-4, 1.0), ("q8_0", f64::INFINITY, 0.05, 0.9)] {
+            let path = fixtures().join(arch).join(format!("model-{variant}.gguf"));
+            let file = GgufFile::open(&path).unwrap();
+            match run(file, &name, module, &fx.tokens, &fx.logits, fx.vocab) {
+                Ok(o) => {
+                    let ok = o.max_rel < tol_max && o.median_rel < tol_median && o.argmax_agree >= min_agree;
+                    table.push(format!(
+                        "{arch:<11} {variant:<8} {:<12.3e} {:<12.3e} {:>6.1}%  {}",
+                        o.max_rel,
+                        o.median_rel,
+                        100.0 * o.argmax_agree,
+                        if ok { "ok" } else { "FAIL" }
+                    ));
+                    if !ok {
+                        failures.push(format!(
+                            "{arch} {variant}: max rel {:.3e} (< {tol_max}), median {:.3e} (< {tol_median}), argmax {:.3} (>= {min_agree})",
+                            o.max_rel, o.median_rel, o.argmax_agree
+                        ));
+                    }
+                }
+                Err(e) => {
+                    table.push(format!("{arch:<11} {variant:<8} -            -            -        ERROR {e}"));
+                    failures.push(format!("{arch} {variant}: {e}"));
+                }
+            }
+        }
+    }
+    println!("\n{}\n", table.join("\n"));
+    assert!(failures.is_empty(), "parity failures:\n{}", failures.join("\n"));
+}
+
+/// Rewrite a GGUF in memory with one metadata value replaced.
+fn with_meta(path: &Path, key: &str, value: Value) -> GgufFile {
+    let src = GgufFile::open(path).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata().iter() {
+        let v = if k == key { value.clone() } else { v.clone() };
+        w.add_kv(k.to_string(), v).unwrap();
+    }
+    for t in src.tensors() {
+        w.add_tensor(t.name.clone(), &t.dims, t.ty).unwrap();
+    }
+    let mut out = w.in_memory().unwrap();
+    for t in src.tensors() {
+        out.write_tensor(&t.name, src.data(t)).unwrap();
+    }
+    GgufFile::from_shard_bytes(out.finish().unwrap()).unwrap()
+}
+
+#[test]
+fn a_wrong_rope_base_fails_parity() {
+    for arch in ["gemma3", "qwen3moe"] {
+        let fx = fixture(arch).unwrap();
+        let (name, module) = plugin(arch).unwrap();
+        let path = fixtures().join(arch).join("model-f32.gguf");
+        let good = run(GgufFile::open(&path).unwrap(), &name, module, &fx.tokens, &fx.logits, fx.vocab).unwrap();
+        assert!(good.max_rel < 1e-4, "{arch}: the unmodified fixture must pass ({})", good.max_rel);
+        let broken = with_meta(&path, &format!("{arch}.rope.freq_base"), Value::F32(500.0));
+        let bad = run(broken, &name, module, &fx.tokens, &fx.logits, fx.vocab).unwrap();
+        println!("{arch}: rope base 500 gives max rel err {:.3e}, argmax {:.2}", bad.max_rel, bad.argmax_agree);
+        assert!(bad.max_rel > 1e-2, "{arch}: a wrong RoPE base went unnoticed ({})", bad.max_rel);
+    }
+}
