@@ -1,0 +1,127 @@
+//! The `pulsar-host` binary end to end: broken files, plugin listing, the
+//! built-in synthetic model.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pulsar-host"))
+}
+
+fn staged_plugins() -> PathBuf {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_pulsar-host"));
+    let dir = exe.parent().unwrap().join("plugins");
+    assert!(dir.is_dir(), "{} is missing: run scripts/stage-plugins.sh (scripts/test.sh does)", dir.display());
+    dir
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    let s = pulsar_host::synth::SynthSpec { n_layers: 2, ..pulsar_host::synth::preset("tiny").unwrap() };
+    pulsar_host::synth::write(&s, &p, false).unwrap();
+    p
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A hang would fail the test; the brief's "within a second" is checked with
+/// slack for a loaded CI machine.
+fn run_timed(cmd: &mut Command) -> (Output, Duration) {
+    let t = Instant::now();
+    let o = cmd.output().unwrap();
+    (o, t.elapsed())
+}
+
+#[test]
+fn broken_files_give_one_error_line_and_a_nonzero_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = std::fs::read(tiny_model(dir.path())).unwrap();
+    let mut corpus: Vec<(String, Vec<u8>)> = Vec::new();
+    for cut in [0usize, 3, 4, 8, 15, 24, 40, 100, 1000, 5000, good.len() / 2, good.len() - 1] {
+        corpus.push((format!("truncated at {cut}"), good[..cut].to_vec()));
+    }
+    let flip = |off: usize, v: u8| {
+        let mut b = good.clone();
+        b[off] = v;
+        b
+    };
+    corpus.push(("bad magic".into(), flip(0, b'X')));
+    corpus.push(("version 1".into(), { let mut b = good.clone(); b[4..8].copy_from_slice(&1u32.to_le_bytes()); b }));
+    corpus.push(("absurd tensor count".into(), { let mut b = good.clone(); b[8..16].copy_from_slice(&(u64::MAX / 3).to_le_bytes()); b }));
+    corpus.push(("absurd kv count".into(), { let mut b = good.clone(); b[16..24].copy_from_slice(&(1u64 << 60).to_le_bytes()); b }));
+    // The first key's length: an absurd string length.
+    corpus.push(("absurd key length".into(), { let mut b = good.clone(); b[24..32].copy_from_slice(&(1u64 << 62).to_le_bytes()); b }));
+    for (what, bytes) in corpus {
+        let p = dir.path().join("broken.gguf");
+        std::fs::write(&p, &bytes).unwrap();
+        let (o, took) = run_timed(bin().arg("inspect").arg(&p));
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{what}: exit 0");
+        assert!(!err.contains("panicked"), "{what}: panic: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{what}: not one line: {err}");
+        assert!(err.starts_with("error:"), "{what}: {err}");
+        assert!(took < Duration::from_secs(5), "{what}: took {took:?}");
+    }
+    // The intact file inspects fine.
+    let p = dir.path().join("ok.gguf");
+    std::fs::write(&p, &good).unwrap();
+    let o = bin().arg("inspect").arg(&p).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("blk.1.ffn_down_exps.weight"));
+}
+
+#[test]
+fn archs_lists_plugins_and_survives_a_broken_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let staged = staged_plugins();
+    for name in ["gemma3", "qwen3moe"] {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in std::fs::read_dir(staged.join(name)).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, d.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::create_dir_all(dir.path().join("junk")).unwrap();
+    std::fs::write(dir.path().join("junk/plugin.toml"), "name = \"junk\"\nversion = \"0.1.0\"\napi = \"^0.1\"\narchitectures = [\"j\"]\nlibrary = \"libjunk.so\"\n").unwrap();
+    std::fs::write(dir.path().join("junk/libjunk.so"), b"\x7fELF garbage").unwrap();
+    let o = bin().arg("archs").arg("--plugin-dir").arg(dir.path()).env("HOME", dir.path()).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.lines().any(|l| l.starts_with("gemma3") && l.ends_with(" ok")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("qwen3moe") && l.ends_with(" ok")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("junk") && l.contains("failed:")), "{out}");
+    let o = bin().args(["archs", "--json", "--plugin-dir"]).arg(dir.path()).env("HOME", dir.path()).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // <exe dir>/plugins is searched too; count the ones from our folder.
+    let ours = v["plugins"].as_array().unwrap().iter().filter(|p| p["path"].as_str().unwrap().starts_with(&*dir.path().to_string_lossy())).count();
+    assert_eq!(ours, 3, "{v}");
+}
+
+#[test]
+fn run_on_a_synthetic_model_generates_and_reports_speed() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let o = bin()
+        .args(["run", "-m"])
+        .arg(&m)
+        .args(["-p", "hello", "-n", "8", "--plugin-dir"])
+        .arg(staged_plugins())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("tok/s"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("hello"));
+    // Same seed, same text; greedy decode is reproducible.
+    let again = bin().args(["run", "-m"]).arg(&m).args(["-p", "hello", "-n", "8", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
+    assert_eq!(o.stdout, again.stdout);
+    let o = bin().args(["run", "-m"]).arg(&m).args(["-p", "hi", "--decode-consistency", "6", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("max |Δlogit| = 0e0"), "{}", String::from_utf8_lossy(&o.stdout));
+    // A wrong plugin name is one clear error.
+    let o = bin().args(["run", "-m"]).arg(&m).args(["-p", "hi", "--arch-plugin", "gemma3", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not serve architecture `qwen3moe`"), "{}", stderr(&o));
+}
