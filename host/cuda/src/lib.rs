@@ -1,1 +1,15 @@
-pub fn placeholder() {}
+//! pulsar-cuda: the CUDA compute layer.
+//!
+//! Kernel sources live in `kernels/cuda/*.cu`, are embedded at build time,
+//! compiled by NVRTC for the device's own architecture at first use (CUBIN,
+//! cached on disk) and launched through cudarc's driver API (loaded
+//! dynamically: this crate builds and its CPU-side tests run with no CUDA
+//! installed). Every kernel has a CPU twin in `pulsar-kernels`;
+//! [`selftest::run`] compares them on a real device.
+
+pub mod compile;
+pub mod error;
+pub mod kernels;
+
+pub use error::CudaError;
+pub use kernels::Family;

@@ -1,0 +1,190 @@
+//! The kernel sources (one file per family, embedded at build time) and the
+//! table of their entry points. Entry names are fixed strings, looked up by
+//! index: nothing is built from strings at run time.
+
+use pulsar_gguf::GgmlType;
+
+macro_rules! cuda_src {
+    ($($file:literal),*) => {
+        concat!($(include_str!(concat!("../../../kernels/cuda/", $file)), "\n"),*)
+    };
+}
+
+/// One kernel source file and the module it compiles to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    GemvQuant,
+    GemvFloat,
+    NormRope,
+    Act,
+    Embed,
+    Attention,
+    Moe,
+}
+
+impl Family {
+    pub const ALL: [Family; 7] = [
+        Family::GemvQuant,
+        Family::GemvFloat,
+        Family::NormRope,
+        Family::Act,
+        Family::Embed,
+        Family::Attention,
+        Family::Moe,
+    ];
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The `.cu` file under `kernels/cuda/`.
+    pub fn file(self) -> &'static str {
+        match self {
+            Family::GemvQuant => "gemv_quant.cu",
+            Family::GemvFloat => "gemv_float.cu",
+            Family::NormRope => "norm_rope.cu",
+            Family::Act => "act.cu",
+            Family::Embed => "embed.cu",
+            Family::Attention => "attention.cu",
+            Family::Moe => "moe.cu",
+        }
+    }
+
+    /// The full translation unit NVRTC compiles: the shared prelude(s) then the file.
+    pub fn source(self) -> &'static str {
+        match self {
+            Family::GemvQuant => cuda_src!("common.cuh", "quant_units.cuh", "gemv_quant.cu"),
+            Family::GemvFloat => cuda_src!("common.cuh", "gemv_float.cu"),
+            Family::NormRope => cuda_src!("common.cuh", "norm_rope.cu"),
+            Family::Act => cuda_src!("common.cuh", "act.cu"),
+            Family::Embed => cuda_src!("common.cuh", "quant_units.cuh", "embed.cu"),
+            Family::Attention => cuda_src!("common.cuh", "attention.cu"),
+            Family::Moe => cuda_src!("common.cuh", "quant_units.cuh", "moe.cu"),
+        }
+    }
+
+    /// Every `extern "C"` entry point of the module, in a fixed order.
+    pub fn entries(self) -> &'static [&'static str] {
+        match self {
+            Family::GemvQuant => GEMV_QUANT,
+            Family::GemvFloat => GEMV_FLOAT,
+            Family::NormRope => &["rms_norm", "rope"],
+            Family::Act => &["glu", "add_f32", "mul_f32", "scale_f32"],
+            Family::Embed => EMBED,
+            Family::Attention => &["attn_partial_f32", "attn_partial_f16", "attn_combine"],
+            Family::Moe => MOE,
+        }
+    }
+}
+
+/// The weight formats with dp4a kernels, in the order of the entry tables below.
+pub const QUANT_TYPES: [GgmlType; 13] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ3_XXS,
+];
+/// Float weight formats (f32 activations).
+pub const FLOAT_TYPES: [GgmlType; 3] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16];
+
+pub(crate) fn quant_index(ty: GgmlType) -> Option<usize> {
+    QUANT_TYPES.iter().position(|&t| t == ty)
+}
+pub(crate) fn float_index(ty: GgmlType) -> Option<usize> {
+    FLOAT_TYPES.iter().position(|&t| t == ty)
+}
+
+// gemv_<fmt> at 2i, gemm_<fmt> at 2i + 1, then the two activation quantizers.
+const GEMV_QUANT: &[&str] = &[
+    "gemv_q8_0", "gemm_q8_0", "gemv_q4_0", "gemm_q4_0", "gemv_q4_1", "gemm_q4_1",
+    "gemv_q5_0", "gemm_q5_0", "gemv_q5_1", "gemm_q5_1", "gemv_q2_k", "gemm_q2_k",
+    "gemv_q3_k", "gemm_q3_k", "gemv_q4_k", "gemm_q4_k", "gemv_q5_k", "gemm_q5_k",
+    "gemv_q6_k", "gemm_q6_k", "gemv_iq2_xxs", "gemm_iq2_xxs", "gemv_iq2_xs", "gemm_iq2_xs",
+    "gemv_iq3_xxs", "gemm_iq3_xxs", "quantize_q8_0", "quantize_q8_k",
+];
+pub(crate) const QUANTIZE_Q8_0: usize = 26;
+pub(crate) const QUANTIZE_Q8_K: usize = 27;
+
+const GEMV_FLOAT: &[&str] = &["gemv_f32", "gemm_f32", "gemv_f16", "gemm_f16", "gemv_bf16", "gemm_bf16"];
+
+// Float formats first (FLOAT_TYPES order), then QUANT_TYPES order.
+const EMBED: &[&str] = &[
+    "embed_f32", "embed_f16", "embed_bf16", "embed_q8_0", "embed_q4_0", "embed_q4_1",
+    "embed_q5_0", "embed_q5_1", "embed_q2_k", "embed_q3_k", "embed_q4_k", "embed_q5_k",
+    "embed_q6_k", "embed_iq2_xxs", "embed_iq2_xs", "embed_iq3_xxs",
+];
+
+// route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i.
+const MOE: &[&str] = &[
+    "route_topk", "moe_up_q8_0", "moe_down_q8_0", "moe_up_q4_0", "moe_down_q4_0",
+    "moe_up_q4_1", "moe_down_q4_1", "moe_up_q5_0", "moe_down_q5_0", "moe_up_q5_1",
+    "moe_down_q5_1", "moe_up_q2_k", "moe_down_q2_k", "moe_up_q3_k", "moe_down_q3_k",
+    "moe_up_q4_k", "moe_down_q4_k", "moe_up_q5_k", "moe_down_q5_k", "moe_up_q6_k",
+    "moe_down_q6_k", "moe_up_iq2_xxs", "moe_down_iq2_xxs", "moe_up_iq2_xs", "moe_down_iq2_xs",
+    "moe_up_iq3_xxs", "moe_down_iq3_xxs",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_tables_follow_the_format_order() {
+        for (i, ty) in QUANT_TYPES.iter().enumerate() {
+            let n = ty.name().to_ascii_lowercase();
+            assert_eq!(GEMV_QUANT[2 * i], format!("gemv_{n}"));
+            assert_eq!(GEMV_QUANT[2 * i + 1], format!("gemm_{n}"));
+            assert_eq!(EMBED[3 + i], format!("embed_{n}"));
+            assert_eq!(MOE[1 + 2 * i], format!("moe_up_{n}"));
+            assert_eq!(MOE[2 + 2 * i], format!("moe_down_{n}"));
+        }
+        for (i, ty) in FLOAT_TYPES.iter().enumerate() {
+            let n = ty.name().to_ascii_lowercase();
+            assert_eq!(GEMV_FLOAT[2 * i], format!("gemv_{n}"));
+            assert_eq!(EMBED[i], format!("embed_{n}"));
+        }
+        assert_eq!(GEMV_QUANT[QUANTIZE_Q8_0], "quantize_q8_0");
+        assert_eq!(GEMV_QUANT[QUANTIZE_Q8_K], "quantize_q8_k");
+    }
+
+    #[test]
+    fn every_entry_is_defined_in_its_source() {
+        for f in Family::ALL {
+            let src = f.source();
+            for e in f.entries() {
+                // Either written out or generated by an ENTRY macro.
+                assert!(
+                    src.contains(&format!(" {e}(")) || macro_defines(src, e),
+                    "{}: no definition of {e}",
+                    f.file()
+                );
+            }
+        }
+    }
+
+    /// `gemv_q4_k` is defined by `GEMV_ENTRY(q4_k, ...)` (prefix `gemv_##NAME`).
+    fn macro_defines(src: &str, entry: &str) -> bool {
+        src.lines().filter_map(|l| l.strip_suffix(')')).any(|l| {
+            let Some((mac, args)) = l.split_once('(') else { return false };
+            let name = args.split(',').next().unwrap_or("").trim();
+            let prefixes: &[&str] = match mac.trim() {
+                "GEMV_ENTRY" => &["gemv_", "gemm_"],
+                "FGEMV_ENTRY" => &["gemv_", "gemm_"],
+                "EMBED_Q" | "EMBED_F" => &["embed_"],
+                "ATT_ENTRY" => &["attn_partial_"],
+                "MOE_ENTRY" => &["moe_up_", "moe_down_"],
+                _ => &[],
+            };
+            prefixes.iter().any(|p| format!("{p}{name}") == entry)
+        })
+    }
+}

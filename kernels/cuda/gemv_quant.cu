@@ -1,0 +1,160 @@
+// Quantized GEMV (decode) and tiled GEMM (prefill) on q8_0 / q8_K activations,
+// one kernel per weight format. Twin: pulsar_kernels::Kernels::matmul.
+//
+// Layout: W is `rows` rows of `cols` values of the format, rows end to end;
+// X is n_tok activation rows (q8_0 for the 32-value formats, q8_K for the K
+// and IQ formats), Y is [n_tok, rows] f32.
+//
+// GEMV: one warp per weight row, lanes stride over the row's 32-value units.
+// GEMM: one warp per weight row and tile of GEMM_TT tokens: each unit of the
+// weight row is unpacked once and dotted against the tile's tokens.
+
+#define GEMV_WARPS 4
+#define GEMM_TT 8
+
+template <int F>
+__device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
+                                          float* __restrict__ Y, int rows, int cols, const u64* tab) {
+    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    int units = cols / 32;
+    const u8* w = W + (size_t)row * w_row_bytes<F>(cols);
+    float acc = warp_sum(row_dot_partial<F>(w, X, units, tab));
+    if ((threadIdx.x & 31) == 0) Y[row] = acc;
+}
+
+template <int F>
+__device__ __forceinline__ void gemm_impl(const u8* __restrict__ W, const u8* __restrict__ X,
+                                          float* __restrict__ Y, int rows, int cols, int n_tok,
+                                          const u64* tab) {
+    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    int t0 = blockIdx.y * GEMM_TT;
+    int nt = min(GEMM_TT, n_tok - t0);
+    int units = cols / 32;
+    size_t xrb = act_row_bytes<F>(cols);
+    const u8* w = W + (size_t)row * w_row_bytes<F>(cols);
+    const u8* x0 = X + (size_t)t0 * xrb;
+    float acc[GEMM_TT];
+#pragma unroll
+    for (int t = 0; t < GEMM_TT; t++) acc[t] = 0.0f;
+    for (int k = threadIdx.x & 31; k < units; k += 32) {
+        Unit u = load_unit<F>(w, k, tab);
+#pragma unroll
+        for (int t = 0; t < GEMM_TT; t++) {
+            if (t < nt) {
+                XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(x0 + t * xrb, k);
+                acc[t] += unit_dot<F>(u, xv);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMM_TT; t++) {
+        float v = warp_sum(acc[t]);
+        if (t < nt && (threadIdx.x & 31) == 0) Y[(size_t)(t0 + t) * rows + row] = v;
+    }
+}
+
+#define GEMV_ENTRY(NAME, F)                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
+        gemv_##NAME(const u8* W, const u8* X, float* Y, int rows, int cols, const u64* tab) {  \
+        gemv_impl<F>(W, X, Y, rows, cols, tab);                                                 \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemm_##NAME(                 \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
+        gemm_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                          \
+    }
+
+GEMV_ENTRY(q8_0, F_Q8_0)
+GEMV_ENTRY(q4_0, F_Q4_0)
+GEMV_ENTRY(q4_1, F_Q4_1)
+GEMV_ENTRY(q5_0, F_Q5_0)
+GEMV_ENTRY(q5_1, F_Q5_1)
+GEMV_ENTRY(q2_k, F_Q2_K)
+GEMV_ENTRY(q3_k, F_Q3_K)
+GEMV_ENTRY(q4_k, F_Q4_K)
+GEMV_ENTRY(q5_k, F_Q5_K)
+GEMV_ENTRY(q6_k, F_Q6_K)
+GEMV_ENTRY(iq2_xxs, F_IQ2_XXS)
+GEMV_ENTRY(iq2_xs, F_IQ2_XS)
+GEMV_ENTRY(iq3_xxs, F_IQ3_XXS)
+
+// ---- activation quantization, bit-identical to the CPU's Activations ----
+
+// q8_0: one warp per block of 32 (lane = value). d = amax / 127, q = round(x / d)
+// (ties away from zero), d stored as f16 (kernels/src/quant/q8_0.rs).
+extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u8* __restrict__ out, int n_blocks) {
+    int blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= n_blocks) return;
+    int lane = threadIdx.x & 31;
+    float v = x[(size_t)blk * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    u8* b = out + (size_t)blk * 34;
+    float r = roundf(v * id);
+    int q = r != r ? 0 : (int)fminf(fmaxf(r, -127.0f), 127.0f);
+    b[2 + lane] = (u8)(i8)q;
+    if (lane == 0) {
+        u16 h = f2h(d);
+        b[0] = (u8)(h & 0xff);
+        b[1] = (u8)(h >> 8);
+    }
+}
+
+// q8_K: one warp per superblock of 256 (lane = 8 consecutive values). The first
+// value of largest magnitude maps to -127: iscale = -127 / max,
+// q = round_ties_even(iscale x), d = 1 / iscale; 16-value sums kept
+// (kernels/src/quant/q8_k.rs).
+extern "C" __global__ void quantize_q8_k(const float* __restrict__ x, u8* __restrict__ out, int n_blocks) {
+    int blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= n_blocks) return;
+    int lane = threadIdx.x & 31;
+    const float* xb = x + (size_t)blk * 256 + lane * 8;
+    float v[8];
+    float amax = 0.0f;
+    int first = 8;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v[i] = xb[i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    float m = warp_max(amax);
+#pragma unroll
+    for (int i = 7; i >= 0; i--)
+        if (fabsf(v[i]) == m) first = i;
+    // The lowest index holding the maximum magnitude, across lanes.
+    int idx = first < 8 ? lane * 8 + first : 1 << 30;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) idx = min(idx, __shfl_xor_sync(FULL_MASK, idx, o));
+    float vmax = __shfl_sync(FULL_MASK, first < 8 ? v[first & 7] : 0.0f, (idx >> 3) & 31);
+    u8* b = out + (size_t)blk * 292;
+    if (m == 0.0f || idx == (1 << 30)) {
+        for (int i = lane; i < 292; i += 32) b[i] = 0;
+        return;
+    }
+    float iscale = -127.0f / vmax;
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float r = rintf(iscale * v[i]);
+        int q = (int)fminf(fmaxf(r, -127.0f), 127.0f);
+        sum += q;
+        b[4 + lane * 8 + i] = (u8)(i8)q;
+    }
+    // Lanes 2j and 2j+1 hold the 16 values of sum j.
+    int pair = sum + __shfl_xor_sync(FULL_MASK, sum, 1);
+    if ((lane & 1) == 0) {
+        i16 s = (i16)pair;
+        b[260 + lane] = (u8)(s & 0xff);
+        b[261 + lane] = (u8)((u16)s >> 8);
+    }
+    if (lane == 0) {
+        float d = 1.0f / iscale;
+        u32 bits = __float_as_uint(d);
+        b[0] = bits & 0xff;
+        b[1] = (bits >> 8) & 0xff;
+        b[2] = (bits >> 16) & 0xff;
+        b[3] = bits >> 24;
+    }
+}

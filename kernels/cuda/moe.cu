@@ -1,0 +1,151 @@
+// Mixture-of-experts: the top-k router and the expert FFN over explicit
+// per-(token, slot) weight pointers.
+//
+// route_topk — twin: ops::softmax_in_place (or a sigmoid) + ops::top_k, then
+// optional renormalisation of the k weights and a scale. An optional per-expert
+// bias shifts the selection only (the weights stay the unbiased scores).
+//
+// moe_up_* / moe_down_* — pairs p = t * n_slot + s. gate_ptrs[p], up_ptrs[p],
+// down_ptrs[p] are device addresses of that expert's [ff, cols] gate/up and
+// [d_model, ff] down matrices; 0 means "not mine": the pair is skipped and its
+// rows of H / OUT are left untouched. moe_up writes H[p] = act(gate x_t) * (up x_t)
+// (x_t: token t's q8 activation row); the host quantizes H to q8 (quantize_*),
+// then moe_down writes OUT[p] = down · Hq[p]. The host sums OUT over slots in
+// slot order. Twin: Kernels::matvec + ops::glu_rows + Activations + matvec.
+
+#define ROUTE_THREADS 256
+#define MOE_WARPS 4
+
+struct Best {
+    float v;
+    int i;
+};
+__device__ __forceinline__ Best better(Best a, Best b) {
+    // Larger value wins; ties go to the lower index (the CPU's stable sort).
+    if (b.v > a.v || (b.v == a.v && b.i < a.i)) return b;
+    return a;
+}
+
+// logits: [n_tok, n_exp]; ids / weights: [n_tok, k]. gating 0 = softmax,
+// 1 = sigmoid. Dynamic shared memory: 2 * n_exp floats.
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    route_topk(const float* logits, const float* bias, int n_tok, int n_exp, int k, int gating, int renorm,
+               float scale, int* ids, float* weights) {
+    extern __shared__ float smem[];
+    float* p = smem;          // scores
+    float* c = smem + n_exp;  // selection keys
+    __shared__ float redf[ROUTE_THREADS / 32];
+    __shared__ Best redb[ROUTE_THREADS / 32];
+    __shared__ float chosen[64];
+    int t = blockIdx.x;
+    if (t >= n_tok) return;
+    const float* x = logits + (size_t)t * n_exp;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (gating == 1) {
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = 1.0f / (1.0f + expf(-x[e]));
+    } else {
+        float m = NEG_INF;
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) m = fmaxf(m, x[e]);
+        m = warp_max(m);
+        if (lane == 0) redf[warp] = m;
+        __syncthreads();
+        m = redf[0];
+        for (int i = 1; i < ROUTE_THREADS / 32; i++) m = fmaxf(m, redf[i]);
+        __syncthreads();
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = expf(x[e] - m);
+        __syncthreads();
+        // The sum in index order on one thread, like the CPU.
+        if (threadIdx.x == 0) {
+            float s = 0.0f;
+            for (int e = 0; e < n_exp; e++) s += p[e];
+            redf[0] = 1.0f / s;
+        }
+        __syncthreads();
+        float inv = redf[0];
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = p[e] * inv;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) c[e] = bias ? p[e] + bias[e] : p[e];
+    __syncthreads();
+    for (int r = 0; r < k; r++) {
+        Best b = {NEG_INF, 1 << 30};
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) b = better(b, Best{c[e], e});
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            Best other = {__shfl_xor_sync(FULL_MASK, b.v, o), __shfl_xor_sync(FULL_MASK, b.i, o)};
+            b = better(b, other);
+        }
+        if (lane == 0) redb[warp] = b;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            Best best = redb[0];
+            for (int i = 1; i < ROUTE_THREADS / 32; i++) best = better(best, redb[i]);
+            int id = best.i < n_exp ? best.i : 0;
+            ids[(size_t)t * k + r] = id;
+            chosen[r] = p[id];
+            c[id] = NEG_INF;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int r = 0; r < k; r++) s += chosen[r];
+        for (int r = 0; r < k; r++) {
+            float w = renorm ? chosen[r] / s : chosen[r];
+            weights[(size_t)t * k + r] = w * scale;
+        }
+    }
+}
+
+template <int F>
+__device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
+                                       int cols, int n_slot, int act, const u64* tab) {
+    int p = blockIdx.y;
+    int row = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    u64 gp = gate_ptrs[p], upp = up_ptrs[p];
+    if (gp == 0 || upp == 0 || row >= ff) return;
+    int t = p / n_slot;
+    size_t wrb = w_row_bytes<F>(cols);
+    const u8* x = X + (size_t)t * act_row_bytes<F>(cols);
+    int units = cols / 32;
+    float g = warp_sum(row_dot_partial<F>((const u8*)gp + row * wrb, x, units, tab));
+    float u = warp_sum(row_dot_partial<F>((const u8*)upp + row * wrb, x, units, tab));
+    if ((threadIdx.x & 31) == 0) H[(size_t)p * ff + row] = __fmul_rn(act_f(act, g), u);
+}
+
+template <int F>
+__device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
+                                         const u64* tab) {
+    int p = blockIdx.y;
+    int row = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    u64 dp = down_ptrs[p];
+    if (dp == 0 || row >= d_model) return;
+    const u8* h = HQ + (size_t)p * act_row_bytes<F>(ff);
+    float y = warp_sum(row_dot_partial<F>((const u8*)dp + row * w_row_bytes<F>(ff), h, ff / 32, tab));
+    if ((threadIdx.x & 31) == 0) OUT[(size_t)p * d_model + row] = y;
+}
+
+#define MOE_ENTRY(NAME, F)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                   \
+        moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
+                      int n_slot, int act, const u64* tab) {                                        \
+        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, tab);                            \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##NAME(                  \
+        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, const u64* tab) {      \
+        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, tab);                                          \
+    }
+
+MOE_ENTRY(q8_0, F_Q8_0)
+MOE_ENTRY(q4_0, F_Q4_0)
+MOE_ENTRY(q4_1, F_Q4_1)
+MOE_ENTRY(q5_0, F_Q5_0)
+MOE_ENTRY(q5_1, F_Q5_1)
+MOE_ENTRY(q2_k, F_Q2_K)
+MOE_ENTRY(q3_k, F_Q3_K)
+MOE_ENTRY(q4_k, F_Q4_K)
+MOE_ENTRY(q5_k, F_Q5_K)
+MOE_ENTRY(q6_k, F_Q6_K)
+MOE_ENTRY(iq2_xxs, F_IQ2_XXS)
+MOE_ENTRY(iq2_xs, F_IQ2_XS)
+MOE_ENTRY(iq3_xxs, F_IQ3_XXS)

@@ -1,0 +1,55 @@
+// RMS norm (grouped) and rotary embeddings.
+// Twins: pulsar_kernels::ops::rms_norm_rows, ops::rope_rows.
+
+#define NORM_THREADS 256
+
+// y = x * rsqrt(mean(x^2) + eps) [* w], per group of `group` values; one block
+// per group; the sum of squares in f64 like the CPU. x may alias y.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm(const float* x, float* y, const float* w, int group, int n_groups, float eps) {
+    __shared__ double part[NORM_THREADS / 32];
+    int g = blockIdx.x;
+    if (g >= n_groups) return;
+    const float* xg = x + (size_t)g * group;
+    float* yg = y + (size_t)g * group;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < group; i += NORM_THREADS) ss += (double)xg[i] * (double)xg[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double tot = 0.0;
+#pragma unroll
+    for (int i = 0; i < NORM_THREADS / 32; i++) tot += part[i];
+    float scale = (float)(1.0 / sqrt(tot / (double)group + (double)eps));
+    for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
+        float v = __fmul_rn(xg[i], scale);
+        yg[i] = w ? __fmul_rn(v, w[i]) : v;
+    }
+}
+
+// In place over rows of `width` values (heads of head_dim), row r at
+// positions[r]. kind 0 = neox (i, i + n_rot/2), 1 = interleaved (2i, 2i+1).
+// One thread per (row, head, pair).
+extern "C" __global__ void rope(float* x, int width, const u32* positions, int n_rows, int head_dim,
+                                int n_rot, float base, float linear_factor, int kind) {
+    int half = n_rot / 2;
+    int heads = width / head_dim;
+    size_t total = (size_t)n_rows * heads * half;
+    size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (tid >= total) return;
+    int i = (int)(tid % half);
+    size_t rh = tid / half;
+    int h = (int)(rh % heads);
+    int r = (int)(rh / heads);
+    float inv_freq = 1.0f / (float)pow((double)base, (double)(2 * i) / (double)n_rot);
+    float t = (float)positions[r] / linear_factor;
+    float a = t * inv_freq;
+    float c = cosf(a), s = sinf(a);
+    float* head = x + (size_t)r * width + (size_t)h * head_dim;
+    int ia = kind == 0 ? i : 2 * i;
+    int ib = kind == 0 ? i + half : 2 * i + 1;
+    float x0 = head[ia], x1 = head[ib];
+    head[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    head[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
