@@ -13,3 +13,8 @@ pub mod kernels;
 
 pub use error::CudaError;
 pub use kernels::Family;
+pub mod buf;
+pub mod device;
+
+pub use buf::{DeviceBuf, PinnedBuf, Pod};
+pub use device::CudaDevice;

@@ -1,0 +1,211 @@
+//! Device buffers and pinned host buffers.
+//!
+//! `DeviceBuf<T>` is a plain `cuMemAlloc` allocation of `len` values of a
+//! plain-old-data `T`; copies go through a stream of the device that owns it.
+//! `PinnedBuf<T>` is page-locked host memory allocated with flags 0 (cached,
+//! not write-combined: the CPU lane reads it at full speed).
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+
+use crate::error::{shape, CudaError};
+
+/// Value types a buffer may hold: plain bytes with no invalid bit patterns.
+///
+/// # Safety
+/// Implementors must be `Copy`, have no padding and accept every bit pattern.
+pub unsafe trait Pod: Copy + Default + Send + Sync + 'static {}
+// SAFETY: primitive numbers accept every bit pattern.
+unsafe impl Pod for u8 {}
+unsafe impl Pod for i8 {}
+unsafe impl Pod for u16 {}
+unsafe impl Pod for u32 {}
+unsafe impl Pod for i32 {}
+unsafe impl Pod for u64 {}
+unsafe impl Pod for f32 {}
+
+/// `len` values of `T` in device memory.
+pub struct DeviceBuf<T: Pod> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+    _t: PhantomData<T>,
+}
+
+impl<T: Pod> std::fmt::Debug for DeviceBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuf<{}>[{}]", std::any::type_name::<T>(), self.len)
+    }
+}
+
+// SAFETY: the allocation is owned; access goes through the driver.
+unsafe impl<T: Pod> Send for DeviceBuf<T> {}
+unsafe impl<T: Pod> Sync for DeviceBuf<T> {}
+
+impl<T: Pod> DeviceBuf<T> {
+    /// Uninitialised device memory for `len` values (at least one byte is allocated).
+    pub(crate) fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| shape("alloc", format!("{len} values overflow")))?;
+        ctx.bind_to_thread()?;
+        // SAFETY: the context is current; a 0-byte request is rounded up.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }?;
+        Ok(DeviceBuf {
+            ptr,
+            len,
+            ctx: ctx.clone(),
+            _t: PhantomData,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+    /// The device address (for kernels taking pointer tables, e.g. MoE slabs).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// The device address of value `i` (may be one past the end).
+    pub fn device_ptr_at(&self, i: usize) -> Result<u64, CudaError> {
+        if i > self.len {
+            return Err(shape("device_ptr_at", format!("index {i} beyond {} values", self.len)));
+        }
+        Ok(self.ptr + (i * std::mem::size_of::<T>()) as u64)
+    }
+
+    /// Copy `src` (exactly `len` values) in on `stream`, then wait for it.
+    pub fn upload(&mut self, stream: &CudaStream, src: &[T]) -> Result<(), CudaError> {
+        self.check_len("upload", src.len())?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: sizes checked; the stream is synchronised before `src` can move.
+        unsafe {
+            result::memcpy_htod_async(self.ptr, src, stream.cu_stream())?;
+        }
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Copy out into `dst` (exactly `len` values) on `stream`, then wait for it.
+    pub fn download(&self, stream: &CudaStream, dst: &mut [T]) -> Result<(), CudaError> {
+        self.check_len("download", dst.len())?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: sizes checked; synchronised before returning.
+        unsafe {
+            result::memcpy_dtoh_async(dst, self.ptr, stream.cu_stream())?;
+        }
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Asynchronous copy in from pinned memory: `src` must stay alive and
+    /// unchanged until the stream reaches this point (record an event).
+    pub fn upload_async(&mut self, stream: &CudaStream, src: &PinnedBuf<T>) -> Result<(), CudaError> {
+        self.check_len("upload_async", src.len())?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: sizes checked; pinned memory outlives the copy per the contract above.
+        unsafe { result::memcpy_htod_async(self.ptr, src.as_slice(), stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// Asynchronous copy out into pinned memory (read it after syncing the stream).
+    pub fn download_async(&self, stream: &CudaStream, dst: &mut PinnedBuf<T>) -> Result<(), CudaError> {
+        self.check_len("download_async", dst.len())?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: as above.
+        unsafe { result::memcpy_dtoh_async(dst.as_mut_slice(), self.ptr, stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// Fill every byte with `byte` (0xff makes f32 NaN), asynchronously on `stream`.
+    pub fn fill_bytes(&mut self, stream: &CudaStream, byte: u8) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the range is this allocation.
+        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    fn check_len(&self, op: &'static str, n: usize) -> Result<(), CudaError> {
+        if n != self.len {
+            return Err(shape(op, format!("{n} host values for a buffer of {}", self.len)));
+        }
+        Ok(())
+    }
+}
+
+impl<T: Pod> Drop for DeviceBuf<T> {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync in this context, freed once.
+            unsafe {
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+/// Page-locked host memory (cuMemHostAlloc, flags 0), zero-initialised.
+pub struct PinnedBuf<T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: owned allocation.
+unsafe impl<T: Pod> Send for PinnedBuf<T> {}
+unsafe impl<T: Pod> Sync for PinnedBuf<T> {}
+
+impl<T: Pod> PinnedBuf<T> {
+    pub(crate) fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|b| *b < isize::MAX as usize)
+            .ok_or_else(|| shape("pinned alloc", format!("{len} values overflow")))?;
+        ctx.bind_to_thread()?;
+        // SAFETY: flags 0 = plain cached page-locked memory.
+        let p = unsafe { result::malloc_host(bytes.max(1), 0) }? as *mut T;
+        if p.is_null() || !p.is_aligned() {
+            return Err(CudaError::Unavailable("cuMemHostAlloc returned an unusable pointer".into()));
+        }
+        // SAFETY: `bytes` bytes were just allocated at `p`.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };
+        Ok(PinnedBuf {
+            ptr: p,
+            len,
+            ctx: ctx.clone(),
+        })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `len` initialised values live at `ptr` (zeroed at allocation).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as above, with unique access through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T: Pod> Drop for PinnedBuf<T> {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_host, freed once.
+            unsafe {
+                let _ = result::free_host(self.ptr as *mut std::ffi::c_void);
+            }
+        }
+    }
+}
