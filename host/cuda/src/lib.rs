@@ -18,3 +18,6 @@ pub mod device;
 
 pub use buf::{DeviceBuf, PinnedBuf, Pod};
 pub use device::CudaDevice;
+pub mod ops;
+
+pub use ops::{act_bytes, attention_workspace_len, weight_bytes, Gating, KvElem, MoePairs, RouterSpec};

@@ -1,0 +1,597 @@
+//! One function per op. Each takes the stream it is queued on, checks every
+//! size against the buffers it is given (an error, never a panic or an
+//! out-of-bounds launch), and allocates nothing: callers pass preallocated
+//! buffers, so a decode step can run with no allocation at all.
+
+use std::ffi::c_void;
+
+use cudarc::driver::{result, CudaFunction, CudaStream};
+use pulsar_gguf::GgmlType;
+use pulsar_kernels::ops::{Activation, AttnParams, RopeKind, RopeParams};
+use pulsar_kernels::ActFormat;
+
+use crate::buf::{DeviceBuf, Pod};
+use crate::device::CudaDevice;
+use crate::error::{shape, CudaError};
+use crate::kernels::{float_index, quant_index, Family, QUANTIZE_Q8_0, QUANTIZE_Q8_K};
+
+/// Pointers to the kernel's parameters, in order (each must outlive the launch call).
+macro_rules! params {
+    ($($v:expr),* $(,)?) => { [$( (&$v) as *const _ as *mut c_void ),*] };
+}
+
+const GEMV_ROWS_PER_BLOCK: usize = 4; // GEMV_WARPS / FG_WARPS / MOE_WARPS
+const GEMM_TOKENS: usize = 8; // GEMM_TT / FG_TT
+const ATT_CHUNK: usize = 256;
+const ATT_THREADS: u32 = 128;
+/// Most tokens of one GEMM launch (the prefill chunk).
+pub const MAX_GEMM_TOKENS: usize = 512 * 64;
+/// Most experts a route_topk launch selects per token.
+pub const MAX_TOP_K: usize = 64;
+/// Most experts a router scores (two floats each in shared memory).
+pub const MAX_EXPERTS: usize = 4096;
+
+/// Gating function of a MoE router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+/// A top-k router: `k` experts per token by (score + bias); weights are the
+/// unbiased scores, renormalised over the k when asked, then times `scale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterSpec {
+    pub k: usize,
+    pub gating: Gating,
+    pub renormalize: bool,
+    pub scale: f32,
+}
+
+/// Element types of a KV cache the attention kernels read.
+pub trait KvElem: Pod {
+    #[doc(hidden)]
+    const ENTRY: usize;
+}
+impl KvElem for f32 {
+    const ENTRY: usize = 0;
+}
+/// f16 KV caches hold raw f16 bits.
+impl KvElem for u16 {
+    const ENTRY: usize = 1;
+}
+
+/// The per-(token, slot) expert pointers of one MoE launch: device addresses
+/// of each pair's gate, up and down matrices, 0 for a pair this launch skips.
+/// Pair `p = t * n_slot + s`.
+pub struct MoePairs<'a> {
+    pub gate: &'a DeviceBuf<u64>,
+    pub up: &'a DeviceBuf<u64>,
+    pub down: &'a DeviceBuf<u64>,
+    pub n_tok: usize,
+    pub n_slot: usize,
+}
+
+fn act_code(a: Activation) -> Result<i32, CudaError> {
+    match a {
+        Activation::Silu => Ok(0),
+        Activation::GeluTanh => Ok(1),
+        Activation::Gelu => Err(shape("activation", "exact GELU has no CUDA kernel yet (use gelu_tanh)")),
+    }
+}
+
+fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| shape(op, format!("{what} = {v} exceeds i32")))
+}
+
+fn want(op: &'static str, what: &str, got: usize, expected: usize) -> Result<(), CudaError> {
+    if got != expected {
+        return Err(shape(op, format!("{what}: {got} values, expected {expected}")));
+    }
+    Ok(())
+}
+
+fn ptr_or_null<T: Pod>(b: Option<&DeviceBuf<T>>) -> u64 {
+    b.map(|b| b.device_ptr()).unwrap_or(0)
+}
+
+/// Bytes of `rows` activation rows of `cols` values in `fmt` (q8_0: 34 per 32, q8_K: 292 per 256).
+pub fn act_bytes(fmt: ActFormat, rows: usize, cols: usize) -> Result<usize, CudaError> {
+    let ty = fmt.ggml_type();
+    let be = ty.block_elems() as usize;
+    if cols == 0 || cols % be != 0 {
+        return Err(shape("activations", format!("{cols} columns are not whole {ty} blocks")));
+    }
+    Ok(rows * cols / be * ty.block_bytes() as usize)
+}
+
+/// Bytes of a `[rows, cols]` weight matrix of `ty`.
+pub fn weight_bytes(ty: GgmlType, rows: usize, cols: usize) -> Result<usize, CudaError> {
+    let be = ty.block_elems() as usize;
+    if cols == 0 || cols % be != 0 {
+        return Err(shape("weights", format!("{cols} columns are not whole {ty} blocks")));
+    }
+    Ok(rows * (cols / be) * ty.block_bytes() as usize)
+}
+
+/// Workspace values [`CudaDevice::attention`] needs for `n_q` queries over `n_ctx` cached rows.
+pub fn attention_workspace_len(p: &AttnParams, n_q: usize, n_ctx: usize) -> usize {
+    n_q * p.n_head * attention_splits(p, n_ctx) * (p.head_dim_v + 2)
+}
+
+fn attention_splits(p: &AttnParams, n_ctx: usize) -> usize {
+    let span = if p.window > 0 { p.window.min(n_ctx) } else { n_ctx };
+    span.div_ceil(ATT_CHUNK).max(1)
+}
+
+impl CudaDevice {
+    /// # Safety
+    /// `args` must match the kernel's parameter list in number, order and type,
+    /// and every pointer in it must address enough device memory for the grid.
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        stream: &CudaStream,
+        args: &mut [*mut c_void],
+    ) -> Result<(), CudaError> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        if grid.1 > 65535 || grid.2 > 65535 {
+            return Err(shape("launch", format!("grid {grid:?} exceeds 65535 in y or z")));
+        }
+        self.context().bind_to_thread()?;
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, stream.cu_stream(), args) }?;
+        Ok(())
+    }
+
+    /// Quantize `rows` rows of `cols` f32 values to `fmt` blocks, bit-identical
+    /// to the CPU's `Activations::quantize`.
+    pub fn quantize_act(
+        &self,
+        stream: &CudaStream,
+        fmt: ActFormat,
+        x: &DeviceBuf<f32>,
+        rows: usize,
+        cols: usize,
+        out: &mut DeviceBuf<u8>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "quantize_act";
+        want(OP, "x", x.len(), rows * cols)?;
+        want(OP, "out bytes", out.len(), act_bytes(fmt, rows, cols)?)?;
+        let (entry, be) = match fmt {
+            ActFormat::Q8_0 => (QUANTIZE_Q8_0, 32),
+            ActFormat::Q8K => (QUANTIZE_Q8_K, 256),
+            ActFormat::F32 => return Err(shape(OP, "f32 activations need no quantization")),
+        };
+        let n_blocks = to_i32(OP, "blocks", rows * cols / be)?;
+        let f = self.func(Family::GemvQuant, entry)?;
+        let (xp, op) = (x.device_ptr(), out.device_ptr());
+        let grid = (n_blocks as u32).div_ceil(8);
+        // SAFETY: (const float*, u8*, int) as in gemv_quant.cu; sizes checked above.
+        unsafe { self.launch(f, (grid, 1, 1), 256, 0, stream, &mut params![xp, op, n_blocks]) }
+    }
+
+    fn check_quant_mm(
+        &self,
+        op: &'static str,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<u8>,
+        n_tok: usize,
+        y: &DeviceBuf<f32>,
+    ) -> Result<usize, CudaError> {
+        let qi = quant_index(ty).ok_or(CudaError::Unsupported { op, ty })?;
+        let fmt = ActFormat::for_weight(ty).ok_or(CudaError::Unsupported { op, ty })?;
+        want(op, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
+        want(op, "activation bytes", x.len(), act_bytes(fmt, n_tok, cols)?)?;
+        want(op, "y", y.len(), rows * n_tok)?;
+        to_i32(op, "rows", rows)?;
+        to_i32(op, "cols", cols)?;
+        Ok(qi)
+    }
+
+    /// `y = W x` for one q8 activation row (`x`: q8_0 blocks for the 32-value
+    /// formats, q8_K for the K and IQ formats). Twin: `Kernels::matvec`.
+    pub fn gemv(
+        &self,
+        stream: &CudaStream,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<u8>,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        let qi = self.check_quant_mm("gemv", ty, w, rows, cols, x, 1, y)?;
+        let f = self.func(Family::GemvQuant, 2 * qi)?;
+        let (wp, xp, yp, tab) = (w.device_ptr(), x.device_ptr(), y.device_ptr(), self.iq_tables().device_ptr());
+        let (r, c) = (rows as i32, cols as i32);
+        let grid = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
+        // SAFETY: (W, X, Y, rows, cols, tab) as GEMV_ENTRY; sizes checked.
+        unsafe { self.launch(f, (grid, 1, 1), 128, 0, stream, &mut params![wp, xp, yp, r, c, tab]) }
+    }
+
+    /// `Y[t] = W X[t]` for `n_tok` q8 activation rows; `y` is `[n_tok, rows]`.
+    /// Twin: `Kernels::matmul`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        stream: &CudaStream,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<u8>,
+        n_tok: usize,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        if n_tok > MAX_GEMM_TOKENS {
+            return Err(shape("gemm", format!("{n_tok} tokens in one launch (at most {MAX_GEMM_TOKENS})")));
+        }
+        let qi = self.check_quant_mm("gemm", ty, w, rows, cols, x, n_tok, y)?;
+        let f = self.func(Family::GemvQuant, 2 * qi + 1)?;
+        let (wp, xp, yp, tab) = (w.device_ptr(), x.device_ptr(), y.device_ptr(), self.iq_tables().device_ptr());
+        let (r, c, n) = (rows as i32, cols as i32, n_tok as i32);
+        let grid = (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
+        // SAFETY: (W, X, Y, rows, cols, n_tok, tab) as GEMV_ENTRY; sizes checked.
+        unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n, tab]) }
+    }
+
+    /// Float-weight (f32/f16/bf16) product on f32 activations: `y` is
+    /// `[n_tok, rows]`; `n_tok == 1` runs the GEMV kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_float(
+        &self,
+        stream: &CudaStream,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<f32>,
+        n_tok: usize,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemm_float";
+        let fi = float_index(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
+        want(OP, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
+        want(OP, "x", x.len(), n_tok * cols)?;
+        want(OP, "y", y.len(), n_tok * rows)?;
+        if n_tok > MAX_GEMM_TOKENS {
+            return Err(shape(OP, format!("{n_tok} tokens in one launch")));
+        }
+        let (r, c, n) = (to_i32(OP, "rows", rows)?, to_i32(OP, "cols", cols)?, n_tok as i32);
+        let (wp, xp, yp) = (w.device_ptr(), x.device_ptr(), y.device_ptr());
+        let gx = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
+        if n_tok == 1 {
+            let f = self.func(Family::GemvFloat, 2 * fi)?;
+            // SAFETY: (W, x, y, rows, cols) as FGEMV_ENTRY; sizes checked.
+            unsafe { self.launch(f, (gx, 1, 1), 128, 0, stream, &mut params![wp, xp, yp, r, c]) }
+        } else {
+            let f = self.func(Family::GemvFloat, 2 * fi + 1)?;
+            let grid = (gx, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
+            // SAFETY: (W, X, Y, rows, cols, n_tok) as FGEMV_ENTRY; sizes checked.
+            unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n]) }
+        }
+    }
+
+    /// RMS norm of each `group`-wide slice of `x` into `y`, times `weight` when
+    /// given. Twin: `ops::rms_norm_rows`.
+    pub fn rms_norm(
+        &self,
+        stream: &CudaStream,
+        x: &DeviceBuf<f32>,
+        y: &mut DeviceBuf<f32>,
+        weight: Option<&DeviceBuf<f32>>,
+        group: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        want("rms_norm", "y", y.len(), x.len())?;
+        self.rms_norm_ptrs(stream, x, y.device_ptr(), weight, group, eps)
+    }
+
+    /// [`CudaDevice::rms_norm`] in place.
+    pub fn rms_norm_in_place(
+        &self,
+        stream: &CudaStream,
+        x: &mut DeviceBuf<f32>,
+        weight: Option<&DeviceBuf<f32>>,
+        group: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let yp = x.device_ptr();
+        self.rms_norm_ptrs(stream, x, yp, weight, group, eps)
+    }
+
+    fn rms_norm_ptrs(
+        &self,
+        stream: &CudaStream,
+        x: &DeviceBuf<f32>,
+        yp: u64,
+        weight: Option<&DeviceBuf<f32>>,
+        group: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rms_norm";
+        if group == 0 || x.len() % group != 0 {
+            return Err(shape(OP, format!("group {group} does not divide {} values", x.len())));
+        }
+        if let Some(w) = weight {
+            want(OP, "weight", w.len(), group)?;
+        }
+        let n_groups = to_i32(OP, "groups", x.len() / group)?;
+        let g = to_i32(OP, "group", group)?;
+        let f = self.func(Family::NormRope, 0)?;
+        let (xp, wp) = (x.device_ptr(), ptr_or_null(weight));
+        // SAFETY: (x, y, w, group, n_groups, eps) as rms_norm; sizes checked.
+        unsafe { self.launch(f, (n_groups as u32, 1, 1), 256, 0, stream, &mut params![xp, yp, wp, g, n_groups, eps]) }
+    }
+
+    /// Rotate every head of every row of `x` (`[positions.len(), width]`) in
+    /// place. Twin: `ops::rope_rows`.
+    pub fn rope(
+        &self,
+        stream: &CudaStream,
+        x: &mut DeviceBuf<f32>,
+        width: usize,
+        positions: &DeviceBuf<u32>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope";
+        if p.head_dim == 0 || width % p.head_dim != 0 || p.n_rot > p.head_dim || p.n_rot % 2 != 0 {
+            return Err(shape(OP, format!("width {width}, head_dim {}, n_rot {}", p.head_dim, p.n_rot)));
+        }
+        want(OP, "x", x.len(), width * positions.len())?;
+        let total = positions.len() * (width / p.head_dim) * (p.n_rot / 2);
+        to_i32(OP, "pairs", total)?;
+        let f = self.func(Family::NormRope, 1)?;
+        let (xp, pp) = (x.device_ptr(), positions.device_ptr());
+        let (w, n, hd, nr) = (width as i32, positions.len() as i32, p.head_dim as i32, p.n_rot as i32);
+        let kind: i32 = match p.kind {
+            RopeKind::Neox => 0,
+            RopeKind::Interleaved => 1,
+        };
+        let (base, lf) = (p.base, p.linear_factor);
+        let grid = total.div_ceil(256) as u32;
+        // SAFETY: (x, width, positions, n_rows, head_dim, n_rot, base, lf, kind) as rope.
+        unsafe { self.launch(f, (grid, 1, 1), 256, 0, stream, &mut params![xp, w, pp, n, hd, nr, base, lf, kind]) }
+    }
+
+    /// `out = act(gate) * up`. Twin: `ops::glu_rows`.
+    pub fn glu(
+        &self,
+        stream: &CudaStream,
+        gate: &DeviceBuf<f32>,
+        up: &DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+        act: Activation,
+    ) -> Result<(), CudaError> {
+        want("glu", "up", up.len(), gate.len())?;
+        want("glu", "out", out.len(), gate.len())?;
+        let n = to_i32("glu", "n", gate.len())?;
+        let a = act_code(act)?;
+        let f = self.func(Family::Act, 0)?;
+        let (g, u, o) = (gate.device_ptr(), up.device_ptr(), out.device_ptr());
+        // SAFETY: (gate, up, out, n, act) as glu.
+        unsafe { self.launch(f, ((n as u32).div_ceil(256), 1, 1), 256, 0, stream, &mut params![g, u, o, n, a]) }
+    }
+
+    fn binary(&self, stream: &CudaStream, entry: usize, a: &DeviceBuf<f32>, b: &DeviceBuf<f32>, out: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
+        want("elementwise", "b", b.len(), a.len())?;
+        want("elementwise", "out", out.len(), a.len())?;
+        let n = to_i32("elementwise", "n", a.len())?;
+        let f = self.func(Family::Act, entry)?;
+        let (ap, bp, op) = (a.device_ptr(), b.device_ptr(), out.device_ptr());
+        // SAFETY: (a, b, out, n) as add_f32 / mul_f32.
+        unsafe { self.launch(f, ((n as u32).div_ceil(256), 1, 1), 256, 0, stream, &mut params![ap, bp, op, n]) }
+    }
+    /// `out = a + b`.
+    pub fn add(&self, stream: &CudaStream, a: &DeviceBuf<f32>, b: &DeviceBuf<f32>, out: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
+        self.binary(stream, 1, a, b, out)
+    }
+    /// `out = a * b`.
+    pub fn mul(&self, stream: &CudaStream, a: &DeviceBuf<f32>, b: &DeviceBuf<f32>, out: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
+        self.binary(stream, 2, a, b, out)
+    }
+    /// `out = a * s`.
+    pub fn scale(&self, stream: &CudaStream, a: &DeviceBuf<f32>, s: f32, out: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
+        want("scale", "out", out.len(), a.len())?;
+        let n = to_i32("scale", "n", a.len())?;
+        let f = self.func(Family::Act, 3)?;
+        let (ap, op) = (a.device_ptr(), out.device_ptr());
+        // SAFETY: (a, s, out, n) as scale_f32.
+        unsafe { self.launch(f, ((n as u32).div_ceil(256), 1, 1), 256, 0, stream, &mut params![ap, s, op, n]) }
+    }
+
+    /// Gather and dequantize rows `ids` of a `[n_vocab, cols]` table of `ty`
+    /// into `out` (`[ids.len(), cols]`); an id out of range gives a NaN row.
+    /// Twin: `pulsar_kernels::dequantize` of those rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed(
+        &self,
+        stream: &CudaStream,
+        ty: GgmlType,
+        table: &DeviceBuf<u8>,
+        n_vocab: usize,
+        cols: usize,
+        ids: &DeviceBuf<u32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "embed";
+        let entry = match (float_index(ty), quant_index(ty)) {
+            (Some(i), _) => i,
+            (None, Some(i)) => 3 + i,
+            _ => return Err(CudaError::Unsupported { op: OP, ty }),
+        };
+        want(OP, "table bytes", table.len(), weight_bytes(ty, n_vocab, cols)?)?;
+        want(OP, "out", out.len(), ids.len() * cols)?;
+        if ids.len() > 65535 {
+            return Err(shape(OP, format!("{} ids in one launch (at most 65535)", ids.len())));
+        }
+        let (n, c, nv) = (ids.len() as i32, to_i32(OP, "cols", cols)?, to_i32(OP, "n_vocab", n_vocab)?);
+        let f = self.func(Family::Embed, entry)?;
+        let (tp, ip, op, tab) = (table.device_ptr(), ids.device_ptr(), out.device_ptr(), self.iq_tables().device_ptr());
+        let grid = (cols.div_ceil(256) as u32, ids.len() as u32, 1);
+        // SAFETY: (table, ids, out, n, cols, n_vocab, tab) as EMBED_*.
+        unsafe { self.launch(f, grid, 256, 0, stream, &mut params![tp, ip, op, n, c, nv, tab]) }
+    }
+
+    /// Causal attention of `positions.len()` queries over the first `n_ctx`
+    /// rows of a KV cache (f32, or f16 bits as `u16`), split over the keys.
+    /// `work` holds [`attention_workspace_len`] values. Twin: `ops::attend_rows`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention<K: KvElem>(
+        &self,
+        stream: &CudaStream,
+        p: &AttnParams,
+        q: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        k_cache: &DeviceBuf<K>,
+        v_cache: &DeviceBuf<K>,
+        n_ctx: usize,
+        work: &mut DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attention";
+        if p.n_kv_head == 0 || p.n_head % p.n_kv_head != 0 || p.head_dim_k == 0 || p.head_dim_v == 0 {
+            return Err(shape(OP, format!("{} heads over {} kv heads", p.n_head, p.n_kv_head)));
+        }
+        if p.head_dim_k > 1024 {
+            return Err(shape(OP, format!("head_dim_k {} above 1024", p.head_dim_k)));
+        }
+        let n_q = positions.len();
+        want(OP, "q", q.len(), n_q * p.n_head * p.head_dim_k)?;
+        want(OP, "out", out.len(), n_q * p.n_head * p.head_dim_v)?;
+        if k_cache.len() < n_ctx * p.n_kv_head * p.head_dim_k || v_cache.len() < n_ctx * p.n_kv_head * p.head_dim_v {
+            return Err(shape(OP, format!("cache shorter than {n_ctx} rows")));
+        }
+        let n_split = attention_splits(p, n_ctx);
+        want(OP, "work", work.len(), attention_workspace_len(p, n_q, n_ctx))?;
+        if n_q > 65535 || p.n_head > 65535 || n_split > 65535 {
+            return Err(shape(OP, "grid too large"));
+        }
+        let (nq, nh, nkv) = (n_q as i32, p.n_head as i32, p.n_kv_head as i32);
+        let (dk, dv, nc) = (p.head_dim_k as i32, p.head_dim_v as i32, to_i32(OP, "n_ctx", n_ctx)?);
+        let (scale, window, softcap) = (p.scale, to_i32(OP, "window", p.window)?, p.softcap);
+        let (chunk, ns) = (ATT_CHUNK as i32, n_split as i32);
+        let (qp, pp, kp, vp, wp, op) =
+            (q.device_ptr(), positions.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr(), work.device_ptr(), out.device_ptr());
+        let f = self.func(Family::Attention, K::ENTRY)?;
+        let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
+        let grid = (p.n_head as u32, n_q as u32, n_split as u32);
+        // SAFETY: parameters as ATT_ENTRY; sizes checked above.
+        unsafe {
+            self.launch(
+                f,
+                grid,
+                ATT_THREADS,
+                smem,
+                stream,
+                &mut params![qp, pp, kp, vp, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns],
+            )?;
+        }
+        let f = self.func(Family::Attention, 2)?;
+        // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.
+        unsafe { self.launch(f, (p.n_head as u32, n_q as u32, 1), ATT_THREADS, 0, stream, &mut params![wp, op, nq, nh, dv, ns]) }
+    }
+
+    /// Top-k routing of `[n_tok, n_exp]` logits into `ids` / `weights`
+    /// (`[n_tok, k]`). Twin: `ops::softmax_in_place` (or a sigmoid), `ops::top_k`,
+    /// then renormalisation and scale.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &self,
+        stream: &CudaStream,
+        spec: &RouterSpec,
+        logits: &DeviceBuf<f32>,
+        bias: Option<&DeviceBuf<f32>>,
+        n_tok: usize,
+        n_exp: usize,
+        ids: &mut DeviceBuf<i32>,
+        weights: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "route";
+        if spec.k == 0 || spec.k > MAX_TOP_K || spec.k > n_exp || n_exp > MAX_EXPERTS {
+            return Err(shape(OP, format!("top-{} of {n_exp} experts", spec.k)));
+        }
+        want(OP, "logits", logits.len(), n_tok * n_exp)?;
+        if let Some(b) = bias {
+            want(OP, "bias", b.len(), n_exp)?;
+        }
+        want(OP, "ids", ids.len(), n_tok * spec.k)?;
+        want(OP, "weights", weights.len(), n_tok * spec.k)?;
+        let (nt, ne, k) = (to_i32(OP, "n_tok", n_tok)?, n_exp as i32, spec.k as i32);
+        let gating: i32 = match spec.gating {
+            Gating::Softmax => 0,
+            Gating::Sigmoid => 1,
+        };
+        let (renorm, scale) = (spec.renormalize as i32, spec.scale);
+        let (lp, bp, ip, wp) = (logits.device_ptr(), ptr_or_null(bias), ids.device_ptr(), weights.device_ptr());
+        let f = self.func(Family::Moe, 0)?;
+        let smem = (2 * n_exp * 4) as u32;
+        // SAFETY: parameters as route_topk; sizes checked.
+        unsafe { self.launch(f, (n_tok as u32, 1, 1), 256, smem, stream, &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp]) }
+    }
+
+    /// The routed-expert FFN of one MoE layer over explicit per-(token, slot)
+    /// pointers: `h[p] = act(gate_p x_t) * (up_p x_t)`, quantized to `hq`, then
+    /// `out[p] = down_p hq[p]`. Pairs whose pointers are 0 are skipped (their
+    /// rows of `h`/`out` are left as they were). `x` is the tokens' activations
+    /// quantized for `gate_up_ty`; `h` is `[n_pairs, ff]`, `hq` that quantized
+    /// for `down_ty`, `out` `[n_pairs, d_model]`. The caller sums `out` over
+    /// slots (in slot order) with the router weights.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn(
+        &self,
+        stream: &CudaStream,
+        gate_up_ty: GgmlType,
+        down_ty: GgmlType,
+        pairs: &MoePairs<'_>,
+        x: &DeviceBuf<u8>,
+        d_model: usize,
+        ff: usize,
+        act: Activation,
+        h: &mut DeviceBuf<f32>,
+        hq: &mut DeviceBuf<u8>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_ffn";
+        let gi = quant_index(gate_up_ty).ok_or(CudaError::Unsupported { op: OP, ty: gate_up_ty })?;
+        let di = quant_index(down_ty).ok_or(CudaError::Unsupported { op: OP, ty: down_ty })?;
+        let gfmt = ActFormat::for_weight(gate_up_ty).ok_or(CudaError::Unsupported { op: OP, ty: gate_up_ty })?;
+        let dfmt = ActFormat::for_weight(down_ty).ok_or(CudaError::Unsupported { op: OP, ty: down_ty })?;
+        let n_pairs = pairs.n_tok * pairs.n_slot;
+        want(OP, "gate pointers", pairs.gate.len(), n_pairs)?;
+        want(OP, "up pointers", pairs.up.len(), n_pairs)?;
+        want(OP, "down pointers", pairs.down.len(), n_pairs)?;
+        want(OP, "x bytes", x.len(), act_bytes(gfmt, pairs.n_tok, d_model)?)?;
+        want(OP, "h", h.len(), n_pairs * ff)?;
+        want(OP, "out", out.len(), n_pairs * d_model)?;
+        // Weight shapes must be whole blocks (the pointers themselves are the caller's contract).
+        weight_bytes(gate_up_ty, ff, d_model)?;
+        weight_bytes(down_ty, d_model, ff)?;
+        if n_pairs > 65535 {
+            return Err(shape(OP, format!("{n_pairs} pairs in one launch (at most 65535)")));
+        }
+        let a = act_code(act)?;
+        let (ffi, dm, ns) = (to_i32(OP, "ff", ff)?, to_i32(OP, "d_model", d_model)?, to_i32(OP, "n_slot", pairs.n_slot)?);
+        let tab = self.iq_tables().device_ptr();
+        let (gp, upp, dp) = (pairs.gate.device_ptr(), pairs.up.device_ptr(), pairs.down.device_ptr());
+        let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
+        let f = self.func(Family::Moe, 1 + 2 * gi)?;
+        let grid = (ff.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_pairs as u32, 1);
+        // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked.
+        unsafe { self.launch(f, grid, 128, 0, stream, &mut params![gp, upp, xp, hp, ffi, dm, ns, a, tab])? };
+        self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
+        let hqp = hq.device_ptr();
+        let f = self.func(Family::Moe, 2 + 2 * di)?;
+        let grid = (d_model.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_pairs as u32, 1);
+        // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked.
+        unsafe { self.launch(f, grid, 128, 0, stream, &mut params![dp, hqp, op, dm, ffi, tab]) }
+    }
+}
