@@ -1,5 +1,11 @@
 //! A model session on the CPU backend: the KV cache, the position, and the
 //! forward step that runs the plugin's graph over a chunk of tokens.
+//!
+//! [`Engine`] is one sequence (the CLI). [`BatchEngine`] holds a pool of
+//! sequences, each with its own KV cache, and runs rows of several of them in
+//! one forward step, so the weights (a MoE's experts above all) are read once
+//! per step for everyone. A row's logits do not depend on the other rows of
+//! its step: batched and alone give the same bits.
 
 use abi_stable::sabi_trait::TD_Opaque;
 use pulsar_plugin_api::Ops_TO;
@@ -15,6 +21,10 @@ pub enum EngineError {
     ContextFull { need: usize, n_ctx: usize },
     #[error("empty token sequence")]
     Empty,
+    #[error("sequence {0} is not allocated")]
+    NoSuchSeq(u32),
+    #[error("sequence {0} appears twice in one step")]
+    DuplicateSeq(u32),
 }
 
 pub struct Engine<'m> {
@@ -86,5 +96,165 @@ impl<'m> Engine<'m> {
             }
         }
         Ok(out)
+    }
+}
+
+/// A sequence slot of a [`BatchEngine`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u32);
+
+/// One sequence's part of a batched step: `tokens` follow its cached ones.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchItem<'t> {
+    pub seq: SeqId,
+    pub tokens: &'t [u32],
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    in_use: bool,
+    /// The tokens in the slot's cache, in order (kept after `free` for prefix reuse).
+    history: Vec<u32>,
+    /// Step counter when last used (least recently used slots are reused first).
+    last_used: u64,
+}
+
+/// Several sequences over one model, each with its own KV cache, decoded
+/// together in batched steps.
+pub struct BatchEngine<'m> {
+    pub model: &'m Model,
+    pub cpu: &'m CpuBackend,
+    pub experts: &'m dyn ExpertSource,
+    kvs: Vec<KvCache>,
+    slots: Vec<Slot>,
+    n_ctx: usize,
+    clock: u64,
+}
+
+impl<'m> BatchEngine<'m> {
+    /// A pool of `n_seq` sequences of `n_ctx` positions each (caches allocated now).
+    pub fn new(model: &'m Model, cpu: &'m CpuBackend, experts: &'m dyn ExpertSource, n_ctx: usize, n_seq: usize) -> BatchEngine<'m> {
+        let n_seq = n_seq.max(1);
+        BatchEngine {
+            model,
+            cpu,
+            experts,
+            kvs: (0..n_seq).map(|_| KvCache::new(&model.plan, n_ctx)).collect(),
+            slots: (0..n_seq).map(|_| Slot::default()).collect(),
+            n_ctx,
+            clock: 0,
+        }
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    pub fn n_seq(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn n_free(&self) -> usize {
+        self.slots.iter().filter(|s| !s.in_use).count()
+    }
+
+    /// Bytes of all KV caches.
+    pub fn kv_bytes(&self) -> usize {
+        self.kvs.iter().map(KvCache::bytes).sum()
+    }
+
+    /// Take a free slot for a sequence that starts with `prompt`: the one whose
+    /// cached history shares the longest prefix with it (that prefix is kept,
+    /// the rest dropped), else the least recently used. Returns the slot and
+    /// how many leading prompt tokens are already cached (always fewer than
+    /// the prompt's length, so the last token runs and gives logits).
+    pub fn alloc(&mut self, prompt: &[u32]) -> Option<(SeqId, usize)> {
+        let common = |h: &[u32]| h.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len().saturating_sub(1));
+        let best = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.in_use)
+            // Longest shared prefix first; among equals, the least recently used.
+            .max_by_key(|(_, s)| (common(&s.history), std::cmp::Reverse(s.last_used)))
+            .map(|(i, _)| i)?;
+        let slot = &mut self.slots[best];
+        let keep = common(&slot.history);
+        slot.in_use = true;
+        slot.history.truncate(keep);
+        self.clock += 1;
+        slot.last_used = self.clock;
+        Some((SeqId(best as u32), keep))
+    }
+
+    /// Give a slot back; its cache and history stay for prefix reuse.
+    pub fn free(&mut self, seq: SeqId) {
+        if let Some(s) = self.slots.get_mut(seq.0 as usize) {
+            s.in_use = false;
+        }
+    }
+
+    /// Forget every free slot's cached history (the next allocations start cold).
+    pub fn forget_free(&mut self) {
+        for s in self.slots.iter_mut().filter(|s| !s.in_use) {
+            s.history.clear();
+        }
+    }
+
+    fn slot(&self, seq: SeqId) -> Result<&Slot, EngineError> {
+        self.slots.get(seq.0 as usize).filter(|s| s.in_use).ok_or(EngineError::NoSuchSeq(seq.0))
+    }
+
+    /// Tokens cached for `seq`.
+    pub fn n_past(&self, seq: SeqId) -> Result<usize, EngineError> {
+        Ok(self.slot(seq)?.history.len())
+    }
+
+    pub fn history(&self, seq: SeqId) -> Result<&[u32], EngineError> {
+        Ok(&self.slot(seq)?.history)
+    }
+
+    /// Keep the first `n` cached positions of `seq` and drop the rest.
+    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError> {
+        self.slot(seq)?;
+        self.slots[seq.0 as usize].history.truncate(n);
+        Ok(())
+    }
+
+    /// One forward step over every item's tokens (each after its sequence's
+    /// cached ones). Returns, per item in order, the logits of its last token.
+    pub fn step(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        if items.is_empty() || items.iter().any(|it| it.tokens.is_empty()) {
+            return Err(EngineError::Empty);
+        }
+        let mut seen = vec![false; self.slots.len()];
+        let (mut tokens, mut positions, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+        for it in items {
+            let n_past = self.slot(it.seq)?.history.len();
+            let s = it.seq.0 as usize;
+            if std::mem::replace(&mut seen[s], true) {
+                return Err(EngineError::DuplicateSeq(it.seq.0));
+            }
+            if n_past + it.tokens.len() > self.n_ctx {
+                return Err(EngineError::ContextFull { need: n_past + it.tokens.len(), n_ctx: self.n_ctx });
+            }
+            tokens.extend_from_slice(it.tokens);
+            positions.extend((n_past..n_past + it.tokens.len()).map(|p| p as u32));
+            seqs.extend(std::iter::repeat_n(it.seq.0, it.tokens.len()));
+        }
+        let mut step = CpuStep::batched(self.model, self.cpu, &mut self.kvs, &seqs, self.experts, &tokens, &positions, false);
+        let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
+        let logits = r.map_err(|e| EngineError::Forward(e.into_string()))?;
+        let m = step.take(logits).map_err(EngineError::Forward)?;
+        if m.rows != items.len() {
+            return Err(EngineError::Forward(format!("the step gave {} logit rows for {} sequences", m.rows, items.len())));
+        }
+        self.clock += 1;
+        for it in items {
+            let slot = &mut self.slots[it.seq.0 as usize];
+            slot.history.extend_from_slice(it.tokens);
+            slot.last_used = self.clock;
+        }
+        Ok(m.data.chunks(m.cols.max(1)).map(|r| r.to_vec()).collect())
     }
 }

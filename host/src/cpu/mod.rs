@@ -53,10 +53,18 @@ pub struct Named {
 }
 
 /// One forward step over `tokens` at `positions`.
+///
+/// A step may carry rows of several sequences (a batched decode): row `i`
+/// belongs to the cache `kvs[seqs[i]]` and sits at `positions[i]` of it. Only
+/// attention and `output_rows` look at that; every other op is row-wise, so a
+/// row's result does not depend on which other rows share its step.
 pub struct CpuStep<'a> {
     pub model: &'a Model,
     pub cpu: &'a CpuBackend,
-    pub kv: &'a mut KvCache,
+    /// One KV cache per sequence in the step.
+    pub kvs: &'a mut [KvCache],
+    /// Per row, its sequence's index into `kvs`; `None`: every row is `kvs[0]`'s.
+    pub seqs: Option<&'a [u32]>,
     pub experts: &'a dyn ExpertSource,
     pub tokens: &'a [u32],
     pub positions: &'a [u32],
@@ -94,7 +102,45 @@ impl<'a> CpuStep<'a> {
         positions: &'a [u32],
         all_rows: bool,
     ) -> Self {
-        CpuStep { model, cpu, kv, experts, tokens, positions, all_rows, capture: None, vals: Vec::new() }
+        let kvs = std::slice::from_mut(kv);
+        CpuStep { model, cpu, kvs, seqs: None, experts, tokens, positions, all_rows, capture: None, vals: Vec::new() }
+    }
+
+    /// A step over rows of several sequences: row `i` reads and extends the
+    /// cache `kvs[seqs[i]]`. Rows of one sequence must be contiguous and in
+    /// position order; without `all_rows`, `output_rows` keeps the last row of
+    /// each such run.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batched(
+        model: &'a Model,
+        cpu: &'a CpuBackend,
+        kvs: &'a mut [KvCache],
+        seqs: &'a [u32],
+        experts: &'a dyn ExpertSource,
+        tokens: &'a [u32],
+        positions: &'a [u32],
+        all_rows: bool,
+    ) -> Self {
+        CpuStep { model, cpu, kvs, seqs: Some(seqs), experts, tokens, positions, all_rows, capture: None, vals: Vec::new() }
+    }
+
+    /// Row ranges `[start, end)` that belong to one sequence, with its cache index.
+    fn seq_runs(&self, rows: usize) -> R<Vec<(usize, usize, usize)>> {
+        let Some(seqs) = self.seqs else {
+            return Ok(vec![(0, rows, 0)]);
+        };
+        if seqs.len() != rows {
+            return Err(format!("{rows} rows for {} sequence ids", seqs.len()));
+        }
+        let mut runs = Vec::new();
+        let mut start = 0;
+        while start < rows {
+            let s = seqs[start];
+            let end = (start..rows).find(|&i| seqs[i] != s).unwrap_or(rows);
+            runs.push((start, end, s as usize));
+            start = end;
+        }
+        Ok(runs)
     }
 
     /// The value a handle names, moved out (the step is over).
@@ -183,12 +229,22 @@ impl<'a> CpuStep<'a> {
         if mq.rows != self.positions.len() {
             return Err(format!("attention layer {}: {} rows for {} positions", s.layer, mq.rows, self.positions.len()));
         }
-        let (k_rows, v_rows) = (mk.data.clone(), mv.data.clone());
-        let layer = self.kv.layer_mut(s.layer as usize, nkv * dk, nkv * dv)?;
-        for (i, &p) in self.positions.iter().enumerate() {
-            layer.write(p as usize, &k_rows[i * nkv * dk..(i + 1) * nkv * dk], &v_rows[i * nkv * dv..(i + 1) * nkv * dv])?;
+        if let Some(seqs) = self.seqs {
+            if let Some(&bad) = seqs.iter().find(|&&q| q as usize >= self.kvs.len()) {
+                return Err(format!("attention layer {}: sequence {bad} has no cache ({} in the step)", s.layer, self.kvs.len()));
+            }
         }
-        let n_ctx = self.positions.iter().max().map_or(0, |&p| p as usize + 1);
+        let (kw, vw) = (nkv * dk, nkv * dv);
+        let (k_rows, v_rows) = (mk.data.clone(), mv.data.clone());
+        let runs = self.seq_runs(mq.rows).map_err(|e| format!("attention layer {}: {e}", s.layer))?;
+        // Every row's key and value go to its own sequence's cache first, so a
+        // row attends to the rows before it in the same step.
+        for &(start, end, seq) in &runs {
+            let layer = self.kvs[seq].layer_mut(s.layer as usize, kw, vw)?;
+            for i in start..end {
+                layer.write(self.positions[i] as usize, &k_rows[i * kw..(i + 1) * kw], &v_rows[i * vw..(i + 1) * vw])?;
+            }
+        }
         let params = AttnParams {
             n_head: nh,
             n_kv_head: nkv,
@@ -200,8 +256,20 @@ impl<'a> CpuStep<'a> {
         };
         let mq = self.get(q)?;
         let mut out = vec![0f32; mq.rows * nh * dv];
-        let layer = self.kv.layer(s.layer as usize)?;
-        ops::attend_rows(&self.cpu.pool, &params, &mq.data, self.positions, layer.keys(n_ctx), layer.values(n_ctx), &mut out);
+        for &(start, end, seq) in &runs {
+            let positions = &self.positions[start..end];
+            let n_ctx = positions.iter().max().map_or(0, |&p| p as usize + 1);
+            let layer = self.kvs[seq].layer(s.layer as usize)?;
+            ops::attend_rows(
+                &self.cpu.pool,
+                &params,
+                &mq.data[start * nh * dk..end * nh * dk],
+                positions,
+                layer.keys(n_ctx),
+                layer.values(n_ctx),
+                &mut out[start * nh * dv..end * nh * dv],
+            );
+        }
         let rows = mq.rows;
         self.push(Mat { rows, cols: nh * dv, data: out })
     }
@@ -299,9 +367,15 @@ impl Ops for CpuStep<'_> {
                 let m = m.clone();
                 return self.push(m);
             }
-            let last = m.data[(m.rows - 1) * m.cols..].to_vec();
-            let cols = m.cols;
-            self.push(Mat { rows: 1, cols, data: last })
+            // The last row of each sequence's run (of the only one, unbatched).
+            let (rows, cols) = (m.rows, m.cols);
+            let mut data = Vec::new();
+            let runs = self.seq_runs(rows).map_err(|e| format!("output_rows: {e}"))?;
+            let m = self.get(x)?;
+            for &(_, end, _) in &runs {
+                data.extend_from_slice(&m.data[(end - 1) * cols..end * cols]);
+            }
+            self.push(Mat { rows: runs.len(), cols, data })
         })())
     }
     fn name(&mut self, x: Val, name: RStr<'_>, layer: i32) {

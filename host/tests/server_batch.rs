@@ -1,0 +1,122 @@
+//! Multi-sequence batching: rows of several sequences in one forward step give
+//! the same logits, bit for bit, as each sequence run alone; slots, prefix
+//! reuse and misuse errors of the sequence pool.
+
+#[path = "server/common.rs"]
+mod common;
+
+use pulsar_host::cpu::{CpuBackend, MappedExperts};
+use pulsar_host::engine::{BatchEngine, BatchItem, Engine, EngineError, SeqId};
+use pulsar_host::model::Model;
+use pulsar_host::sample::argmax;
+
+/// Logits of every step of one sequence run alone: the prompt's last row, then
+/// one row per greedy decode.
+fn solo(model: &Model, cpu: &CpuBackend, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut eng = Engine::new(model, cpu, &MappedExperts, 256);
+    let mut rows = vec![eng.forward(prompt, false).unwrap().pop().unwrap()];
+    let mut toks = Vec::new();
+    for _ in 0..n {
+        let t = argmax(rows.last().unwrap());
+        toks.push(t);
+        rows.push(eng.forward(&[t], false).unwrap().pop().unwrap());
+    }
+    (toks, rows)
+}
+
+/// Two sequences, staggered: B's prompt prefills in the same step as A's
+/// first decode, then both decode together; every row must equal the solo run.
+fn check_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
+    let cpu = CpuBackend::new(2).unwrap();
+    let n = 6;
+    let (ta, ra) = solo(model, &cpu, a, n);
+    let (tb, rb) = solo(model, &cpu, b, n);
+    let mut be = BatchEngine::new(model, &cpu, &MappedExperts, 256, 3);
+    let (sa, ca) = be.alloc(a).unwrap();
+    assert_eq!(ca, 0);
+    // Step 1: A's prompt alone.
+    let mut got_a = vec![be.step(&[BatchItem { seq: sa, tokens: a }]).unwrap().pop().unwrap()];
+    let (sb, _) = be.alloc(b).unwrap();
+    assert_ne!(sa, sb);
+    // Step 2: A decodes one token while B's whole prompt prefills (B first in the batch).
+    let out = be.step(&[BatchItem { seq: sb, tokens: b }, BatchItem { seq: sa, tokens: &[ta[0]] }]).unwrap();
+    assert_eq!(out.len(), 2);
+    let mut got_b = vec![out[0].clone()];
+    got_a.push(out[1].clone());
+    // Then both decode together.
+    for i in 0..n {
+        let mut items = vec![BatchItem { seq: sb, tokens: std::slice::from_ref(&tb[i]) }];
+        if i + 1 < n {
+            items.push(BatchItem { seq: sa, tokens: std::slice::from_ref(&ta[i + 1]) });
+        }
+        let out = be.step(&items).unwrap();
+        got_b.push(out[0].clone());
+        if i + 1 < n {
+            got_a.push(out[1].clone());
+        }
+    }
+    assert_eq!(got_a.len(), ra.len());
+    assert_eq!(got_b.len(), rb.len());
+    for (i, (x, y)) in got_a.iter().zip(&ra).enumerate() {
+        assert!(x == y, "sequence A step {i}: batched logits differ from solo (max |d| {})", max_diff(x, y));
+    }
+    for (i, (x, y)) in got_b.iter().zip(&rb).enumerate() {
+        assert!(x == y, "sequence B step {i}: batched logits differ from solo (max |d| {})", max_diff(x, y));
+    }
+    assert_eq!(be.n_past(sa).unwrap(), a.len() + n);
+    assert_eq!(be.n_past(sb).unwrap(), b.len() + n);
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn qwen3moe_batched_step_equals_each_sequence_alone() {
+    let model = common::tiny_model();
+    let a: Vec<u32> = "Hello there, how are you?".bytes().map(u32::from).collect();
+    let b: Vec<u32> = "Two".bytes().map(u32::from).collect();
+    check_batched_equals_solo(&model, &a, &b);
+}
+
+#[test]
+fn gemma3_batched_step_equals_each_sequence_alone() {
+    let p = std::env::var_os("PULSAR_GEMMA_GGUF")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pulsar/models/gemma-3-270m-Q4_K_M.gguf"));
+    assert!(p.is_file(), "{} is missing: run scripts/fetch-gemma.sh", p.display());
+    let model = Model::open(&p, "gemma3", pulsar_arch_gemma3::plugin_module()).unwrap();
+    check_batched_equals_solo(&model, &[2, 818, 5279, 529, 7001, 563], &[2, 9259, 236764]);
+}
+
+#[test]
+fn slots_prefix_reuse_and_errors() {
+    let model = common::tiny_model();
+    let cpu = CpuBackend::new(1).unwrap();
+    let mut be = BatchEngine::new(&model, &cpu, &MappedExperts, 32, 2);
+    let conv: Vec<u32> = (10..20).collect();
+    let (s0, c0) = be.alloc(&conv).unwrap();
+    assert_eq!(c0, 0);
+    let solo_last = be.step(&[BatchItem { seq: s0, tokens: &conv }]).unwrap().pop().unwrap();
+    be.free(s0);
+    // The same conversation continued reuses the cached prefix of the free slot.
+    let mut longer = conv.clone();
+    longer.extend([30, 31, 32]);
+    let (s1, c1) = be.alloc(&longer).unwrap();
+    assert_eq!((s1, c1), (s0, conv.len()));
+    // Asking again for the exact same prompt keeps all but its last token.
+    be.free(s1);
+    let (s2, c2) = be.alloc(&conv).unwrap();
+    assert_eq!((s2, c2), (s0, conv.len() - 1));
+    let again = be.step(&[BatchItem { seq: s2, tokens: &conv[c2..] }]).unwrap().pop().unwrap();
+    assert_eq!(again, solo_last, "logits after prefix reuse differ from the cold run");
+    // Pool exhausted, double use in one step, unknown slot, context overflow.
+    let (s3, _) = be.alloc(&[1, 2]).unwrap();
+    assert!(be.alloc(&[1]).is_none());
+    assert!(matches!(be.step(&[BatchItem { seq: s3, tokens: &[1] }, BatchItem { seq: s3, tokens: &[2] }]), Err(EngineError::DuplicateSeq(_))));
+    assert!(matches!(be.step(&[BatchItem { seq: SeqId(7), tokens: &[1] }]), Err(EngineError::NoSuchSeq(7))));
+    let long: Vec<u32> = (0..33).collect();
+    assert!(matches!(be.step(&[BatchItem { seq: s3, tokens: &long }]), Err(EngineError::ContextFull { .. })));
+    be.free(s3);
+    assert!(matches!(be.step(&[BatchItem { seq: s3, tokens: &[1] }]), Err(EngineError::NoSuchSeq(_))));
+}
