@@ -21,3 +21,4 @@ pub use device::CudaDevice;
 pub mod ops;
 
 pub use ops::{act_bytes, attention_workspace_len, weight_bytes, Gating, KvElem, MoePairs, RouterSpec};
+pub mod selftest;
