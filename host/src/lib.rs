@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod cpu;
 pub mod engine;
+pub mod experts;
 pub mod model;
 pub mod npy;
 pub mod sample;

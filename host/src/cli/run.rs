@@ -11,7 +11,8 @@ use pulsar_tokenizer::Tokenizer;
 use super::Ctx;
 use crate::chat::{ChatTemplate, Message};
 use crate::config::{self, Setting};
-use crate::cpu::{moe::MappedExperts, CpuBackend};
+use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
+use crate::experts::StoreExperts;
 use crate::engine::Engine;
 use crate::model::Model;
 use crate::sample::{argmax, Sampler, SamplerConfig};
@@ -68,6 +69,57 @@ pub struct Args {
     /// Largest prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub ubatch: usize,
+    /// Host RAM for the expert cache, in GiB (default: everything resident when
+    /// the experts fit in available memory, else a budget solved from MemAvailable).
+    #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB")]
+    pub host_cache: Option<f64>,
+    /// Print per-token expert-store traffic (bytes and hits per tier) and a summary.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+/// How routed experts are served for this run.
+fn experts_for(model: &Model, host_cache: Option<f64>) -> anyhow::Result<Option<StoreExperts>> {
+    let expert_bytes = model.memory_plan().expert_bytes;
+    if expert_bytes == 0 {
+        return Ok(None);
+    }
+    let budget = match host_cache {
+        Some(gb) => Some(pulsar_store::budget_from_gib(gb)?),
+        None => match pulsar_store::default_host_budget() {
+            Ok(b) if b >= expert_bytes => None,
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!("{e}; serving experts from the file mapping");
+                None
+            }
+        },
+    };
+    Ok(Some(match budget {
+        Some(b) => {
+            tracing::info!("expert store: host cache of {:.2} GiB over {:.2} GiB of experts", b as f64 / GIB, expert_bytes as f64 / GIB);
+            StoreExperts::open(model, b)?
+        }
+        None => StoreExperts::mapped(model)?,
+    }))
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn stats_line(s: &pulsar_store::StoreStats) -> String {
+    let t = &s.total;
+    format!(
+        "experts: {} selections; host {} hits ({:.1} MiB), disk {} reads ({:.1} MiB, {:.2} GB/s), mapped {} ({:.1} MiB); prefetch {:.0}% precise",
+        t.selections,
+        t.host.slabs,
+        t.host.bytes as f64 / 1048576.0,
+        t.disk.slabs,
+        t.disk.bytes as f64 / 1048576.0,
+        if t.disk_seconds > 0.0 { t.disk.bytes as f64 / t.disk_seconds / 1e9 } else { 0.0 },
+        t.mapped.slabs,
+        t.mapped.bytes as f64 / 1048576.0,
+        100.0 * s.prefetch.precision(),
+    )
 }
 
 struct Timing {
@@ -120,8 +172,12 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
-    let experts = MappedExperts;
-    let mut engine = Engine::new(&model, &cpu, &experts, n_ctx);
+    let store = experts_for(&model, a.host_cache)?;
+    let source: &dyn ExpertSource = match &store {
+        Some(s) => s,
+        None => &MappedExperts,
+    };
+    let mut engine = Engine::new(&model, &cpu, source, n_ctx);
     engine.ubatch = a.ubatch.max(1);
     let mem = model.memory_plan();
     tracing::info!(
@@ -139,16 +195,27 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     sampling.validate().map_err(|e| anyhow::anyhow!(e))?;
     let _ = Setting { value: (), source: config::Source::Default };
 
-    if a.chat {
-        return chat(&a, &model, &tok, &mut engine, sampling);
+    let code = if a.chat { chat(&a, &model, &tok, &mut engine, sampling)? } else { generate(&a, &model, &tok, &mut engine, sampling)? };
+    if let Some(st) = &store {
+        if a.stats {
+            eprintln!("{}", stats_line(&st.store.stats()));
+        }
+        match st.save_census(&model_path, &model) {
+            Ok(p) => tracing::info!("census saved to {}", p.display()),
+            Err(e) => tracing::warn!("could not save the census: {e:#}"),
+        }
     }
+    Ok(code)
+}
+
+fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
     let text = a.prompt.clone().unwrap_or_default();
-    let prompt = prompt_tokens(&a, &tok, &text);
+    let prompt = prompt_tokens(a, tok, &text);
     if prompt.is_empty() {
         anyhow::bail!("the prompt is empty: give -p TEXT or --tokens (the vocabulary adds no BOS)");
     }
     if let Some(n) = a.decode_consistency {
-        return decode_consistency(&mut engine, &prompt, n);
+        return decode_consistency(engine, &prompt, n);
     }
     let want_all = a.teacher_force || a.dump_logits.is_some();
     let t0 = Instant::now();
@@ -182,7 +249,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let mut dec = tok.stream_decoder(true);
     let t1 = Instant::now();
     let mut generated = 0;
-    let stops = stop_ids(&model, &tok);
+    let stops = stop_ids(model, tok);
     while generated < a.n_predict {
         if stops.contains(&next) {
             break;
