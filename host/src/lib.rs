@@ -11,5 +11,6 @@ pub mod experts;
 pub mod model;
 pub mod npy;
 pub mod sample;
+pub mod server;
 pub mod synth;
 pub mod tok;

@@ -39,6 +39,8 @@ enum Cmd {
     Run(Box<cli::run::Args>),
     /// Write a synthetic model of a real family's geometry with random weights.
     Synth(cli::synth::Args),
+    /// Serve a model over an OpenAI-compatible HTTP API, with a web chat page.
+    Serve(Box<cli::serve::Args>),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +77,7 @@ fn main() -> ExitCode {
             Cmd::Inspect(a) => cli::inspect::main(&ctx, a),
             Cmd::Run(a) => cli::run::main(ctx, *a),
             Cmd::Synth(a) => cli::synth::main(&ctx, a),
+            Cmd::Serve(a) => cli::serve::main(ctx, *a),
         }
     })();
     match result {

@@ -3,6 +3,7 @@
 pub mod archs;
 pub mod inspect;
 pub mod run;
+pub mod serve;
 pub mod synth;
 
 use std::path::Path;

@@ -1,0 +1,122 @@
+//! `pulsar-host serve`: the OpenAI-compatible HTTP server and web chat page.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use super::Ctx;
+use crate::config;
+use crate::cpu::{CpuBackend, MappedExperts};
+use crate::server::{self, Backend, ServeOptions};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The GGUF model.
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// Address to listen on (loopback by default; 0.0.0.0 exposes the server).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0 picks a free one; the address is printed).
+    #[arg(long, default_value_t = 11435)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, env = "PULSAR_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Context length per sequence (default: the model's, capped at 4096).
+    #[arg(long, env = "PULSAR_CTX")]
+    pub ctx: Option<usize>,
+    /// Sequences decoded at once, each with its own KV cache; more requests queue.
+    #[arg(long, default_value_t = 4)]
+    pub parallel: usize,
+    /// Most tokens in one batched step (prefill chunks share it with decodes).
+    #[arg(long, default_value_t = 256)]
+    pub ubatch: usize,
+    /// Requests that may wait for a sequence slot before new ones get 503.
+    #[arg(long, default_value_t = 512)]
+    pub max_queue: usize,
+    /// Also accept this name in Host/Origin headers (repeatable; DNS-rebinding guard).
+    #[arg(long = "allow-host", value_name = "NAME")]
+    pub allow_hosts: Vec<String>,
+    /// Seconds running generations may still take after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace: u64,
+    /// Model id reported by /v1/models (default: the file name without .gguf).
+    #[arg(long)]
+    pub alias: Option<String>,
+    /// Use this plugin instead of the one `general.architecture` selects.
+    #[arg(long, value_name = "NAME")]
+    pub arch_plugin: Option<String>,
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for SIGINT: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("pulsar-host serve: shutting down");
+}
+
+pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
+    ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
+    if ctx.print_config {
+        eprint!("{}", ctx.cfg.print());
+    }
+    let model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
+    let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
+    let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
+    let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
+    let opts = ServeOptions {
+        host: a.host.clone(),
+        port: a.port,
+        api_key: a.api_key.clone(),
+        n_ctx,
+        parallel: a.parallel.max(1),
+        ubatch: a.ubatch.max(1),
+        max_queue: a.max_queue,
+        allow_hosts: a.allow_hosts.clone(),
+        grace: Duration::from_secs(a.shutdown_grace),
+        model_id,
+    };
+    let backend = Backend { model: Arc::new(model), cpu: Arc::new(cpu), experts: Arc::new(MappedExperts) };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().thread_name("pulsar-http").build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)).await.with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port))?;
+        let addr = listener.local_addr()?;
+        let shown = if addr.is_ipv6() { format!("[{}]:{}", addr.ip(), addr.port()) } else { addr.to_string() };
+        eprintln!(
+            "pulsar-host serve: listening on http://{shown} (model {}, ctx {}, {} parallel sequences{})",
+            opts.model_id,
+            opts.n_ctx,
+            opts.parallel,
+            if opts.api_key.is_some() { ", API key required" } else { "" }
+        );
+        // The hook where the expert census will be saved once the store is wired in.
+        let on_shutdown: server::ShutdownHook = Box::new(|| tracing::info!("on_shutdown: nothing to save yet"));
+        server::serve(listener, backend, opts, shutdown_signal(), Some(on_shutdown)).await
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,270 @@
+//! The OpenAI wire format: request bodies, responses, stream chunks and the
+//! error object. Unknown request fields are ignored (clients send many).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::sample::SamplerConfig;
+
+/// An error as OpenAI returns it: `{"error": {"message", "type", "code", "param"}}`.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into(), kind, code, param: None }
+    }
+    /// 400: the request is wrong.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
+    }
+    pub fn invalid_param(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { param: Some(param), ..ApiError::invalid(message) }
+    }
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", Some("invalid_api_key"), message)
+    }
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::FORBIDDEN, "permission_error", Some("forbidden"), message)
+    }
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found_error", Some("not_found"), message)
+    }
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("unavailable"), message)
+    }
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", Some("internal_error"), message)
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "code": self.code, "param": self.param}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(axum::http::header::WWW_AUTHENTICATE, axum::http::HeaderValue::from_static("Bearer"));
+        }
+        r
+    }
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Message content: a string, or an array of parts of which only text is supported.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+impl ChatMessage {
+    pub fn text(&self) -> Result<String, ApiError> {
+        match &self.content {
+            None => Ok(String::new()),
+            Some(Content::Text(s)) => Ok(s.clone()),
+            Some(Content::Parts(parts)) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        (k, _) => return Err(ApiError::invalid_param("messages", format!("content parts of type `{k}` are not supported (text only)"))),
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// What both endpoints share: sampling and limits.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub stop: Option<Stop>,
+    pub n: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// `prompt`: a string, or an array holding exactly one string.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Most stop strings a request may give.
+pub const MAX_STOPS: usize = 16;
+
+impl Common {
+    /// Sampling settings, checked; `default_seed` when the request gives none.
+    pub fn sampling(&self, default_seed: u64) -> Result<SamplerConfig, ApiError> {
+        let top_k = match self.top_k {
+            None => 0,
+            Some(k) if k >= 0 => k as usize,
+            // llama.cpp and others use -1 for "off".
+            Some(-1) => 0,
+            Some(k) => return Err(ApiError::invalid_param("top_k", format!("top_k must be >= 0, got {k}"))),
+        };
+        let cfg = SamplerConfig {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k,
+            top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            seed: self.seed.map(|s| s as u64).unwrap_or(default_seed),
+        };
+        if cfg.temperature > 2.0 {
+            return Err(ApiError::invalid_param("temperature", format!("temperature must be in [0, 2], got {}", cfg.temperature)));
+        }
+        cfg.validate().map_err(ApiError::invalid)?;
+        Ok(cfg)
+    }
+
+    pub fn stops(&self) -> Result<Vec<String>, ApiError> {
+        let v = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if v.len() > MAX_STOPS {
+            return Err(ApiError::invalid_param("stop", format!("at most {MAX_STOPS} stop strings, got {}", v.len())));
+        }
+        Ok(v.into_iter().filter(|s| !s.is_empty()).collect())
+    }
+
+    /// The requested completion length, if any (`max_completion_tokens` wins).
+    pub fn max_tokens(&self) -> Result<Option<usize>, ApiError> {
+        match self.max_completion_tokens.or(self.max_tokens) {
+            None => Ok(None),
+            Some(n) if n >= 1 => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::invalid_param("max_tokens", format!("max_tokens must be >= 1, got {n}"))),
+        }
+    }
+
+    pub fn check_n(&self) -> Result<(), ApiError> {
+        match self.n {
+            None | Some(1) => Ok(()),
+            Some(n) => Err(ApiError::invalid_param("n", format!("only n = 1 is supported, got {n}"))),
+        }
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: CachedTokens,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct CachedTokens {
+    /// Prompt tokens whose KV was reused from an earlier request.
+    pub cached_tokens: usize,
+}
+
+/// Server-side timings, added to final responses (not an OpenAI field).
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub prompt_ms: f64,
+    pub predicted_ms: f64,
+    pub predicted_per_second: f64,
+}
+
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_openai_shapes() {
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"model":"x","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],"stop":"\n","stream":true,"frequency_penalty":0}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages[0].text().unwrap(), "hi");
+        assert!(r.common.stream);
+        assert_eq!(r.common.stops().unwrap(), vec!["\n".to_string()]);
+        let r: CompletionRequest = serde_json::from_str(r#"{"prompt":["a"],"max_tokens":0}"#).unwrap();
+        assert!(r.common.max_tokens().is_err());
+        let img = r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#;
+        let r: ChatRequest = serde_json::from_str(img).unwrap();
+        assert!(r.messages[0].text().is_err());
+        let bad = Common { temperature: Some(-1.0), ..Default::default() };
+        assert_eq!(bad.sampling(1).unwrap_err().status, StatusCode::BAD_REQUEST);
+    }
+}

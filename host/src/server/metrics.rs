@@ -1,0 +1,130 @@
+//! Server counters for `GET /metrics`: Prometheus text, or JSON when asked.
+//!
+//! Expert-store tier hit rates are not measured here yet: the CPU path serves
+//! experts straight from the file mapping. The field exists (as `null` in
+//! JSON, absent in Prometheus text) for the store to fill.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// How far back the token rates look.
+const WINDOW: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+pub struct Metrics {
+    pub requests_total: AtomicU64,
+    pub requests_rejected: AtomicU64,
+    pub requests_cancelled: AtomicU64,
+    pub queue_depth: AtomicU64,
+    pub active_sequences: AtomicU64,
+    pub prompt_tokens_total: AtomicU64,
+    pub prompt_tokens_cached_total: AtomicU64,
+    pub completion_tokens_total: AtomicU64,
+    pub steps_total: AtomicU64,
+    pub step_rows_total: AtomicU64,
+    pub step_seconds_total_us: AtomicU64,
+    /// Recent steps: (when, prompt rows, generated tokens).
+    recent: Mutex<VecDeque<(Instant, u64, u64)>>,
+    /// Sequence slots of the pool (fixed at start).
+    pub slots: AtomicU64,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub requests_total: u64,
+    pub requests_rejected: u64,
+    pub requests_cancelled: u64,
+    pub queue_depth: u64,
+    pub active_sequences: u64,
+    pub slots: u64,
+    pub prompt_tokens_total: u64,
+    pub prompt_tokens_cached_total: u64,
+    pub completion_tokens_total: u64,
+    pub steps_total: u64,
+    /// Mean rows per batched step (sequences sharing one forward pass).
+    pub mean_rows_per_step: f64,
+    /// Generated tokens per second over the last 10 s.
+    pub generation_tokens_per_second: f64,
+    /// Prompt tokens processed per second over the last 10 s.
+    pub prompt_tokens_per_second: f64,
+    /// Expert-store tier hit rates: not measured yet (see the module docs).
+    pub expert_tier_hit_rates: Option<serde_json::Value>,
+}
+
+impl Metrics {
+    /// Record one batched step.
+    pub fn step(&self, rows: u64, prompt_rows: u64, generated: u64, took: Duration) {
+        self.steps_total.fetch_add(1, Relaxed);
+        self.step_rows_total.fetch_add(rows, Relaxed);
+        self.step_seconds_total_us.fetch_add(took.as_micros() as u64, Relaxed);
+        self.prompt_tokens_total.fetch_add(prompt_rows, Relaxed);
+        self.completion_tokens_total.fetch_add(generated, Relaxed);
+        let now = Instant::now();
+        let mut r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        r.push_back((now, prompt_rows, generated));
+        while r.front().is_some_and(|&(t, _, _)| now.duration_since(t) > WINDOW) {
+            r.pop_front();
+        }
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let now = Instant::now();
+        let (mut p, mut g) = (0u64, 0u64);
+        {
+            let r = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            for &(t, pr, gen) in r.iter() {
+                if now.duration_since(t) <= WINDOW {
+                    p += pr;
+                    g += gen;
+                }
+            }
+        }
+        let secs = WINDOW.as_secs_f64();
+        let steps = self.steps_total.load(Relaxed);
+        Snapshot {
+            requests_total: self.requests_total.load(Relaxed),
+            requests_rejected: self.requests_rejected.load(Relaxed),
+            requests_cancelled: self.requests_cancelled.load(Relaxed),
+            queue_depth: self.queue_depth.load(Relaxed),
+            active_sequences: self.active_sequences.load(Relaxed),
+            slots: self.slots.load(Relaxed),
+            prompt_tokens_total: self.prompt_tokens_total.load(Relaxed),
+            prompt_tokens_cached_total: self.prompt_tokens_cached_total.load(Relaxed),
+            completion_tokens_total: self.completion_tokens_total.load(Relaxed),
+            steps_total: steps,
+            mean_rows_per_step: if steps > 0 { self.step_rows_total.load(Relaxed) as f64 / steps as f64 } else { 0.0 },
+            generation_tokens_per_second: g as f64 / secs,
+            prompt_tokens_per_second: p as f64 / secs,
+            expert_tier_hit_rates: None,
+        }
+    }
+}
+
+impl Snapshot {
+    /// Prometheus text exposition format.
+    pub fn prometheus(&self) -> String {
+        let mut s = String::new();
+        let mut put = |name: &str, kind: &str, help: &str, v: f64| {
+            s.push_str(&format!("# HELP pulsar_{name} {help}\n# TYPE pulsar_{name} {kind}\npulsar_{name} {v}\n"));
+        };
+        put("requests_total", "counter", "Completion requests accepted.", self.requests_total as f64);
+        put("requests_rejected_total", "counter", "Requests refused (bad input, queue full, shutting down).", self.requests_rejected as f64);
+        put("requests_cancelled_total", "counter", "Generations stopped because the client went away.", self.requests_cancelled as f64);
+        put("queue_depth", "gauge", "Requests waiting for a sequence slot.", self.queue_depth as f64);
+        put("active_sequences", "gauge", "Sequences decoding now.", self.active_sequences as f64);
+        put("sequence_slots", "gauge", "Sequence slots (--parallel).", self.slots as f64);
+        put("prompt_tokens_total", "counter", "Prompt tokens run through the model.", self.prompt_tokens_total as f64);
+        put("prompt_tokens_cached_total", "counter", "Prompt tokens reused from a cached prefix.", self.prompt_tokens_cached_total as f64);
+        put("completion_tokens_total", "counter", "Tokens generated.", self.completion_tokens_total as f64);
+        put("steps_total", "counter", "Batched forward steps.", self.steps_total as f64);
+        put("rows_per_step", "gauge", "Mean rows per batched step.", self.mean_rows_per_step);
+        put("generation_tokens_per_second", "gauge", "Generated tokens per second, last 10 s.", self.generation_tokens_per_second);
+        put("prompt_tokens_per_second", "gauge", "Prompt tokens per second, last 10 s.", self.prompt_tokens_per_second);
+        s.push_str("# pulsar_expert_tier_hit_rate: not measured yet (the expert store is not wired to the server)\n");
+        s
+    }
+}

@@ -1,0 +1,314 @@
+//! The engine thread: a FIFO queue of requests, a pool of sequence slots, and
+//! a loop that runs every active sequence's next tokens in ONE batched
+//! forward step (decodes one token each, prefills in chunks that share the
+//! step's token budget), samples, and streams text back per request.
+//!
+//! A request whose receiver is gone (the client disconnected, the handler was
+//! dropped) is dropped from the queue or stopped and its slot freed at the
+//! next step boundary; the others carry on.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pulsar_tokenizer::{StreamDecoder, Tokenizer};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::{ApiError, CachedTokens, Timings, Usage};
+use super::metrics::Metrics;
+use super::stop::StopMatcher;
+use crate::cpu::{CpuBackend, ExpertSource};
+use crate::engine::{BatchEngine, BatchItem, SeqId};
+use crate::model::Model;
+use crate::sample::{Sampler, SamplerConfig};
+
+/// What the engine sends back to a request's handler.
+#[derive(Debug)]
+pub enum Event {
+    /// More generated text (never empty).
+    Text(String),
+    /// The generation ended.
+    Done(Finish),
+    /// It failed or was cancelled (shutdown).
+    Error(ApiError),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Finish {
+    /// `stop` (a stop token or string) or `length` (max_tokens or the context).
+    pub reason: &'static str,
+    pub usage: Usage,
+    pub timings: Timings,
+}
+
+/// One generation request.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplerConfig,
+    /// Already clamped so that prompt + max_tokens fits the context.
+    pub max_tokens: usize,
+    pub stops: Vec<String>,
+    pub events: UnboundedSender<Event>,
+    pub enqueued: Instant,
+}
+
+pub enum Cmd {
+    Submit(Job),
+    /// Stop admitting; fail what is queued; let active sequences finish for
+    /// up to the grace period, then cancel them; then exit.
+    Shutdown,
+}
+
+/// Everything the engine thread owns.
+pub struct EngineParts {
+    pub model: Arc<Model>,
+    pub cpu: Arc<CpuBackend>,
+    pub experts: Arc<dyn ExpertSource + Send + Sync>,
+    pub tok: Arc<Tokenizer>,
+    /// Token ids that end a generation.
+    pub stop_ids: Vec<u32>,
+    pub n_ctx: usize,
+    pub parallel: usize,
+    /// Most tokens one step runs (prefill chunks share it with decodes).
+    pub ubatch: usize,
+    pub grace: Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+struct Active<'t> {
+    job: Job,
+    seq: SeqId,
+    /// Tokens to run next: the uncached prompt, then each sampled token.
+    todo: Vec<u32>,
+    prefilled: bool,
+    cached: usize,
+    generated: usize,
+    sampler: Sampler,
+    dec: StreamDecoder<'t>,
+    stops: StopMatcher,
+    admitted: Instant,
+    first_token: Option<Instant>,
+}
+
+impl Active<'_> {
+    fn send(&self, e: Event) {
+        // A closed receiver is noticed at the next step boundary.
+        let _ = self.job.events.send(e);
+    }
+
+    fn finish(&mut self, reason: &'static str) {
+        let tail = self.dec.finish();
+        let (mut text, _) = self.stops.push(&tail);
+        text.push_str(&self.stops.finish());
+        if !text.is_empty() {
+            self.send(Event::Text(text));
+        }
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let predicted = now.duration_since(first).as_secs_f64();
+        let usage = Usage {
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.generated,
+            total_tokens: self.job.prompt.len() + self.generated,
+            prompt_tokens_details: CachedTokens { cached_tokens: self.cached },
+        };
+        let timings = Timings {
+            queue_ms: 1e3 * self.admitted.duration_since(self.job.enqueued).as_secs_f64(),
+            prompt_ms: 1e3 * first.duration_since(self.admitted).as_secs_f64(),
+            predicted_ms: 1e3 * predicted,
+            // The first token comes from the prefill; the rest are decode steps.
+            predicted_per_second: if predicted > 0.0 { self.generated.saturating_sub(1) as f64 / predicted } else { 0.0 },
+        };
+        self.send(Event::Done(Finish { reason, usage, timings }));
+    }
+}
+
+/// Run the engine loop until shutdown (or every sender is gone).
+pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
+    let tok: &Tokenizer = &p.tok;
+    let mut engine = BatchEngine::new(&p.model, &p.cpu, &*p.experts, p.n_ctx, p.parallel);
+    tracing::info!("engine: {} sequence slots of {} positions, {:.1} MiB of KV cache", engine.n_seq(), p.n_ctx, engine.kv_bytes() as f64 / 1048576.0);
+    p.metrics.slots.store(engine.n_seq() as u64, Relaxed);
+    let m = &p.metrics;
+    let mut queue: VecDeque<Job> = VecDeque::new();
+    let mut active: Vec<Active<'_>> = Vec::new();
+    let mut shutdown: Option<Instant> = None;
+    let mut rr = 0usize;
+    let unavailable = || ApiError::unavailable("the server is shutting down");
+    loop {
+        m.active_sequences.store(active.len() as u64, Relaxed);
+        let mut cmds = Vec::new();
+        if active.is_empty() && queue.is_empty() {
+            if shutdown.is_some() {
+                break;
+            }
+            match rx.recv() {
+                Ok(c) => cmds.push(c),
+                Err(_) => break,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(c) => cmds.push(c),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    shutdown.get_or_insert_with(Instant::now);
+                    break;
+                }
+            }
+        }
+        for c in cmds {
+            match c {
+                Cmd::Submit(job) if shutdown.is_some() => {
+                    m.queue_depth.fetch_sub(1, Relaxed);
+                    let _ = job.events.send(Event::Error(unavailable()));
+                }
+                Cmd::Submit(job) => queue.push_back(job),
+                Cmd::Shutdown => {
+                    shutdown.get_or_insert_with(Instant::now);
+                }
+            }
+        }
+        if shutdown.is_some() {
+            for job in queue.drain(..) {
+                m.queue_depth.fetch_sub(1, Relaxed);
+                let _ = job.events.send(Event::Error(unavailable()));
+            }
+        }
+        // Clients that went away.
+        let before = queue.len();
+        queue.retain(|j| !j.events.is_closed());
+        let gone = before - queue.len();
+        m.queue_depth.fetch_sub(gone as u64, Relaxed);
+        m.requests_cancelled.fetch_add(gone as u64, Relaxed);
+        let grace_over = shutdown.is_some_and(|t| t.elapsed() >= p.grace);
+        active.retain(|a| {
+            if a.job.events.is_closed() {
+                tracing::debug!("sequence {}: client gone after {} tokens; slot freed", a.seq.0, a.generated);
+                m.requests_cancelled.fetch_add(1, Relaxed);
+                engine.free(a.seq);
+                false
+            } else if grace_over {
+                a.send(Event::Error(ApiError::unavailable("the server shut down before this generation finished")));
+                engine.free(a.seq);
+                false
+            } else {
+                true
+            }
+        });
+        // Admit in arrival order while slots are free.
+        while engine.n_free() > 0 {
+            let Some(job) = queue.pop_front() else { break };
+            m.queue_depth.fetch_sub(1, Relaxed);
+            let Some((seq, cached)) = engine.alloc(&job.prompt) else {
+                queue.push_front(job);
+                break;
+            };
+            m.prompt_tokens_cached_total.fetch_add(cached as u64, Relaxed);
+            tracing::debug!("sequence {}: {} prompt tokens, {cached} cached", seq.0, job.prompt.len());
+            active.push(Active {
+                todo: job.prompt[cached..].to_vec(),
+                seq,
+                prefilled: false,
+                cached,
+                generated: 0,
+                sampler: Sampler::new(job.sampling.clone()),
+                dec: tok.stream_decoder(true),
+                stops: StopMatcher::new(job.stops.clone()),
+                admitted: Instant::now(),
+                first_token: None,
+                job,
+            });
+        }
+        m.active_sequences.store(active.len() as u64, Relaxed);
+        if active.is_empty() {
+            continue;
+        }
+        // The step: one token per decoding sequence, then prefill chunks in
+        // round-robin order over what is left of the token budget.
+        let n = active.len();
+        rr = (rr + 1) % n;
+        let n_decode = active.iter().filter(|a| a.prefilled).count();
+        let mut budget = p.ubatch.saturating_sub(n_decode).max(16);
+        let mut take = vec![0usize; n];
+        for k in 0..n {
+            let i = (rr + k) % n;
+            let a = &active[i];
+            if a.prefilled {
+                take[i] = 1;
+            } else if budget > 0 {
+                take[i] = a.todo.len().min(budget);
+                budget -= take[i];
+            }
+        }
+        let order: Vec<usize> = (0..n).filter(|&i| take[i] > 0).collect();
+        let items: Vec<BatchItem<'_>> = order.iter().map(|&i| BatchItem { seq: active[i].seq, tokens: &active[i].todo[..take[i]] }).collect();
+        let rows: usize = items.iter().map(|it| it.tokens.len()).sum();
+        let prompt_rows: usize = order.iter().filter(|&&i| !active[i].prefilled).map(|&i| take[i]).sum();
+        let t0 = Instant::now();
+        let result = engine.step(&items);
+        drop(items);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("batched step failed: {e}");
+                let failed: Vec<SeqId> = order.iter().map(|&i| active[i].seq).collect();
+                active.retain(|a| {
+                    let hit = failed.contains(&a.seq);
+                    if hit {
+                        a.send(Event::Error(ApiError::internal(format!("the forward step failed: {e}"))));
+                        engine.free(a.seq);
+                    }
+                    !hit
+                });
+                continue;
+            }
+        };
+        let mut generated = 0u64;
+        let mut done = Vec::new();
+        for (row, &i) in logits.iter().zip(&order) {
+            let a = &mut active[i];
+            a.todo.drain(..take[i]);
+            if !a.todo.is_empty() {
+                continue; // Still prefilling.
+            }
+            if !a.prefilled {
+                a.prefilled = true;
+                a.first_token = Some(Instant::now());
+            }
+            let t = a.sampler.sample(row);
+            if p.stop_ids.contains(&t) {
+                done.push((i, "stop"));
+                continue;
+            }
+            a.generated += 1;
+            generated += 1;
+            let piece = a.dec.push(t);
+            let (text, hit) = a.stops.push(&piece);
+            if !text.is_empty() {
+                a.send(Event::Text(text));
+            }
+            let n_past = engine.n_past(a.seq).unwrap_or(p.n_ctx);
+            if hit {
+                done.push((i, "stop"));
+            } else if a.generated >= a.job.max_tokens || n_past + 1 > p.n_ctx {
+                done.push((i, "length"));
+            } else {
+                a.todo.push(t);
+            }
+        }
+        m.step(rows as u64, prompt_rows as u64, generated, t0.elapsed());
+        // Free the slot and update the gauge before the client hears "done".
+        done.sort_unstable();
+        for &(i, reason) in done.iter().rev() {
+            let mut a = active.remove(i);
+            engine.free(a.seq);
+            m.active_sequences.store(active.len() as u64, Relaxed);
+            a.finish(reason);
+        }
+    }
+    m.active_sequences.store(0, Relaxed);
+    tracing::info!("engine: stopped");
+}

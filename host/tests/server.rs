@@ -1,0 +1,320 @@
+//! `pulsar-host serve` end to end over loopback, in process, on a tiny
+//! synthetic qwen3moe: the OpenAI routes with and without streaming, 64
+//! concurrent streaming clients against a sequential run, a client that
+//! disconnects mid-stream, bad requests, and graceful shutdown.
+
+#[path = "server/common.rs"]
+mod common;
+#[path = "server/http.rs"]
+mod http;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use http::{content, Client};
+use pulsar_host::cpu::{CpuBackend, MappedExperts};
+use pulsar_host::server::{Backend, ServeOptions, Server, ShutdownHook};
+use serde_json::{json, Value};
+
+const KEY: &str = "test-key";
+
+fn start(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>) -> Server {
+    let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts) };
+    let opts = ServeOptions {
+        port: 0,
+        api_key: Some(KEY.into()),
+        n_ctx,
+        parallel,
+        grace: Duration::from_secs(1),
+        model_id: "tiny".into(),
+        ..ServeOptions::default()
+    };
+    Server::start(backend, opts, hook).unwrap()
+}
+
+fn chat_body(user: &str, stream: bool, max_tokens: usize, temperature: f64, seed: u64) -> Value {
+    json!({
+        "model": "tiny",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}],
+        "stream": stream,
+        "stream_options": {"include_usage": true},
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+    })
+}
+
+fn metrics(c: &Client) -> Value {
+    let r = c.get("/metrics?format=json");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+#[test]
+fn routes_streaming_and_not() {
+    let srv = start(4, 512, None);
+    let c = Client::new(srv.addr(), Some(KEY));
+    let m = c.get("/v1/models").json();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "tiny");
+    assert_eq!(c.get("/v1/models/tiny").status, 200);
+    assert_eq!(c.get("/v1/models/other").status, 404);
+
+    // Chat: whole and streamed agree (greedy), usage and finish reason included.
+    let r = c.post("/v1/chat/completions", &chat_body("Hello!", false, 12, 0.0, 1));
+    let j = r.json();
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["choices"][0]["message"]["role"], "assistant");
+    let (text, finish, usage) = content(&r, false);
+    assert!(finish == "length" || finish == "stop", "{finish}");
+    let n_prompt = usage["prompt_tokens"].as_u64().unwrap();
+    let n_gen = usage["completion_tokens"].as_u64().unwrap();
+    assert!(n_prompt > 10 && (1..=12).contains(&n_gen), "{usage}");
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), n_prompt + n_gen);
+    let s = c.post("/v1/chat/completions", &chat_body("Hello!", true, 12, 0.0, 1));
+    assert!(s.header("content-type").unwrap().starts_with("text/event-stream"));
+    let data = s.sse();
+    let first: Value = serde_json::from_str(&data[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (stext, sfinish, susage) = content(&s, true);
+    assert_eq!((stext.as_str(), sfinish.as_str()), (text.as_str(), finish.as_str()));
+    assert_eq!(susage["completion_tokens"], usage["completion_tokens"]);
+
+    // Completions, both ways.
+    let body = |stream| json!({"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "stream": stream});
+    let r = c.post("/v1/completions", &body(false));
+    assert_eq!(r.json()["object"], "text_completion");
+    let (ctext, cfinish, _) = content(&r, false);
+    let (stext, sfinish, _) = content(&c.post("/v1/completions", &body(true)), true);
+    assert_eq!((ctext.as_str(), cfinish.as_str()), (stext.as_str(), sfinish.as_str()));
+
+    // Seeded sampling repeats; top_k 1 is greedy whatever the temperature.
+    let hot = |seed| content(&c.post("/v1/completions", &json!({"prompt": "abc", "max_tokens": 16, "temperature": 1.5, "seed": seed})), false).0;
+    assert_eq!(hot(7), hot(7));
+    let greedy = content(&c.post("/v1/completions", &json!({"prompt": "abc", "max_tokens": 16, "temperature": 0})), false).0;
+    let top1 = content(&c.post("/v1/completions", &json!({"prompt": "abc", "max_tokens": 16, "temperature": 1.5, "top_k": 1, "seed": 3})), false).0;
+    assert_eq!(greedy, top1);
+
+    // A stop string cuts the text before its first occurrence.
+    let long = content(&c.post("/v1/completions", &json!({"prompt": "abc", "max_tokens": 40, "temperature": 0})), false).0;
+    let chars: Vec<char> = long.chars().collect();
+    assert!(chars.len() > 4, "{long:?}");
+    let stop = chars[3].to_string();
+    let cut = &long[..long.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let r = c.post("/v1/completions", &json!({"prompt": "abc", "max_tokens": 40, "temperature": 0, "stop": [stop], "stream": stream}));
+        let (t, f, _) = content(&r, stream);
+        assert_eq!((t.as_str(), f.as_str()), (cut, "stop"), "stream {stream}");
+    }
+
+    // max_tokens is clamped to the context.
+    let r = c.post("/v1/completions", &json!({"prompt": "abc", "max_tokens": 1_000_000, "temperature": 0}));
+    let (_, _, usage) = content(&r, false);
+    assert!(usage["total_tokens"].as_u64().unwrap() <= 512, "{usage}");
+
+    // A continuing conversation reuses its cached prefix.
+    let first = c.post("/v1/chat/completions", &chat_body("Tell me a story.", false, 8, 0.0, 1));
+    let (reply, _, u1) = content(&first, false);
+    let body = json!({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And then?"}],
+        "max_tokens": 4, "temperature": 0});
+    let (_, _, u2) = content(&c.post("/v1/chat/completions", &body), false);
+    let cached = u2["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached >= u1["prompt_tokens"].as_u64().unwrap(), "first turn {u1}, second {u2}");
+
+    let m = metrics(&c);
+    assert!(m["completion_tokens_total"].as_u64().unwrap() > 0 && m["prompt_tokens_cached_total"].as_u64().unwrap() >= cached, "{m}");
+    assert!(m["expert_tier_hit_rates"].is_null());
+    let prom = c.get("/metrics");
+    assert!(prom.text().contains("pulsar_active_sequences 0") && prom.text().contains("pulsar_queue_depth 0"), "{}", prom.text());
+    // The chat page is served.
+    let ui = c.get("/");
+    assert_eq!(ui.status, 200);
+    assert!(ui.text().contains("/v1/chat/completions") && ui.header("content-type").unwrap().starts_with("text/html"));
+    srv.shutdown().unwrap();
+}
+
+#[test]
+fn sixty_four_concurrent_streams_match_a_sequential_run() {
+    let srv = start(8, 256, None);
+    let c = Client::new(srv.addr(), Some(KEY));
+    // Greedy for even clients, seeded temperature sampling for odd ones.
+    let body = |i: usize, stream: bool| {
+        let t = if i % 2 == 0 { 0.0 } else { 0.9 };
+        chat_body(&format!("Client {i} asks: what is {} times 7?", i * 3), stream, 12 + i % 5, t, 1000 + i as u64)
+    };
+    let t0 = Instant::now();
+    let reference: Vec<(String, String)> = (0..64).map(|i| {
+        let (t, f, _) = content(&c.post("/v1/chat/completions", &body(i, false)), false);
+        (t, f)
+    }).collect();
+    let seq_secs = t0.elapsed().as_secs_f64();
+    let steps_before = metrics(&c)["steps_total"].as_u64().unwrap();
+    let barrier = Arc::new(Barrier::new(64));
+    let t1 = Instant::now();
+    let threads: Vec<_> = (0..64)
+        .map(|i| {
+            let (addr, barrier, b) = (srv.addr(), barrier.clone(), body(i, true));
+            std::thread::spawn(move || {
+                let c = Client::new(addr, Some(KEY));
+                barrier.wait();
+                let r = c.post("/v1/chat/completions", &b);
+                let (t, f, _) = content(&r, true);
+                (t, f)
+            })
+        })
+        .collect();
+    let got: Vec<(String, String)> = threads.into_iter().map(|t| t.join().expect("client thread")).collect();
+    let par_secs = t1.elapsed().as_secs_f64();
+    for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
+        assert_eq!(g, r, "client {i}: concurrent stream differs from the sequential run");
+    }
+    let m = metrics(&c);
+    let steps = m["steps_total"].as_u64().unwrap() - steps_before;
+    let tokens: usize = (0..64).map(|i| 12 + i % 5).sum();
+    println!("64 clients: sequential {seq_secs:.2} s, concurrent {par_secs:.2} s, {steps} batched steps for <= {tokens} tokens, {}", m);
+    // Sharing steps: far fewer steps than tokens generated.
+    assert!((steps as usize) < tokens / 3, "{steps} steps for {tokens} tokens: sequences did not share steps");
+    assert_eq!(m["active_sequences"], 0);
+    assert_eq!(m["queue_depth"], 0);
+    srv.shutdown().unwrap();
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
+    let srv = start(2, 2048, None);
+    let c = Client::new(srv.addr(), Some(KEY));
+    let short = |i: u64, stream| chat_body(&format!("short request {i}"), stream, 16, 0.0, i);
+    let refs: Vec<_> = (0..2).map(|i| content(&c.post("/v1/chat/completions", &short(i, false)), false)).collect();
+    // A long generation (a prompt whose greedy reply does not stop early),
+    // abandoned after a few events.
+    let long = long_prompt(&c, 1500);
+    let long = json!({"prompt": long, "max_tokens": 100_000, "temperature": 0, "stream": true});
+    let before = metrics(&c)["completion_tokens_total"].as_u64().unwrap();
+    let mut s = c.open_stream("/v1/completions", &long);
+    http::read_events(&mut s, 3);
+    // B runs beside A; C waits for a slot (parallel 2) and gets A's once A is gone.
+    let (addr, b) = (srv.addr(), short(0, true));
+    let tb = std::thread::spawn(move || content(&Client::new(addr, Some(KEY)).post("/v1/chat/completions", &b), true));
+    std::thread::sleep(Duration::from_millis(50));
+    let tc = {
+        let b = short(1, true);
+        std::thread::spawn(move || content(&Client::new(addr, Some(KEY)).post("/v1/chat/completions", &b), true))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    drop(s);
+    let (rb, rc) = (tb.join().unwrap(), tc.join().unwrap());
+    assert_eq!((&rb.0, &rb.1), (&refs[0].0, &refs[0].1));
+    assert_eq!((&rc.0, &rc.1), (&refs[1].0, &refs[1].1));
+    // The abandoned generation stopped and freed its slot.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = metrics(&c);
+        if m["requests_cancelled"] == 1 && m["active_sequences"] == 0 {
+            // B and C made 32 tokens at most; A would run to the context (~2040) if not stopped.
+            let a_tokens = m["completion_tokens_total"].as_u64().unwrap() - before - 32;
+            assert!(a_tokens < 1500, "the abandoned generation ran on: {m}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "slot not freed after the disconnect: {m}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(content(&c.post("/v1/chat/completions", &short(0, false)), false).0, refs[0].0);
+    srv.shutdown().unwrap();
+}
+
+/// A prompt whose greedy completion runs `n` tokens without a stop token
+/// (the synthetic model's text is noise: some prompts end early).
+fn long_prompt(c: &Client, n: usize) -> String {
+    for k in 0..40 {
+        let p = format!("Story number {k}:");
+        let (_, finish, usage) = content(&c.post("/v1/completions", &json!({"prompt": p, "max_tokens": n, "temperature": 0})), false);
+        if finish == "length" && usage["completion_tokens"] == n {
+            return p;
+        }
+    }
+    panic!("no prompt of 40 runs {n} tokens");
+}
+
+fn error_of(r: &http::Resp, status: u16) -> Value {
+    assert_eq!(r.status, status, "{}", r.text());
+    let j = r.json();
+    let e = &j["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()) && e["type"].is_string() && e.get("code").is_some(), "not an OpenAI error object: {j}");
+    e.clone()
+}
+
+#[test]
+fn bad_requests_get_clear_errors_and_the_server_stays_up() {
+    let srv = start(2, 128, None);
+    let c = Client::new(srv.addr(), Some(KEY));
+    let anon = Client::new(srv.addr(), None);
+    let wrong = Client::new(srv.addr(), Some("nope"));
+    // Authentication: every route but /health (and the static page).
+    let e = error_of(&anon.post("/v1/chat/completions", &chat_body("hi", false, 4, 0.0, 1)), 401);
+    assert_eq!(e["type"], "authentication_error");
+    error_of(&wrong.get("/v1/models"), 401);
+    error_of(&anon.get("/metrics"), 401);
+    assert_eq!(anon.get("/health").status, 200);
+    // Malformed JSON, missing fields, wrong types, bad values.
+    let post = |body: &str| c.raw("POST", "/v1/chat/completions", &[], body.as_bytes());
+    let e = error_of(&post("{\"messages\": [}"), 400);
+    assert_eq!(e["type"], "invalid_request_error");
+    error_of(&post(""), 400);
+    error_of(&post("{\"model\": \"x\"}"), 400);
+    error_of(&post("{\"messages\": \"hi\"}"), 400);
+    error_of(&post("{\"messages\": []}"), 400);
+    error_of(&post("{\"messages\": [{\"role\": \"wizard\", \"content\": \"hi\"}]}"), 400);
+    error_of(&c.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1})), 400);
+    error_of(&c.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "top_p": 0})), 400);
+    error_of(&c.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})), 400);
+    error_of(&c.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 0})), 400);
+    error_of(&c.post("/v1/completions", &json!({"prompt": ["a", "b"]})), 400);
+    let e = error_of(&c.post("/v1/completions", &json!({"prompt": "x".repeat(200)})), 400);
+    assert_eq!(e["code"], "context_length_exceeded");
+    // Oversized body: 413 with the error object.
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(9 << 20));
+    let e = error_of(&c.raw("POST", "/v1/completions", &[], big.as_bytes()), 413);
+    assert_eq!(e["code"], "request_too_large");
+    // DNS rebinding: foreign Host or Origin.
+    error_of(&c.raw("GET", "/v1/models", &[("Host", "evil.example")], b""), 403);
+    error_of(&c.raw("GET", "/v1/models", &[("Origin", "http://evil.example")], b""), 403);
+    assert_eq!(c.raw("GET", "/v1/models", &[("Origin", "http://localhost:11435")], b"").status, 200);
+    error_of(&c.get("/v2/nothing"), 404);
+    error_of(&c.get("/v1/chat/completions"), 405);
+    // Still serving.
+    assert_eq!(anon.get("/health").json()["status"], "ok");
+    let (t, _, u) = content(&c.post("/v1/chat/completions", &chat_body("hi", false, 4, 0.0, 1)), false);
+    assert!(u["completion_tokens"].as_u64().unwrap() >= 1 || t.is_empty());
+    let m = metrics(&c);
+    assert!(m["requests_rejected"].as_u64().unwrap() >= 3, "{m}");
+    srv.shutdown().unwrap();
+}
+
+#[test]
+fn shutdown_ends_running_streams_and_runs_the_hook() {
+    let called = Arc::new(AtomicBool::new(false));
+    let flag = called.clone();
+    let srv = start(2, 4096, Some(Box::new(move || flag.store(true, Ordering::SeqCst))));
+    let addr = srv.addr();
+    let c = Client::new(addr, Some(KEY));
+    // Runs ~4000 tokens (several seconds) unless stopped.
+    let p = long_prompt(&c, 3000);
+    let mut s = c.open_stream("/v1/completions", &json!({"prompt": p, "max_tokens": 100_000, "temperature": 0, "stream": true}));
+    http::read_events(&mut s, 2);
+    let t0 = Instant::now();
+    srv.shutdown().unwrap();
+    // grace (1 s) then the stream is cancelled; the server is gone.
+    assert!(t0.elapsed() < Duration::from_secs(10), "shutdown took {:?}", t0.elapsed());
+    assert!(called.load(Ordering::SeqCst), "on_shutdown was not called");
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut rest);
+    let text = String::from_utf8_lossy(&rest);
+    assert!(text.contains("shut down") && text.contains("[DONE]"), "the running stream should end with an error and [DONE]: {text}");
+    assert!(std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(), "still accepting after shutdown");
+}
