@@ -214,7 +214,33 @@ fn quantize_case(dev: &CudaDevice, fmt: ActFormat, rows: usize, cols: usize, see
     let xd = dev.upload(&x)?;
     let mut out = poisoned::<u8>(dev, cpu.as_bytes().len())?;
     dev.quantize_act(dev.compute(), fmt, &xd, rows, cols, &mut out)?;
-    Ok(compare_bytes(&dev.download(&out)?, cpu.as_bytes()))
+    let got = dev.download(&out)?;
+    let c = compare_bytes(&got, cpu.as_bytes());
+    if !c.pass {
+        return Err(CudaError::Shape { op: "quantize_act", what: byte_diff_note(fmt, &got, cpu.as_bytes(), &x) });
+    }
+    Ok(c)
+}
+
+/// Where GPU and CPU activation blocks differ: scale bytes vs quant bytes, and the first few.
+fn byte_diff_note(fmt: ActFormat, gpu: &[u8], cpu: &[u8], x: &[f32]) -> String {
+    let (bb, be, qs) = match fmt {
+        ActFormat::Q8K => (292usize, 256usize, 4usize),
+        _ => (34, 32, 2),
+    };
+    let (mut scale, mut quants, mut first) = (0, 0, Vec::new());
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        if g == c {
+            continue;
+        }
+        let (blk, off) = (i / bb, i % bb);
+        if off < qs { scale += 1 } else { quants += 1 }
+        if first.len() < 4 {
+            let xv = if off >= qs && off - qs < be { x.get(blk * be + off - qs).copied().unwrap_or(f32::NAN) } else { f32::NAN };
+            first.push(format!("blk {blk} byte {off}: gpu {g:#04x} cpu {c:#04x} x {xv}"));
+        }
+    }
+    format!("{scale} scale bytes and {quants} quant bytes differ; {}", first.join("; "))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -441,8 +467,10 @@ fn moe_case(
     let mut out = poisoned::<f32>(dev, n_pairs * d_model)?;
     dev.moe_ffn(dev.compute(), gu, dn, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out)?;
     let got = dev.download(&out)?;
+    let (h_gpu, hq_gpu) = (dev.download(&h)?, dev.download(&hq)?);
 
     let (mut cpu, mut gpu) = (Vec::new(), Vec::new());
+    let (mut h_cpu_all, mut h_gpu_all, mut hq_off) = (Vec::new(), Vec::new(), 0usize);
     let mut untouched = true;
     for p in 0..n_pairs {
         let row = &got[p * d_model..(p + 1) * d_model];
@@ -456,6 +484,13 @@ fn moe_case(
         k.matvec(pool, &WeightMatrix::new(gu, &gates[e], ff, d_model)?, &xt, &mut g)?;
         k.matvec(pool, &WeightMatrix::new(gu, &ups[e], ff, d_model)?, &xt, &mut u)?;
         ops::glu_rows(&mut g, &u, Activation::Silu);
+        // Diagnostics: the GPU's h against the CPU's, and the GPU's quantization of its own h.
+        let hg = &h_gpu[p * ff..(p + 1) * ff];
+        h_cpu_all.extend_from_slice(&g);
+        h_gpu_all.extend_from_slice(hg);
+        let hq_of_gpu_h = Activations::for_weight(dn, hg, ff)?;
+        let rb = hq_of_gpu_h.as_bytes().len();
+        hq_off += compare_bytes(&hq_gpu[p * rb..(p + 1) * rb], hq_of_gpu_h.as_bytes()).abs as usize;
         let hq_cpu = Activations::for_weight(dn, &g, ff)?;
         let mut y = vec![0f32; d_model];
         k.matvec(pool, &WeightMatrix::new(dn, &downs[e], d_model, ff)?, &hq_cpu, &mut y)?;
@@ -466,6 +501,16 @@ fn moe_case(
     // round to the neighbouring q8 level: allow a few such steps.
     let mut c = compare(&gpu, &cpu, 2e-3);
     c.pass &= untouched;
+    if !c.pass {
+        let hc = compare(&h_gpu_all, &h_cpu_all, 1e-4);
+        return Err(CudaError::Shape {
+            op: "moe_ffn",
+            what: format!(
+                "out max rel err {:.3e}; h max rel err {:.3e}; {hq_off} bytes of hq differ from the CPU quantization of the GPU's h; skipped rows untouched: {untouched}",
+                c.rel, hc.rel
+            ),
+        });
+    }
     Ok(c)
 }
 
