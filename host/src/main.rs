@@ -39,6 +39,10 @@ enum Cmd {
     Run(Box<cli::run::Args>),
     /// Write a synthetic model of a real family's geometry with random weights.
     Synth(cli::synth::Args),
+    /// Measure prompt processing and generation like llama-bench, cold then warm, with per-tier traffic.
+    Bench(Box<cli::bench::Args>),
+    /// Print a hotlist (the hottest (layer, expert) pairs) from a model's census sidecar.
+    Hotlist(cli::hotlist::Args),
     /// Serve a model over an OpenAI-compatible HTTP API, with a web chat page.
     Serve(Box<cli::serve::Args>),
 }
@@ -77,6 +81,8 @@ fn main() -> ExitCode {
             Cmd::Inspect(a) => cli::inspect::main(&ctx, a),
             Cmd::Run(a) => cli::run::main(ctx, *a),
             Cmd::Synth(a) => cli::synth::main(&ctx, a),
+            Cmd::Bench(a) => cli::bench::main(&ctx, *a),
+            Cmd::Hotlist(a) => cli::hotlist::main(&ctx, a),
             Cmd::Serve(a) => cli::serve::main(ctx, *a),
         }
     })();

@@ -125,3 +125,48 @@ fn run_on_a_synthetic_model_generates_and_reports_speed() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("does not serve architecture `qwen3moe`"), "{}", stderr(&o));
 }
+
+#[test]
+fn bench_json_has_every_field_and_the_store_carries_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let o = bin()
+        .args(["bench", "-m"])
+        .arg(&m)
+        .args(["-p", "16", "-n", "4", "-r", "2", "--json", "--host-cache", "0.0006", "--plugin-dir"])
+        .arg(staged_plugins())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in ["model", "arch", "file_bytes", "params", "expert_bytes", "resident_bytes", "backend", "threads", "n_prompt", "n_gen", "repeats", "host_cache_bytes", "links", "runs"] {
+        assert!(v.get(k).is_some(), "missing {k}: {v}");
+    }
+    for k in ["disk_read_gbps", "host_copy_gbps", "h2d_pinned_gbps"] {
+        assert!(v["links"].get(k).is_some(), "missing links.{k}");
+    }
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.iter().map(|r| r["name"].as_str().unwrap()).collect::<Vec<_>>(), ["cold", "warm"]);
+    for r in runs {
+        for t in ["pp", "tg"] {
+            let rate = &r[t];
+            assert_eq!(rate["samples"].as_array().unwrap().len(), 2, "{t}");
+            assert!(rate["mean"].as_f64().unwrap() > 0.0);
+            assert!(rate["sd"].as_f64().is_some());
+        }
+        for k in ["disk_bytes_per_token", "host_bytes_per_token", "mapped_bytes_per_token", "host_hit_rate", "disk_gbps", "prefetch_precision"] {
+            assert!(r["tg_traffic"].get(k).is_some(), "missing tg_traffic.{k}");
+        }
+        assert!(r.get("floor_tg_tok_s").is_some());
+    }
+    // A budget this small makes the disk tier work in the cold run.
+    assert!(runs[0]["tg_traffic"]["disk_bytes_per_token"].as_f64().unwrap() > 0.0, "{v}");
+    // The table form prints llama-bench rows.
+    let o = bin().args(["bench", "-m"]).arg(&m).args(["-p", "8", "-n", "2", "-r", "1", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
+    let t = String::from_utf8_lossy(&o.stdout);
+    assert!(t.contains("| pp8 |") && t.contains("| tg2 |"), "{t}");
+    // The census was written; hotlist reads it.
+    let o = bin().args(["hotlist", "-m"]).arg(&m).args(["--top", "5"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("family qwen3moe"));
+}

@@ -1,6 +1,8 @@
 //! The `pulsar-host` subcommands.
 
 pub mod archs;
+pub mod bench;
+pub mod hotlist;
 pub mod inspect;
 pub mod run;
 pub mod serve;

@@ -1,0 +1,332 @@
+//! `pulsar-host bench`: llama-bench-style prompt-processing (pp) and
+//! text-generation (tg) rates, a cold run then a warm one, per-tier traffic
+//! and the floor the measured links imply.
+//!
+//! As llama-bench does: random prompt tokens, one untimed warm-up step, each
+//! repeat from an empty cache; tg times single-token steps after a one-token
+//! context.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::Ctx;
+use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
+use crate::engine::Engine;
+use crate::experts::StoreExperts;
+use crate::model::Model;
+use crate::sample::Rng;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The GGUF model.
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// Prompt tokens for the pp test (0 = skip).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Generated tokens for the tg test (0 = skip).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repeats per test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    pub repeats: usize,
+    /// Host RAM for the expert cache, GiB (default: experts resident when they fit).
+    #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB")]
+    pub host_cache: Option<f64>,
+    /// VRAM budget in GiB (GPU backends; the CPU backend ignores it).
+    #[arg(long, value_name = "GB")]
+    pub vram_budget: Option<f64>,
+    /// Largest prefill chunk.
+    #[arg(long, default_value_t = 512)]
+    pub ubatch: usize,
+    /// Emit one JSON document instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct Rate {
+    pub mean: f64,
+    pub sd: f64,
+    pub samples: Vec<f64>,
+}
+
+impl Rate {
+    fn of(samples: Vec<f64>) -> Rate {
+        let n = samples.len().max(1) as f64;
+        let mean = samples.iter().sum::<f64>() / n;
+        let var = if samples.len() > 1 { samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+        Rate { mean, sd: var.sqrt(), samples }
+    }
+}
+
+#[derive(Serialize, Clone, Debug, Default)]
+pub struct Traffic {
+    /// Expert bytes per generated token, by where they came from.
+    pub disk_bytes_per_token: f64,
+    pub host_bytes_per_token: f64,
+    pub mapped_bytes_per_token: f64,
+    /// Host-cache hits over all slab lookups that went through the cache.
+    pub host_hit_rate: f64,
+    /// Disk throughput while reading.
+    pub disk_gbps: f64,
+    pub prefetch_precision: f64,
+}
+
+#[derive(Serialize, Clone, Debug)]
+pub struct Run {
+    /// "cold" (empty caches) or "warm" (caches as the cold run left them).
+    pub name: String,
+    pub pp: Option<Rate>,
+    pub tg: Option<Rate>,
+    pub tg_traffic: Traffic,
+    /// tg tok/s the measured links allow for this run's per-token traffic.
+    pub floor_tg_tok_s: Option<f64>,
+}
+
+#[derive(Serialize, Clone, Debug)]
+pub struct Links {
+    /// O_DIRECT reads of the model's expert slabs at the store's queue depth.
+    pub disk_read_gbps: Option<f64>,
+    /// One-thread memcpy bandwidth of host RAM.
+    pub host_copy_gbps: f64,
+    /// Pinned host-to-device (GPU backends).
+    pub h2d_pinned_gbps: Option<f64>,
+}
+
+#[derive(Serialize, Clone, Debug)]
+pub struct Report {
+    pub model: String,
+    pub arch: String,
+    pub file_bytes: u64,
+    pub params: u64,
+    pub expert_bytes: u64,
+    pub resident_bytes: u64,
+    pub backend: String,
+    pub threads: usize,
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    pub repeats: usize,
+    pub host_cache_bytes: Option<u64>,
+    pub links: Links,
+    pub runs: Vec<Run>,
+}
+
+fn params(model: &Model) -> u64 {
+    model.file.tensors().iter().map(|t| t.n_elements()).sum()
+}
+
+fn host_copy_gbps() -> f64 {
+    let n = 256 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src); // fault the pages in
+    let t = Instant::now();
+    for _ in 0..3 {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+    }
+    3.0 * n as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// Read up to 512 MiB of expert slabs through a fresh store with a budget
+/// that holds them, timing the disk tier.
+fn disk_gbps(model: &Model) -> Option<f64> {
+    let st = StoreExperts::open(model, 1 << 30).ok()?;
+    let cat = st.store.catalog();
+    let mut sel = Vec::new();
+    let mut bytes = 0u64;
+    let layer = cat.layers().next()?;
+    for e in cat.experts(layer) {
+        sel.push(pulsar_store::Selection { token: 0, slot: sel.len() as u32, expert: e });
+        bytes += cat.triple(layer, e).map_or(0, |t| cat.triple_bytes(t));
+        if bytes > 512 << 20 {
+            break;
+        }
+    }
+    let t = Instant::now();
+    let g = st.store.resolve(layer, &sel).ok()?;
+    let secs = t.elapsed().as_secs_f64();
+    drop(g);
+    (secs > 0.0).then(|| bytes as f64 / secs / 1e9)
+}
+
+fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
+    let mut r = Rng::new(seed);
+    (0..n).map(|_| (r.next_u64() % vocab as u64) as u32).collect()
+}
+
+struct Bench<'a> {
+    model: &'a Model,
+    cpu: &'a CpuBackend,
+    args: &'a Args,
+}
+
+impl Bench<'_> {
+    fn pp(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
+        let vocab = self.model.plan.n_vocab.max(2);
+        let mut eng = Engine::new(self.model, self.cpu, source, self.args.n_prompt + 8);
+        eng.ubatch = self.args.ubatch.max(1);
+        eng.forward(&random_tokens(8, vocab, 7), false)?; // warm-up, untimed
+        let mut s = Vec::new();
+        for r in 0..self.args.repeats {
+            eng.reset();
+            let toks = random_tokens(self.args.n_prompt, vocab, 100 + r as u64);
+            let t = Instant::now();
+            eng.forward(&toks, false)?;
+            s.push(self.args.n_prompt as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(Rate::of(s))
+    }
+
+    fn tg(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
+        let vocab = self.model.plan.n_vocab.max(2);
+        let mut eng = Engine::new(self.model, self.cpu, source, self.args.n_gen + 8);
+        let mut s = Vec::new();
+        for r in 0..self.args.repeats {
+            eng.reset();
+            let toks = random_tokens(self.args.n_gen + 1, vocab, 900 + r as u64);
+            eng.forward(&toks[..1], false)?; // the context token, untimed
+            let t = Instant::now();
+            for &tok in &toks[1..] {
+                eng.forward(&[tok], false)?;
+            }
+            s.push(self.args.n_gen as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(Rate::of(s))
+    }
+}
+
+fn traffic(before: &pulsar_store::StoreStats, after: &pulsar_store::StoreStats, tokens: f64) -> Traffic {
+    let d = |a: u64, b: u64| (b - a) as f64 / tokens.max(1.0);
+    let (a, b) = (&before.total, &after.total);
+    let host_hits = (b.host.slabs - a.host.slabs) as f64;
+    let disk = (b.disk.slabs - a.disk.slabs) as f64;
+    let secs = b.disk_seconds - a.disk_seconds;
+    Traffic {
+        disk_bytes_per_token: d(a.disk.bytes, b.disk.bytes),
+        host_bytes_per_token: d(a.host.bytes, b.host.bytes),
+        mapped_bytes_per_token: d(a.mapped.bytes, b.mapped.bytes),
+        host_hit_rate: if host_hits + disk > 0.0 { host_hits / (host_hits + disk) } else { 0.0 },
+        disk_gbps: if secs > 0.0 { (b.disk.bytes - a.disk.bytes) as f64 / secs / 1e9 } else { 0.0 },
+        prefetch_precision: after.prefetch.precision(),
+    }
+}
+
+pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
+    if ctx.print_config {
+        eprint!("{}", ctx.cfg.print());
+    }
+    if a.repeats == 0 {
+        anyhow::bail!("-r must be at least 1");
+    }
+    let model = ctx.open_model(&a.model, None)?;
+    let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
+    let mem = model.memory_plan();
+    let budget = a.host_cache.map(pulsar_store::budget_from_gib).transpose()?;
+    let links = Links {
+        disk_read_gbps: if mem.expert_bytes > 0 { disk_gbps(&model) } else { None },
+        host_copy_gbps: host_copy_gbps(),
+        h2d_pinned_gbps: None,
+    };
+    let bench = Bench { model: &model, cpu: &cpu, args: &a };
+    let store = match (mem.expert_bytes, budget) {
+        (0, _) => None,
+        (_, Some(b)) => Some(StoreExperts::open(&model, b)?),
+        (_, None) => Some(StoreExperts::mapped(&model)?),
+    };
+    let source: &dyn ExpertSource = match &store {
+        Some(s) => s,
+        None => &MappedExperts,
+    };
+    let mut runs = Vec::new();
+    for name in ["cold", "warm"] {
+        let pp = (a.n_prompt > 0).then(|| bench.pp(source)).transpose()?;
+        let before = store.as_ref().map(|s| s.store.stats());
+        let tg = (a.n_gen > 0).then(|| bench.tg(source)).transpose()?;
+        let tg_traffic = match (&store, &before) {
+            (Some(s), Some(b)) => traffic(b, &s.store.stats(), (a.n_gen * a.repeats) as f64),
+            _ => Traffic::default(),
+        };
+        // Seconds per token the links need for this traffic, at their measured rates.
+        let floor = links.disk_read_gbps.filter(|_| tg_traffic.disk_bytes_per_token > 0.0).map(|g| {
+            let s = tg_traffic.disk_bytes_per_token / (g * 1e9) + tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
+            1.0 / s
+        });
+        runs.push(Run { name: name.into(), pp, tg, tg_traffic, floor_tg_tok_s: floor });
+    }
+    if let Some(s) = &store {
+        if let Err(e) = s.save_census(&a.model, &model) {
+            tracing::warn!("could not save the census: {e:#}");
+        }
+    }
+    let report = Report {
+        model: a.model.display().to_string(),
+        arch: model.arch.clone(),
+        file_bytes: model.file.total_bytes(),
+        params: params(&model),
+        expert_bytes: mem.expert_bytes,
+        resident_bytes: mem.resident_bytes,
+        backend: format!("cpu ({})", cpu.kernels.isa().name()),
+        threads: cpu.pool.current_num_threads(),
+        n_prompt: a.n_prompt,
+        n_gen: a.n_gen,
+        repeats: a.repeats,
+        host_cache_bytes: budget,
+        links,
+        runs,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", table(&report));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// llama-bench's Markdown table, plus a traffic line per run.
+pub fn table(r: &Report) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut s = format!(
+        "| model | size | params | backend | threads | run | test | t/s |\n|---|---:|---:|---|---:|---|---|---:|\n"
+    );
+    for run in &r.runs {
+        for (test, rate) in [(format!("pp{}", r.n_prompt), &run.pp), (format!("tg{}", r.n_gen), &run.tg)] {
+            if let Some(rate) = rate {
+                s.push_str(&format!(
+                    "| {} | {:.2} GiB | {:.2} B | {} | {} | {} | {test} | {:.2} ± {:.2} |\n",
+                    r.arch,
+                    gib(r.file_bytes),
+                    r.params as f64 / 1e9,
+                    r.backend,
+                    r.threads,
+                    run.name,
+                    rate.mean,
+                    rate.sd
+                ));
+            }
+        }
+    }
+    for run in &r.runs {
+        let t = &run.tg_traffic;
+        s.push_str(&format!(
+            "\n{} tg: per token {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
+            run.name,
+            t.disk_bytes_per_token / 1048576.0,
+            t.disk_gbps,
+            t.host_bytes_per_token / 1048576.0,
+            100.0 * t.host_hit_rate,
+            t.mapped_bytes_per_token / 1048576.0,
+            run.floor_tg_tok_s.map_or("n/a (no disk traffic)".into(), |f| format!("{f:.1} tok/s")),
+        ));
+    }
+    s.push_str(&format!(
+        "\nlinks: disk {} GB/s, host copy {:.1} GB/s\n",
+        r.links.disk_read_gbps.map_or("n/a".into(), |g| format!("{g:.2}")),
+        r.links.host_copy_gbps
+    ));
+    s
+}
