@@ -22,9 +22,12 @@ __device__ __forceinline__ float h2f(u16 h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+// f32 -> f16 bits (round to nearest even), widened to a 32-bit integer inside
+// the asm: storing the 16-bit cvt result directly with byte stores lost its low
+// byte on sm_90 (seen on the H200 self-test), so integer code only ever sees a u32.
+__device__ __forceinline__ u32 f2h(float f) {
+    u32 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; cvt.u32.u16 %0, t; }" : "=r"(h) : "f"(f));
     return h;
 }
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }

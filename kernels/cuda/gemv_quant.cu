@@ -96,9 +96,9 @@ extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u8* __rest
     int q = r != r ? 0 : (int)fminf(fmaxf(r, -127.0f), 127.0f);
     b[2 + lane] = (u8)(i8)q;
     if (lane == 0) {
-        u16 h = f2h(d);
-        b[0] = (u8)(h & 0xff);
-        b[1] = (u8)(h >> 8);
+        u32 h = f2h(d);
+        b[0] = (u8)(h & 0xffu);
+        b[1] = (u8)((h >> 8) & 0xffu);
     }
 }
 
