@@ -7,6 +7,9 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 PULSAR_GEMMA_GGUF="${PULSAR_GEMMA_GGUF:-$(scripts/fetch-gemma.sh)}"
 export PULSAR_GEMMA_GGUF
+# NVRTC and the CUDA headers from PyPI wheels: the kernel-compile test runs with no GPU.
+eval "$(tools/nvrtc/setup.sh)"
+export PULSAR_NVRTC_LIB_DIR PULSAR_CUDA_INCLUDE_DIR
 cargo build --workspace --locked
 scripts/stage-plugins.sh debug >/dev/null
 cargo test --workspace --locked "$@"
