@@ -145,7 +145,7 @@ fn sixty_four_concurrent_streams_match_a_sequential_run() {
     let c = Client::new(srv.addr(), Some(KEY));
     // Greedy for even clients, seeded temperature sampling for odd ones.
     let body = |i: usize, stream: bool| {
-        let t = if i % 2 == 0 { 0.0 } else { 0.9 };
+        let t = if i.is_multiple_of(2) { 0.0 } else { 0.9 };
         chat_body(&format!("Client {i} asks: what is {} times 7?", i * 3), stream, 12 + i % 5, t, 1000 + i as u64)
     };
     let t0 = Instant::now();
@@ -225,7 +225,25 @@ fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(content(&c.post("/v1/chat/completions", &short(0, false)), false).0, refs[0].0);
+    // A non-streaming client that hangs up is noticed too.
+    let whole = json!({"prompt": long_prompt_text(&long), "max_tokens": 100_000, "temperature": 0});
+    let s = c.open_stream("/v1/completions", &whole);
+    std::thread::sleep(Duration::from_millis(200));
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let m = metrics(&c);
+        if m["requests_cancelled"] == 2 && m["active_sequences"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a non-streaming request kept running after its client left: {m}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     srv.shutdown().unwrap();
+}
+
+fn long_prompt_text(body: &Value) -> String {
+    body["prompt"].as_str().unwrap().to_string()
 }
 
 /// A prompt whose greedy completion runs `n` tokens without a stop token

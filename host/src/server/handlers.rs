@@ -48,8 +48,28 @@ async fn ui() -> impl IntoResponse {
     ([(header::CACHE_CONTROL, "no-store")], Html(UI))
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// 200 while the engine thread runs; 503 once it has stopped (shutdown, or a bug).
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.engine_alive.load(Relaxed) {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "reason": "the engine has stopped"}))).into_response()
+    }
+}
+
+/// Tokenize off the async workers (a prompt can be megabytes).
+async fn encode(st: &Arc<AppState>, text: String, bos: bool) -> Result<Vec<u32>, ApiError> {
+    let st = st.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut ids = Vec::new();
+        if bos && st.tok.add_bos() {
+            ids.extend(st.tok.bos());
+        }
+        ids.extend(st.tok.encode(&text, false, true));
+        ids
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
 }
 
 #[derive(serde::Deserialize)]
@@ -126,7 +146,7 @@ async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejectio
     }
     let text = tpl.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
     // The template adds BOS itself when the family wants one.
-    let ids = st.tok.encode(&text, false, true);
+    let ids = encode(&st, text, false).await?;
     generate(st, ids, req.common, Kind::Chat).await
 }
 
@@ -137,11 +157,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesR
         Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
         Prompt::Many(v) => return Err(ApiError::invalid_param("prompt", format!("only one prompt per request is supported, got {}", v.len()))),
     };
-    let mut ids = Vec::new();
-    if st.tok.add_bos() {
-        ids.extend(st.tok.bos());
-    }
-    ids.extend(st.tok.encode(&text, false, true));
+    let ids = encode(&st, text, true).await?;
     generate(st, ids, req.common, Kind::Completion).await
 }
 

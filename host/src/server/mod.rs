@@ -18,7 +18,7 @@ pub mod stop;
 
 use std::future::IntoFuture;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,6 +102,8 @@ pub struct AppState {
     pub(crate) engine: mpsc::Sender<scheduler::Cmd>,
     /// Seeds requests that give none.
     pub seeds: AtomicU64,
+    /// Cleared when the engine thread ends.
+    pub engine_alive: Arc<AtomicBool>,
     pub ids: AtomicU64,
     pub created: u64,
 }
@@ -155,7 +157,19 @@ pub async fn serve(
         grace: opts.grace,
         metrics: metrics.clone(),
     };
-    let engine = std::thread::Builder::new().name("pulsar-engine".into()).spawn(move || scheduler::run(parts, rx))?;
+    let engine_alive = Arc::new(AtomicBool::new(true));
+    let alive = engine_alive.clone();
+    let engine = std::thread::Builder::new().name("pulsar-engine".into()).spawn(move || {
+        // Cleared however the thread ends, a panic included.
+        struct Alive(Arc<AtomicBool>);
+        impl Drop for Alive {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Relaxed);
+            }
+        }
+        let _alive = Alive(alive);
+        scheduler::run(parts, rx)
+    })?;
     let bound = listener.local_addr()?;
     let seed0 = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let state = Arc::new(AppState {
@@ -167,6 +181,7 @@ pub async fn serve(
         metrics,
         engine: tx.clone(),
         seeds: AtomicU64::new(seed0),
+        engine_alive,
         ids: AtomicU64::new(1),
         created: api::now_secs(),
     });

@@ -20,7 +20,7 @@ use super::api::{ApiError, CachedTokens, Timings, Usage};
 use super::metrics::Metrics;
 use super::stop::StopMatcher;
 use crate::cpu::{CpuBackend, ExpertSource};
-use crate::engine::{BatchEngine, BatchItem, SeqId};
+use crate::engine::{BatchEngine, BatchItem, EngineError, SeqId};
 use crate::model::Model;
 use crate::sample::{Sampler, SamplerConfig};
 
@@ -123,6 +123,10 @@ impl Active<'_> {
         };
         self.send(Event::Done(Finish { reason, usage, timings }));
     }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown".into())
 }
 
 /// Run the engine loop until shutdown (or every sender is gone).
@@ -248,7 +252,9 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
         let rows: usize = items.iter().map(|it| it.tokens.len()).sum();
         let prompt_rows: usize = order.iter().filter(|&&i| !active[i].prefilled).map(|&i| take[i]).sum();
         let t0 = Instant::now();
-        let result = engine.step(&items);
+        // A bug in an op must not take the server down: fail this step's requests.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step(&items)))
+            .unwrap_or_else(|p| Err(EngineError::Forward(format!("panic: {}", panic_text(&*p)))));
         drop(items);
         let logits = match result {
             Ok(l) => l,

@@ -46,8 +46,7 @@ fn find(h: &[u8], pat: &[u8]) -> Option<usize> {
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = find(b, b"\r\n") else { break };
+    while let Some(eol) = find(b, b"\r\n") {
         let size_line = std::str::from_utf8(&b[..eol]).unwrap_or("0");
         let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16).unwrap_or(0);
         if size == 0 {
