@@ -55,6 +55,92 @@ __device__ __forceinline__ void gemm_impl(const u8* __restrict__ W, const u8* __
     }
 }
 
+// ---- int8 tensor-core GEMM (sm_80+): mma.sync m16n8k16 s8 ----
+//
+// One warp computes a tile of 16 weight rows x (8 * MMA_NT) tokens. For every
+// 32-value unit it issues one m16n8k16 per half (values 0..15 and 16..31), so
+// both halves' integer sums come out exact and are scaled like unit_dot:
+// dx * d * (s0 * c_lo + s1 * c_hi) - dx * dm * (m0 * y_lo + m1 * y_hi).
+// Fragment layout (PTX ISA, m16n8k16 .s8): lane = 4 g + t holds A rows g and
+// g + 8, k = 4t..4t+3; B column (token) g, k = 4t..4t+3; C rows g / g + 8,
+// columns 2t, 2t + 1.
+
+#define MMA_WARPS 4
+#define MMA_NT 4
+
+__device__ __forceinline__ void mma_s8_16816(int (&c)[4], int a0, int a1, int b0) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// q[i] for a run-time i in 0..3 without indexing a register array (which
+// would spill the array to local memory).
+__device__ __forceinline__ int pick4(const int* q, int i) {
+    return i == 0 ? q[0] : i == 1 ? q[1] : i == 2 ? q[2] : q[3];
+}
+
+template <int F>
+__device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8* __restrict__ X,
+                                              float* __restrict__ Y, int rows, int cols, int n_tok,
+                                              const u64* tab) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+    int r0 = (blockIdx.x * MMA_WARPS + warp) * 16;
+    if (r0 >= rows) return;
+    int tok0 = blockIdx.y * (8 * MMA_NT);
+    int units = cols / 32;
+    size_t wrb = w_row_bytes<F>(cols), xrb = act_row_bytes<F>(cols);
+    int ra = r0 + g, rb = r0 + g + 8;
+    // Rows and tokens past the end load row / token 0 (valid memory); their results are dropped.
+    const u8* wa = W + (size_t)(ra < rows ? ra : 0) * wrb;
+    const u8* wb = W + (size_t)(rb < rows ? rb : 0) * wrb;
+    float acc[MMA_NT][4];
+#pragma unroll
+    for (int n = 0; n < MMA_NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+    for (int k = 0; k < units; k++) {
+        Unit ua = load_unit<F>(wa, k, tab);
+        Unit ub = load_unit<F>(wb, k, tab);
+        int a_lo0 = pick4(ua.q, t), a_hi0 = pick4(ua.q + 4, t);
+        int a_lo1 = pick4(ub.q, t), a_hi1 = pick4(ub.q + 4, t);
+#pragma unroll
+        for (int n = 0; n < MMA_NT; n++) {
+            int tk = tok0 + 8 * n + g;
+            XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(X + (size_t)(tk < n_tok ? tk : 0) * xrb, k);
+            int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+            mma_s8_16816(lo, a_lo0, a_lo1, pick4(xv.q, t));
+            mma_s8_16816(hi, a_hi0, a_hi1, pick4(xv.q + 4, t));
+            // Columns 2t and 2t + 1 are tokens whose scales sit in lanes 8t and 8t + 4.
+            float dx0 = __shfl_sync(FULL_MASK, xv.d, 8 * t);
+            float dx1 = __shfl_sync(FULL_MASK, xv.d, 8 * t + 4);
+            acc[n][0] += dx0 * ua.d * (float)(ua.s0 * lo[0] + ua.s1 * hi[0]);
+            acc[n][1] += dx1 * ua.d * (float)(ua.s0 * lo[1] + ua.s1 * hi[1]);
+            acc[n][2] += dx0 * ub.d * (float)(ub.s0 * lo[2] + ub.s1 * hi[2]);
+            acc[n][3] += dx1 * ub.d * (float)(ub.s0 * lo[3] + ub.s1 * hi[3]);
+            if (Fmt<F>::MINS) {
+                int y00 = __shfl_sync(FULL_MASK, xv.y0, 8 * t), y10 = __shfl_sync(FULL_MASK, xv.y1, 8 * t);
+                int y01 = __shfl_sync(FULL_MASK, xv.y0, 8 * t + 4), y11 = __shfl_sync(FULL_MASK, xv.y1, 8 * t + 4);
+                acc[n][0] -= dx0 * ua.dm * (float)(ua.m0 * y00 + ua.m1 * y10);
+                acc[n][1] -= dx1 * ua.dm * (float)(ua.m0 * y01 + ua.m1 * y11);
+                acc[n][2] -= dx0 * ub.dm * (float)(ub.m0 * y00 + ub.m1 * y10);
+                acc[n][3] -= dx1 * ub.dm * (float)(ub.m0 * y01 + ub.m1 * y11);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < MMA_NT; n++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = i < 2 ? ra : rb;
+            int tok = tok0 + 8 * n + 2 * t + (i & 1);
+            if (row < rows && tok < n_tok) Y[(size_t)tok * rows + row] = acc[n][i];
+        }
+    }
+}
+
 #define GEMV_ENTRY(NAME, F)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
         gemv_##NAME(const u8* W, const u8* X, float* Y, int rows, int cols, const u64* tab) {  \
@@ -63,6 +149,10 @@ __device__ __forceinline__ void gemm_impl(const u8* __restrict__ W, const u8* __
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemm_##NAME(                 \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
         gemm_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                          \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) gemm_mma_##NAME(              \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
+        gemm_mma_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                      \
     }
 
 GEMV_ENTRY(q8_0, F_Q8_0)

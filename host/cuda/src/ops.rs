@@ -22,7 +22,26 @@ macro_rules! params {
 
 const GEMV_ROWS_PER_BLOCK: usize = 4; // GEMV_WARPS / FG_WARPS / MOE_WARPS
 const GEMM_TOKENS: usize = 8; // GEMM_TT / FG_TT
+const MMA_ROWS_PER_BLOCK: usize = 64; // MMA_WARPS * 16
+const MMA_TOKENS: usize = 32; // 8 * MMA_NT
 const ATT_CHUNK: usize = 256;
+
+/// Which kernel runs a quantized GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmKernel {
+    /// One weight row per warp, dp4a against tiles of 8 tokens (any GPU with dp4a).
+    Dp4a,
+    /// int8 tensor cores (mma.sync m16n8k16), tiles of 16 rows x 32 tokens; sm_80+.
+    TensorCore,
+}
+
+impl GemmKernel {
+    /// The kernel [`CudaDevice::gemm`] uses on a device of compute capability `cc`.
+    pub fn default_for(cc: (i32, i32)) -> GemmKernel {
+        let _ = cc;
+        GemmKernel::Dp4a
+    }
+}
 const ATT_THREADS: u32 = 128;
 /// Most tokens of one GEMM launch (the prefill chunk).
 pub const MAX_GEMM_TOKENS: usize = 512 * 64;
@@ -209,7 +228,7 @@ impl CudaDevice {
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
         let qi = self.check_quant_mm("gemv", ty, w, rows, cols, x, 1, y)?;
-        let f = self.func(Family::GemvQuant, 2 * qi)?;
+        let f = self.func(Family::GemvQuant, 3 * qi)?;
         let (wp, xp, yp, tab) = (w.device_ptr(), x.device_ptr(), y.device_ptr(), self.iq_tables().device_ptr());
         let (r, c) = (rows as i32, cols as i32);
         let grid = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
@@ -231,14 +250,42 @@ impl CudaDevice {
         n_tok: usize,
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
+        self.gemm_with(stream, GemmKernel::default_for(self.compute_capability()), ty, w, rows, cols, x, n_tok, y)
+    }
+
+    /// [`CudaDevice::gemm`] with an explicit kernel choice.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_with(
+        &self,
+        stream: &CudaStream,
+        kernel: GemmKernel,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<u8>,
+        n_tok: usize,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
         if n_tok > MAX_GEMM_TOKENS {
             return Err(shape("gemm", format!("{n_tok} tokens in one launch (at most {MAX_GEMM_TOKENS})")));
         }
         let qi = self.check_quant_mm("gemm", ty, w, rows, cols, x, n_tok, y)?;
-        let f = self.func(Family::GemvQuant, 2 * qi + 1)?;
+        let (entry, grid) = match kernel {
+            GemmKernel::Dp4a => (
+                3 * qi + 1,
+                (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(GEMM_TOKENS) as u32, 1),
+            ),
+            GemmKernel::TensorCore => {
+                if self.compute_capability().0 < 8 {
+                    return Err(CudaError::Unsupported { op: "gemm (int8 tensor cores need sm_80+)", ty });
+                }
+                (3 * qi + 2, (rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(MMA_TOKENS) as u32, 1))
+            }
+        };
+        let f = self.func(Family::GemvQuant, entry)?;
         let (wp, xp, yp, tab) = (w.device_ptr(), x.device_ptr(), y.device_ptr(), self.iq_tables().device_ptr());
         let (r, c, n) = (rows as i32, cols as i32, n_tok as i32);
-        let grid = (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
         // SAFETY: (W, X, Y, rows, cols, n_tok, tab) as GEMV_ENTRY; sizes checked.
         unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n, tab]) }
     }

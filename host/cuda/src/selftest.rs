@@ -17,7 +17,7 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
-use crate::ops::{attention_workspace_len, Gating, MoePairs, RouterSpec};
+use crate::ops::{attention_workspace_len, GemmKernel, Gating, MoePairs, RouterSpec};
 
 /// One line of the self-test table.
 #[derive(Clone, Debug)]
@@ -153,7 +153,10 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         let be = ty.block_elems() as usize;
         let cols = if be == 256 { 256 * 7 } else { 32 * 37 };
         t.push("gemv", &fmt_name(ty), format!("257x{cols}"), quant_mm_case(dev, &pool, &k, ty, 257, cols, 1, next()));
-        t.push("gemm", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_case(dev, &pool, &k, ty, 129, cols, 37, next()));
+        t.push("gemm dp4a", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_case(dev, &pool, &k, ty, 129, cols, 37, next()));
+        if dev.compute_capability().0 >= 8 {
+            t.push("gemm mma", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_with(dev, &pool, &k, GemmKernel::TensorCore, ty, 129, cols, 37, next()));
+        }
     }
     for ty in FLOAT_TYPES {
         t.push("gemv", &fmt_name(ty), "131x1000".into(), float_mm_case(dev, &pool, &k, ty, 131, 1000, 1, next()));
@@ -254,6 +257,21 @@ fn quant_mm_case(
     n_tok: usize,
     seed: u64,
 ) -> Result<Cmp, CudaError> {
+    quant_mm_with(dev, pool, k, GemmKernel::Dp4a, ty, rows, cols, n_tok, seed)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn quant_mm_with(
+    dev: &CudaDevice,
+    pool: &rayon::ThreadPool,
+    k: &Kernels,
+    kernel: GemmKernel,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n_tok: usize,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
     let be = ty.block_elems() as usize;
     let w = random_blocks(ty, rows * cols / be, seed)?;
     let x = random_values(n_tok * cols, seed ^ 1);
@@ -265,7 +283,7 @@ fn quant_mm_case(
     if n_tok == 1 {
         dev.gemv(dev.compute(), ty, &wd, rows, cols, &xd, &mut y)?;
     } else {
-        dev.gemm(dev.compute(), ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
+        dev.gemm_with(dev.compute(), kernel, ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
     }
     Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
 }
@@ -521,18 +539,21 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS, GgmlType::Q4_0] {
         for (rows, cols) in shapes {
-            if let Ok(r) = bench_one(dev, ty, rows, cols, 1) {
+            if let Ok(r) = bench_one(dev, GemmKernel::Dp4a, ty, rows, cols, 1) {
                 out.push(r);
             }
         }
-        if let Ok(r) = bench_one(dev, ty, 4096, 4096, 512) {
-            out.push(r);
+        for kernel in [GemmKernel::Dp4a, GemmKernel::TensorCore] {
+            match bench_one(dev, kernel, ty, 4096, 4096, 512) {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(BenchRow { op: format!("{kernel:?} failed: {e}"), format: fmt_name(ty), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }),
+            }
         }
     }
     out
 }
 
-fn bench_one(dev: &CudaDevice, ty: GgmlType, rows: usize, cols: usize, n_tok: usize) -> Result<BenchRow, CudaError> {
+fn bench_one(dev: &CudaDevice, kernel: GemmKernel, ty: GgmlType, rows: usize, cols: usize, n_tok: usize) -> Result<BenchRow, CudaError> {
     let be = ty.block_elems() as usize;
     let w = random_blocks(ty, rows * cols / be, 1)?;
     let x = random_values(n_tok * cols, 2);
@@ -544,7 +565,7 @@ fn bench_one(dev: &CudaDevice, ty: GgmlType, rows: usize, cols: usize, n_tok: us
         if n_tok == 1 {
             dev.gemv(s, ty, &wd, rows, cols, &xd, y)
         } else {
-            dev.gemm(s, ty, &wd, rows, cols, &xd, n_tok, y)
+            dev.gemm_with(s, kernel, ty, &wd, rows, cols, &xd, n_tok, y)
         }
     };
     for _ in 0..3 {
@@ -562,8 +583,13 @@ fn bench_one(dev: &CudaDevice, ty: GgmlType, rows: usize, cols: usize, n_tok: us
     e1.synchronize()?;
     let ms = e0.elapsed_ms(&e1).map(|v| v as f64).unwrap_or(wall.elapsed().as_secs_f64() * 1e3);
     let us = ms * 1e3 / reps as f64;
+    let tops = 2.0 * (rows * cols * n_tok) as f64 / (us * 1e-6) / 1e12;
     Ok(BenchRow {
-        op: if n_tok == 1 { "gemv".into() } else { "gemm".into() },
+        op: match (n_tok, kernel) {
+            (1, _) => "gemv".into(),
+            (_, GemmKernel::Dp4a) => format!("gemm dp4a ({tops:.1} TOPS)"),
+            (_, GemmKernel::TensorCore) => format!("gemm mma ({tops:.1} TOPS)"),
+        },
         format: fmt_name(ty),
         shape: format!("{rows}x{cols}x{n_tok}tok"),
         us,
