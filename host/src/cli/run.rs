@@ -13,7 +13,9 @@ use crate::chat::{ChatTemplate, Message};
 use crate::config::{self, Setting};
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
 use crate::experts::StoreExperts;
+use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
+use crate::session::{open_device, DeviceChoice, Session};
 use crate::model::Model;
 use crate::sample::{argmax, Sampler, SamplerConfig};
 
@@ -76,6 +78,12 @@ pub struct Args {
     /// Print per-token expert-store traffic (bytes and hits per tier) and a summary.
     #[arg(long)]
     pub stats: bool,
+    /// cpu, cuda, cuda:N, or auto (CUDA when a GPU is there).
+    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
+    pub device: DeviceChoice,
+    /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
+    #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB")]
+    pub vram_budget: Option<f64>,
 }
 
 /// How routed experts are served for this run.
@@ -177,8 +185,37 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         Some(s) => s,
         None => &MappedExperts,
     };
-    let mut engine = Engine::new(&model, &cpu, source, n_ctx);
-    engine.ubatch = a.ubatch.max(1);
+    let device = open_device(a.device)?;
+    let cuda_model = match device {
+        Some(dev) => {
+            let budget = a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64);
+            let t = Instant::now();
+            let cm = CudaModel::load(dev, &model, budget, CudaKv::bytes_for(&model, n_ctx))?;
+            tracing::info!(
+                "{} ({}): {:.2} GiB resident, experts {} in {:.2} s",
+                cm.dev.name(),
+                cm.dev.arch(),
+                cm.resident_bytes as f64 / (1u64 << 30) as f64,
+                if cm.experts.is_some() { "stream through a VRAM pool" } else { "resident" },
+                t.elapsed().as_secs_f64()
+            );
+            Some(cm)
+        }
+        None => None,
+    };
+    let mut cpu_engine;
+    let mut cuda_engine;
+    let engine: &mut dyn Session = match &cuda_model {
+        Some(cm) => {
+            cuda_engine = CudaEngine::new(&model, cm, n_ctx)?;
+            &mut cuda_engine
+        }
+        None => {
+            cpu_engine = Engine::new(&model, &cpu, source, n_ctx);
+            &mut cpu_engine
+        }
+    };
+    engine.set_ubatch(a.ubatch);
     let mem = model.memory_plan();
     tracing::info!(
         "loaded {} ({}, plugin {}) in {:.2} s: {:.1} MiB resident, {:.1} MiB routed experts, ctx {n_ctx}, {} threads ({})",
@@ -195,7 +232,12 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     sampling.validate().map_err(|e| anyhow::anyhow!(e))?;
     let _ = Setting { value: (), source: config::Source::Default };
 
-    let code = if a.chat { chat(&a, &model, &tok, &mut engine, sampling)? } else { generate(&a, &model, &tok, &mut engine, sampling)? };
+    let code = if a.chat { chat(&a, &model, &tok, engine, sampling)? } else { generate(&a, &model, &tok, engine, sampling)? };
+    if let (Some(cm), true) = (&cuda_model, a.stats) {
+        if let Some(p) = cm.pool_stats() {
+            eprintln!("vram expert pool: {}", serde_json::to_string(&p)?);
+        }
+    }
     if let Some(st) = &store {
         if a.stats {
             eprintln!("{}", stats_line(&st.store.stats()));
@@ -208,7 +250,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
-fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
+fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
     let text = a.prompt.clone().unwrap_or_default();
     let prompt = prompt_tokens(a, tok, &text);
     if prompt.is_empty() {
@@ -257,7 +299,7 @@ fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, s
         write!(out, "{}", dec.push(next))?;
         out.flush()?;
         generated += 1;
-        if generated == a.n_predict || engine.n_past + 1 > engine.n_ctx() {
+        if generated == a.n_predict || engine.n_past() + 1 > engine.n_ctx() {
             break;
         }
         let l = engine.forward(&[next], false)?;
@@ -284,7 +326,7 @@ fn stop_ids(model: &Model, tok: &Tokenizer) -> Vec<u32> {
     v
 }
 
-fn decode_consistency(engine: &mut Engine<'_>, prompt: &[u32], n: usize) -> anyhow::Result<ExitCode> {
+fn decode_consistency(engine: &mut dyn Session, prompt: &[u32], n: usize) -> anyhow::Result<ExitCode> {
     // Incremental: prefill the prompt, then one token at a time (greedy).
     let mut seq = prompt.to_vec();
     let mut inc: Vec<Vec<f32>> = vec![engine.forward(prompt, false)?.pop().expect("one row")];
@@ -307,7 +349,7 @@ fn decode_consistency(engine: &mut Engine<'_>, prompt: &[u32], n: usize) -> anyh
     Ok(ExitCode::SUCCESS)
 }
 
-fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
+fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
     let gguf_tpl = model.file.metadata().get_str("tokenizer.chat_template")?;
     let piece = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_string();
     let tpl = ChatTemplate::new(gguf_tpl, model.chat.fallback_template.as_ref().map(|s| s.as_str()).into_option(), &piece(tok.bos()), &piece(tok.eos()))?;
@@ -332,7 +374,7 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, sampl
         // The template adds BOS itself when the family wants one.
         let ids = tok.encode(&text, false, true);
         // Reuse the cached prefix shared with the previous turns.
-        let common = engine.history.iter().zip(&ids).take_while(|(x, y)| x == y).count().min(ids.len() - 1);
+        let common = engine.history().iter().zip(&ids).take_while(|(x, y)| x == y).count().min(ids.len() - 1);
         engine.truncate(common);
         let t0 = Instant::now();
         let mut logits = engine.forward(&ids[common..], false)?.pop().expect("one row");
@@ -348,7 +390,7 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut Engine<'_>, sampl
             reply.push(next);
             write!(out, "{}", dec.push(next))?;
             out.flush()?;
-            if engine.n_past + 1 > engine.n_ctx() {
+            if engine.n_past() + 1 > engine.n_ctx() {
                 eprintln!("\n[context full]");
                 break;
             }

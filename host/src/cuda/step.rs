@@ -1,0 +1,520 @@
+//! One forward step on the GPU: [`CudaStep`] implements the plugin ops,
+//! [`CudaEngine`] is the session (KV cache, position, pools).
+
+use abi_stable::sabi_trait::TD_Opaque;
+use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
+use pulsar_cuda::{attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
+use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
+use pulsar_kernels::ActFormat;
+use pulsar_plugin_api::{Act, AttnSpec, Gating, MoeSpec, OpResult, Ops, Ops_TO, RopeMode, RopeSpec, Val, Wt};
+
+use super::pool::BufPool;
+use super::{CudaBackendError, CudaKv, CudaModel, DevWeight};
+use crate::cpu::act_of;
+use crate::engine::EngineError;
+use crate::model::Model;
+
+type R<T> = Result<T, String>;
+
+fn err<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+struct DVal {
+    buf: DeviceBuf<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Default)]
+struct Pools {
+    f32: BufPool<f32>,
+    u8: BufPool<u8>,
+    u32: BufPool<u32>,
+    i32: BufPool<i32>,
+    u64: BufPool<u64>,
+}
+
+/// A model session on one GPU.
+pub struct CudaEngine<'m> {
+    pub model: &'m Model,
+    pub cm: &'m CudaModel,
+    pub kv: CudaKv,
+    pub n_past: usize,
+    pub ubatch: usize,
+    pub history: Vec<u32>,
+    pools: Pools,
+}
+
+impl<'m> CudaEngine<'m> {
+    pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
+        Ok(CudaEngine { model, cm, kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), pools: Pools::default() })
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.kv.n_ctx
+    }
+
+    pub fn reset(&mut self) {
+        self.n_past = 0;
+        self.history.clear();
+    }
+
+    pub fn truncate(&mut self, n: usize) {
+        self.n_past = self.n_past.min(n);
+        self.history.truncate(self.n_past);
+    }
+
+    /// Device buffers allocated so far (stops growing after the first steps).
+    pub fn allocations(&self) -> u64 {
+        let p = &self.pools;
+        p.f32.allocations + p.u8.allocations + p.u32.allocations + p.i32.allocations + p.u64.allocations
+    }
+
+    pub fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::Empty);
+        }
+        if self.n_past + tokens.len() > self.n_ctx() {
+            return Err(EngineError::ContextFull { need: self.n_past + tokens.len(), n_ctx: self.n_ctx() });
+        }
+        let mut out = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.clamp(1, 512)).collect();
+        let last = chunks.len() - 1;
+        for (ci, chunk) in chunks.into_iter().enumerate() {
+            let positions: Vec<u32> = (self.n_past..self.n_past + chunk.len()).map(|p| p as u32).collect();
+            let rows = self.step(chunk, &positions, all).map_err(EngineError::Forward)?;
+            self.n_past += chunk.len();
+            self.history.extend_from_slice(chunk);
+            if all {
+                out.extend(rows);
+            } else if ci == last {
+                out.extend(rows.into_iter().last());
+            }
+        }
+        Ok(out)
+    }
+
+    fn step(&mut self, tokens: &[u32], positions: &[u32], all: bool) -> R<Vec<Vec<f32>>> {
+        let dev = &self.cm.dev;
+        if let Some(p) = &self.cm.experts {
+            p.lock().unwrap_or_else(|e| e.into_inner()).begin_step();
+        }
+        let mut pos_buf = self.pools.u32.take(dev, positions.len()).map_err(err)?;
+        pos_buf.upload(dev.compute(), positions).map_err(err)?;
+        let mut step = CudaStep { model: self.model, cm: self.cm, kv: &mut self.kv, pools: &mut self.pools, tokens, positions, pos_buf: &pos_buf, all_rows: all, vals: Vec::new() };
+        let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
+        let result = match r {
+            Ok(v) => step.download(v),
+            Err(e) => Err(e.into_string()),
+        };
+        step.finish();
+        self.pools.u32.give(pos_buf);
+        result
+    }
+}
+
+struct CudaStep<'a> {
+    model: &'a Model,
+    cm: &'a CudaModel,
+    kv: &'a mut CudaKv,
+    pools: &'a mut Pools,
+    tokens: &'a [u32],
+    positions: &'a [u32],
+    pos_buf: &'a DeviceBuf<u32>,
+    all_rows: bool,
+    vals: Vec<DVal>,
+}
+
+fn res(r: R<Val>) -> OpResult {
+    match r {
+        Ok(v) => RResult::ROk(v),
+        Err(e) => RResult::RErr(RString::from(e)),
+    }
+}
+
+impl<'a> CudaStep<'a> {
+    fn finish(&mut self) {
+        for v in self.vals.drain(..) {
+            self.pools.f32.give(v.buf);
+        }
+    }
+
+    fn download(&mut self, v: Val) -> R<Vec<Vec<f32>>> {
+        let d = self.vals.get(v.0 as usize).ok_or("unknown value")?;
+        let mut host = vec![0f32; d.rows * d.cols];
+        d.buf.download(self.cm.dev.compute(), &mut host).map_err(err)?;
+        Ok(host.chunks(d.cols.max(1)).map(|r| r.to_vec()).collect())
+    }
+
+    fn get(&self, v: Val) -> R<&DVal> {
+        self.vals.get(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))
+    }
+
+    fn new_val(&mut self, rows: usize, cols: usize) -> R<DeviceBuf<f32>> {
+        self.pools.f32.take(&self.cm.dev, rows * cols).map_err(err)
+    }
+
+    fn push(&mut self, buf: DeviceBuf<f32>, rows: usize, cols: usize) -> R<Val> {
+        self.vals.push(DVal { buf, rows, cols });
+        Ok(Val(self.vals.len() as u32 - 1))
+    }
+
+    fn weight(&self, w: Wt) -> R<(&'a DevWeight, &'a crate::model::Weight)> {
+        let i = w.0 as usize;
+        match (self.cm.weights.get(i), self.model.weights.get(i)) {
+            (Some(d), Some(m)) => Ok((d, m)),
+            _ => Err(format!("undeclared weight {i}")),
+        }
+    }
+
+    /// `y = x · Wᵀ` for weight bytes at `w` (`rows` = n_out, `cols` = n_in).
+    fn matmul_raw(&mut self, ty: pulsar_gguf::GgmlType, w: &DeviceBuf<u8>, n_out: usize, n_in: usize, x: Val) -> R<(DeviceBuf<f32>, usize)> {
+        let (rows, cols) = {
+            let d = self.get(x)?;
+            (d.rows, d.cols)
+        };
+        if cols != n_in {
+            return Err(format!("linear: input width {cols}, weight takes {n_in}"));
+        }
+        let mut y = self.new_val(rows, n_out)?;
+        let stream = self.cm.dev.compute().clone();
+        match ActFormat::for_weight(ty) {
+            Some(ActFormat::F32) => {
+                let xb = &self.get(x)?.buf;
+                self.cm.dev.gemm_float(&stream, ty, w, n_out, n_in, xb, rows, &mut y).map_err(err)?;
+            }
+            Some(fmt) => {
+                let qlen = pulsar_cuda::act_bytes(fmt, rows, cols).map_err(err)?;
+                let mut q = self.pools.u8.take(&self.cm.dev, qlen).map_err(err)?;
+                let xb = &self.vals[x.0 as usize].buf;
+                self.cm.dev.quantize_act(&stream, fmt, xb, rows, cols, &mut q).map_err(err)?;
+                if rows == 1 {
+                    self.cm.dev.gemv(&stream, ty, w, n_out, n_in, &q, &mut y).map_err(err)?;
+                } else {
+                    self.cm.dev.gemm(&stream, ty, w, n_out, n_in, &q, rows, &mut y).map_err(err)?;
+                }
+                self.pools.u8.give(q);
+            }
+            None => return Err(format!("no CUDA product for weight type {ty}")),
+        }
+        Ok((y, rows))
+    }
+
+    fn linear_w(&mut self, w: Wt, x: Val) -> R<Val> {
+        let (dw, mw) = self.weight(w)?;
+        let raw = dw.raw.as_ref().ok_or_else(|| format!("{} is not resident", mw.name))?;
+        let (n_in, n_out) = (dw.dims[0] as usize, dw.dims[1] as usize);
+        let (y, rows) = self.matmul_raw(dw.ty, raw, n_out, n_in, x)?;
+        self.push(y, rows, n_out)
+    }
+
+    fn binary(&mut self, a: Val, b: Val, op: u8) -> R<Val> {
+        let (ra, ca, rb, cb) = {
+            let (x, y) = (self.get(a)?, self.get(b)?);
+            (x.rows, x.cols, y.rows, y.cols)
+        };
+        if (ra, ca) != (rb, cb) {
+            return Err(format!("elementwise: shapes [{ra}, {ca}] and [{rb}, {cb}] differ"));
+        }
+        let mut out = self.new_val(ra, ca)?;
+        let s = self.cm.dev.compute().clone();
+        let (x, y) = (&self.vals[a.0 as usize].buf, &self.vals[b.0 as usize].buf);
+        match op {
+            0 => self.cm.dev.add(&s, x, y, &mut out),
+            _ => self.cm.dev.mul(&s, x, y, &mut out),
+        }
+        .map_err(err)?;
+        self.push(out, ra, ca)
+    }
+
+    fn copy_rows(&self, dst: u64, src: u64, bytes: usize) -> R<()> {
+        self.cm.dev.context().bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: both ranges lie inside live device allocations (checked by callers).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.cm.dev.compute().cu_stream()) }.map_err(err)
+    }
+
+    fn do_attention(&mut self, q: Val, k: Val, v: Val, s: AttnSpec) -> R<Val> {
+        let (nh, nkv, dk, dv) = (s.n_head as usize, s.n_kv_head as usize, s.head_dim_k as usize, s.head_dim_v as usize);
+        let n = self.positions.len();
+        {
+            let (mq, mk, mv) = (self.get(q)?, self.get(k)?, self.get(v)?);
+            if mq.cols != nh * dk || mk.cols != nkv * dk || mv.cols != nkv * dv || mq.rows != n || mk.rows != n || mv.rows != n {
+                return Err(format!("attention layer {}: q/k/v shapes do not match the spec", s.layer));
+            }
+        }
+        let p0 = self.positions[0] as usize;
+        let n_ctx = p0 + n;
+        let (kw, vw) = (nkv * dk, nkv * dv);
+        {
+            let (lkw, lvw, kc, vc) = self.kv.layers.get(&(s.layer as usize)).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
+            if (*lkw, *lvw) != (kw, vw) {
+                return Err(format!("layer {}: k/v widths {kw}/{vw} differ from the plan's {lkw}/{lvw}", s.layer));
+            }
+            if n_ctx > self.kv.n_ctx {
+                return Err(format!("context is full: position {} beyond {}", n_ctx - 1, self.kv.n_ctx));
+            }
+            // Positions of one step are consecutive: one copy per cache.
+            let (kd, vd) = (kc.device_ptr_at(p0 * kw).map_err(err)?, vc.device_ptr_at(p0 * vw).map_err(err)?);
+            self.copy_rows(kd, self.vals[k.0 as usize].buf.device_ptr(), n * kw * 4)?;
+            self.copy_rows(vd, self.vals[v.0 as usize].buf.device_ptr(), n * vw * 4)?;
+        }
+        let params = AttnParams { n_head: nh, n_kv_head: nkv, head_dim_k: dk, head_dim_v: dv, scale: s.scale, window: s.window as usize, softcap: s.softcap };
+        let mut work = self.pools.f32.take(&self.cm.dev, attention_workspace_len(&params, n, n_ctx)).map_err(err)?;
+        let mut out = self.new_val(n, nh * dv)?;
+        let stream = self.cm.dev.compute().clone();
+        let (_, _, kc, vc) = &self.kv.layers[&(s.layer as usize)];
+        self.cm.dev.attention(&stream, &params, &self.vals[q.0 as usize].buf, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out).map_err(err)?;
+        self.pools.f32.give(work);
+        self.push(out, n, nh * dv)
+    }
+
+    fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
+        let cm: &'a CudaModel = self.cm;
+        let dev = &cm.dev;
+        let stream = dev.compute().clone();
+        let (rows, d_model) = {
+            let d = self.get(x)?;
+            (d.rows, d.cols)
+        };
+        let (ne, k) = (spec.n_expert as usize, spec.top_k as usize);
+        // Router scores on the device, top-k there too.
+        let logits = self.linear_w(spec.router, x)?;
+        let mut ids = self.pools.i32.take(dev, rows * k).map_err(err)?;
+        let mut wts = self.pools.f32.take(dev, rows * k).map_err(err)?;
+        let rs = RouterSpec {
+            k,
+            gating: match spec.gating {
+                Gating::Softmax => CGating::Softmax,
+                Gating::Sigmoid => CGating::Sigmoid,
+            },
+            renormalize: spec.norm_topk,
+            scale: spec.weights_scale,
+        };
+        dev.route(&stream, &rs, &self.vals[logits.0 as usize].buf, None, rows, ne, &mut ids, &mut wts).map_err(err)?;
+        let mut h_ids = vec![0i32; rows * k];
+        let mut h_w = vec![0f32; rows * k];
+        ids.download(&stream, &mut h_ids).map_err(err)?;
+        wts.download(&stream, &mut h_w).map_err(err)?;
+        self.pools.i32.give(ids);
+        self.pools.f32.give(wts);
+        // Per-(token, slot) expert pointers: resident tensors or pool slots.
+        let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
+        let mut ptrs: [Vec<u64>; 3] = [vec![0; rows * k], vec![0; rows * k], vec![0; rows * k]];
+        for (wi, &w) in ws.iter().enumerate() {
+            let (dw, mw) = self.weight(w)?;
+            let slab = mw.bytes / dw.dims.get(2).copied().unwrap_or(1).max(1);
+            for (p, &e) in h_ids.iter().enumerate() {
+                if e < 0 || e as usize >= ne {
+                    return Err(format!("moe layer {}: router chose expert {e} of {ne}", spec.layer));
+                }
+                ptrs[wi][p] = match &dw.raw {
+                    Some(raw) => raw.device_ptr_at(e as usize * slab as usize).map_err(err)?,
+                    None => {
+                        let t = self.model.tensor(mw);
+                        let range = self.model.file.expert_slab(t, e as u64).map_err(err)?;
+                        let bytes = self.model.file.bytes(&range).map_err(err)?;
+                        let pool = self.cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;
+                        pool.lock().unwrap_or_else(|e| e.into_inner()).get(dev, (mw.tensor, e as u32), bytes).map_err(err)?
+                    }
+                };
+            }
+        }
+        let (gdw, _) = self.weight(spec.gate_exps)?;
+        let (ddw, _) = self.weight(spec.down_exps)?;
+        let (gate_ty, down_ty) = (gdw.ty, ddw.ty);
+        let ff = gdw.dims[1] as usize;
+        let n_pairs = rows * k;
+        let mut pbufs = Vec::with_capacity(3);
+        for p in &ptrs {
+            let mut b = self.pools.u64.take(dev, n_pairs).map_err(err)?;
+            b.upload(&stream, p).map_err(err)?;
+            pbufs.push(b);
+        }
+        let gfmt = ActFormat::for_weight(gate_ty).ok_or_else(|| format!("no CUDA expert kernel for {gate_ty}"))?;
+        let dfmt = ActFormat::for_weight(down_ty).ok_or_else(|| format!("no CUDA expert kernel for {down_ty}"))?;
+        let mut xq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, rows, d_model).map_err(err)?).map_err(err)?;
+        dev.quantize_act(&stream, gfmt, &self.vals[x.0 as usize].buf, rows, d_model, &mut xq).map_err(err)?;
+        let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+        let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
+        let mut out = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
+        let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
+        dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &xq, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out).map_err(err)?;
+        // Weighted sum over slots, in slot order, as the CPU backend does.
+        let mut per_pair = vec![0f32; n_pairs * d_model];
+        out.download(&stream, &mut per_pair).map_err(err)?;
+        let mut y = vec![0f32; rows * d_model];
+        for r in 0..rows {
+            let o = &mut y[r * d_model..(r + 1) * d_model];
+            for s in 0..k {
+                let w = h_w[r * k + s];
+                let src = &per_pair[(r * k + s) * d_model..(r * k + s + 1) * d_model];
+                o.iter_mut().zip(src).for_each(|(a, &b)| *a += w * b);
+            }
+        }
+        let mut yb = self.new_val(rows, d_model)?;
+        yb.upload(&stream, &y).map_err(err)?;
+        for b in pbufs {
+            self.pools.u64.give(b);
+        }
+        self.pools.u8.give(xq);
+        self.pools.u8.give(hq);
+        self.pools.f32.give(h);
+        self.pools.f32.give(out);
+        self.push(yb, rows, d_model)
+    }
+}
+
+impl Ops for CudaStep<'_> {
+    fn n_tokens(&self) -> u32 {
+        self.tokens.len() as u32
+    }
+    fn shape(&self, x: Val) -> RResult<RVec<u64>, RString> {
+        match self.get(x) {
+            Ok(d) => RResult::ROk(RVec::from(vec![d.rows as u64, d.cols as u64])),
+            Err(e) => RResult::RErr(e.into()),
+        }
+    }
+    fn embed(&mut self, table: Wt, scale: f32) -> OpResult {
+        res((|| {
+            let (dw, mw) = self.weight(table)?;
+            let raw = dw.raw.as_ref().ok_or_else(|| format!("{} is not resident", mw.name))?;
+            let (cols, n_vocab) = (dw.dims[0] as usize, dw.dims[1] as usize);
+            if let Some(&t) = self.tokens.iter().find(|&&t| t as usize >= n_vocab) {
+                return Err(format!("token id {t} is outside the vocabulary of {n_vocab}"));
+            }
+            let n = self.tokens.len();
+            let stream = self.cm.dev.compute().clone();
+            let mut ids = self.pools.u32.take(&self.cm.dev, n).map_err(err)?;
+            ids.upload(&stream, self.tokens).map_err(err)?;
+            let mut out = self.new_val(n, cols)?;
+            self.cm.dev.embed(&stream, dw.ty, raw, n_vocab, cols, &ids, &mut out).map_err(err)?;
+            self.pools.u32.give(ids);
+            if scale != 1.0 {
+                let mut scaled = self.new_val(n, cols)?;
+                self.cm.dev.scale(&stream, &out, scale, &mut scaled).map_err(err)?;
+                self.pools.f32.give(out);
+                out = scaled;
+            }
+            self.push(out, n, cols)
+        })())
+    }
+    fn linear(&mut self, w: Wt, x: Val) -> OpResult {
+        res(self.linear_w(w, x))
+    }
+    fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
+        res((|| {
+            let (rows, cols) = {
+                let d = self.get(x)?;
+                (d.rows, d.cols)
+            };
+            let g = group as usize;
+            let weight = match w {
+                ROption::RSome(w) => {
+                    let (dw, mw) = self.weight(w)?;
+                    let f = dw.f32.as_ref().ok_or_else(|| format!("{} is not a vector", mw.name))?;
+                    if f.len() != g {
+                        return Err(format!("rms_norm: weight {} has {} values for group {g}", mw.name, f.len()));
+                    }
+                    Some(f)
+                }
+                ROption::RNone => None,
+            };
+            let mut y = self.new_val(rows, cols)?;
+            let stream = self.cm.dev.compute().clone();
+            self.cm.dev.rms_norm(&stream, &self.vals[x.0 as usize].buf, &mut y, weight, g, eps).map_err(err)?;
+            self.push(y, rows, cols)
+        })())
+    }
+    fn add(&mut self, a: Val, b: Val) -> OpResult {
+        res(self.binary(a, b, 0))
+    }
+    fn mul(&mut self, a: Val, b: Val) -> OpResult {
+        res(self.binary(a, b, 1))
+    }
+    fn scale(&mut self, x: Val, s: f32) -> OpResult {
+        res((|| {
+            let (rows, cols) = {
+                let d = self.get(x)?;
+                (d.rows, d.cols)
+            };
+            let mut y = self.new_val(rows, cols)?;
+            let stream = self.cm.dev.compute().clone();
+            self.cm.dev.scale(&stream, &self.vals[x.0 as usize].buf, s, &mut y).map_err(err)?;
+            self.push(y, rows, cols)
+        })())
+    }
+    fn act(&mut self, x: Val, act: Act) -> OpResult {
+        // act(x) = glu(x, 1): the GLU kernel with a ones vector.
+        res((|| {
+            let (rows, cols) = {
+                let d = self.get(x)?;
+                (d.rows, d.cols)
+            };
+            let stream = self.cm.dev.compute().clone();
+            let mut ones = self.new_val(rows, cols)?;
+            ones.upload(&stream, &vec![1f32; rows * cols]).map_err(err)?;
+            let mut y = self.new_val(rows, cols)?;
+            self.cm.dev.glu(&stream, &self.vals[x.0 as usize].buf, &ones, &mut y, act_of(act)).map_err(err)?;
+            self.pools.f32.give(ones);
+            self.push(y, rows, cols)
+        })())
+    }
+    fn glu(&mut self, gate: Val, up: Val, act: Act) -> OpResult {
+        res((|| {
+            let (rows, cols) = {
+                let (g, u) = (self.get(gate)?, self.get(up)?);
+                if (g.rows, g.cols) != (u.rows, u.cols) {
+                    return Err("glu: gate and up shapes differ".to_string());
+                }
+                (g.rows, g.cols)
+            };
+            let mut y = self.new_val(rows, cols)?;
+            let stream = self.cm.dev.compute().clone();
+            self.cm.dev.glu(&stream, &self.vals[gate.0 as usize].buf, &self.vals[up.0 as usize].buf, &mut y, act_of(act)).map_err(err)?;
+            self.push(y, rows, cols)
+        })())
+    }
+    fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
+        res((|| {
+            let (rows, cols) = {
+                let d = self.get(x)?;
+                (d.rows, d.cols)
+            };
+            if rows != self.positions.len() {
+                return Err(format!("rope: {rows} rows for {} positions", self.positions.len()));
+            }
+            let mut y = self.new_val(rows, cols)?;
+            self.copy_rows(y.device_ptr(), self.vals[x.0 as usize].buf.device_ptr(), rows * cols * 4)?;
+            let kind = match spec.mode {
+                RopeMode::Neox => RopeKind::Neox,
+                RopeMode::Interleaved => RopeKind::Interleaved,
+            };
+            let p = RopeParams { head_dim: spec.head_dim as usize, n_rot: spec.n_rot as usize, base: spec.base, linear_factor: spec.linear_factor, kind };
+            let stream = self.cm.dev.compute().clone();
+            self.cm.dev.rope(&stream, &mut y, cols, self.pos_buf, &p).map_err(err)?;
+            self.push(y, rows, cols)
+        })())
+    }
+    fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> OpResult {
+        res(self.do_attention(q, k, v, spec))
+    }
+    fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
+        res(self.do_moe(x, &spec))
+    }
+    fn output_rows(&mut self, x: Val) -> OpResult {
+        res((|| {
+            let (rows, cols) = {
+                let d = self.get(x)?;
+                (d.rows, d.cols)
+            };
+            let keep = if self.all_rows { rows } else { 1 };
+            let mut y = self.new_val(keep, cols)?;
+            let src = self.vals[x.0 as usize].buf.device_ptr() + ((rows - keep) * cols * 4) as u64;
+            self.copy_rows(y.device_ptr(), src, keep * cols * 4)?;
+            let _ = &mut y;
+            self.push(y, keep, cols)
+        })())
+    }
+    fn name(&mut self, _x: Val, _name: RStr<'_>, _layer: i32) {}
+}
