@@ -14,13 +14,17 @@ use std::time::{Duration, Instant};
 
 use http::{content, Client};
 use pulsar_host::cpu::{CpuBackend, MappedExperts};
-use pulsar_host::server::{Backend, ServeOptions, Server, ShutdownHook};
+use pulsar_host::server::{Backend, ServeOptions, Server, ShutdownHook, TierStats};
 use serde_json::{json, Value};
 
 const KEY: &str = "test-key";
 
 fn start(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>) -> Server {
-    let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts) };
+    start_with(parallel, n_ctx, hook, None)
+}
+
+fn start_with(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_stats: Option<TierStats>) -> Server {
+    let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats };
     let opts = ServeOptions {
         port: 0,
         api_key: Some(KEY.into()),
@@ -269,7 +273,8 @@ fn error_of(r: &http::Resp, status: u16) -> Value {
 
 #[test]
 fn bad_requests_get_clear_errors_and_the_server_stays_up() {
-    let srv = start(2, 128, None);
+    let tiers: TierStats = Arc::new(|| json!({"vram": 0.25, "host": 0.5}));
+    let srv = start_with(2, 128, None, Some(tiers));
     let c = Client::new(srv.addr(), Some(KEY));
     let anon = Client::new(srv.addr(), None);
     let wrong = Client::new(srv.addr(), Some("nope"));
@@ -311,6 +316,9 @@ fn bad_requests_get_clear_errors_and_the_server_stays_up() {
     assert!(u["completion_tokens"].as_u64().unwrap() >= 1 || t.is_empty());
     let m = metrics(&c);
     assert!(m["requests_rejected"].as_u64().unwrap() >= 3, "{m}");
+    // Tier hit rates come from the store's callback, in both formats.
+    assert_eq!(m["expert_tier_hit_rates"]["host"], 0.5);
+    assert!(c.get("/metrics").text().contains("pulsar_expert_tier_hit_rate{tier=\"vram\"} 0.25"));
     srv.shutdown().unwrap();
 }
 

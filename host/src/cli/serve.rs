@@ -101,7 +101,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         grace: Duration::from_secs(a.shutdown_grace),
         model_id,
     };
-    let backend = Backend { model: Arc::new(model), cpu: Arc::new(cpu), experts: Arc::new(MappedExperts) };
+    let backend = Backend { model: Arc::new(model), cpu: Arc::new(cpu), experts: Arc::new(MappedExperts), tier_stats: None };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().thread_name("pulsar-http").build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)).await.with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port))?;

@@ -1,15 +1,19 @@
 //! Server counters for `GET /metrics`: Prometheus text, or JSON when asked.
 //!
-//! Expert-store tier hit rates are not measured here yet: the CPU path serves
-//! experts straight from the file mapping. The field exists (as `null` in
-//! JSON, absent in Prometheus text) for the store to fill.
+//! Expert-store tier hit rates are not measured here: the server asks
+//! [`Backend::tier_stats`](super::Backend::tier_stats) for them. Until the
+//! store is wired in that is `None`, and the field is `null` in JSON and a
+//! comment in Prometheus text (no made-up numbers).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+
+/// Reports the expert store's hit rate per tier (`{"vram": 0.93, ...}`).
+pub type TierStats = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
 /// How far back the token rates look.
 const WINDOW: Duration = Duration::from_secs(10);
@@ -31,6 +35,7 @@ pub struct Metrics {
     recent: Mutex<VecDeque<(Instant, u64, u64)>>,
     /// Sequence slots of the pool (fixed at start).
     pub slots: AtomicU64,
+    pub tier_stats: Option<TierStats>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]
@@ -51,11 +56,15 @@ pub struct Snapshot {
     pub generation_tokens_per_second: f64,
     /// Prompt tokens processed per second over the last 10 s.
     pub prompt_tokens_per_second: f64,
-    /// Expert-store tier hit rates: not measured yet (see the module docs).
+    /// Expert-store tier hit rates, from the store; `null` until one is wired in.
     pub expert_tier_hit_rates: Option<serde_json::Value>,
 }
 
 impl Metrics {
+    pub fn new(tier_stats: Option<TierStats>) -> Metrics {
+        Metrics { tier_stats, ..Metrics::default() }
+    }
+
     /// Record one batched step.
     pub fn step(&self, rows: u64, prompt_rows: u64, generated: u64, took: Duration) {
         self.steps_total.fetch_add(1, Relaxed);
@@ -99,7 +108,7 @@ impl Metrics {
             mean_rows_per_step: if steps > 0 { self.step_rows_total.load(Relaxed) as f64 / steps as f64 } else { 0.0 },
             generation_tokens_per_second: g as f64 / secs,
             prompt_tokens_per_second: p as f64 / secs,
-            expert_tier_hit_rates: None,
+            expert_tier_hit_rates: self.tier_stats.as_ref().map(|f| f()),
         }
     }
 }
@@ -124,7 +133,17 @@ impl Snapshot {
         put("rows_per_step", "gauge", "Mean rows per batched step.", self.mean_rows_per_step);
         put("generation_tokens_per_second", "gauge", "Generated tokens per second, last 10 s.", self.generation_tokens_per_second);
         put("prompt_tokens_per_second", "gauge", "Prompt tokens per second, last 10 s.", self.prompt_tokens_per_second);
-        s.push_str("# pulsar_expert_tier_hit_rate: not measured yet (the expert store is not wired to the server)\n");
+        match self.expert_tier_hit_rates.as_ref().and_then(|v| v.as_object()) {
+            Some(tiers) => {
+                s.push_str("# HELP pulsar_expert_tier_hit_rate Expert-store hit rate per tier.\n# TYPE pulsar_expert_tier_hit_rate gauge\n");
+                for (tier, v) in tiers {
+                    if let Some(x) = v.as_f64() {
+                        s.push_str(&format!("pulsar_expert_tier_hit_rate{{tier=\"{tier}\"}} {x}\n"));
+                    }
+                }
+            }
+            None => s.push_str("# pulsar_expert_tier_hit_rate: not measured (no expert store is wired to the server yet)\n"),
+        }
         s
     }
 }

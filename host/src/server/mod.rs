@@ -31,7 +31,7 @@ use crate::cpu::{CpuBackend, ExpertSource};
 use crate::model::Model;
 
 pub use guard::HostPolicy;
-pub use metrics::Metrics;
+pub use metrics::{Metrics, TierStats};
 
 /// Request bodies larger than this get 413.
 pub const BODY_LIMIT: usize = 8 << 20;
@@ -83,6 +83,8 @@ pub struct Backend {
     pub model: Arc<Model>,
     pub cpu: Arc<CpuBackend>,
     pub experts: Arc<dyn ExpertSource + Send + Sync>,
+    /// The expert store's hit rate per tier for `/metrics` (None: not measured).
+    pub tier_stats: Option<metrics::TierStats>,
 }
 
 /// Called once when the server stops, after the engine thread has finished
@@ -143,7 +145,7 @@ pub async fn serve(
     if let Err(e) = &template {
         tracing::warn!("no chat template ({e}): /v1/chat/completions will refuse requests, /v1/completions works");
     }
-    let metrics = Arc::new(Metrics::default());
+    let metrics = Arc::new(Metrics::new(backend.tier_stats.clone()));
     let (tx, rx) = mpsc::channel();
     let parts = scheduler::EngineParts {
         stop_ids: stop_ids(&backend.model, &tok),

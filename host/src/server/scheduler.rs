@@ -121,6 +121,16 @@ impl Active<'_> {
             // The first token comes from the prefill; the rest are decode steps.
             predicted_per_second: if predicted > 0.0 { self.generated.saturating_sub(1) as f64 / predicted } else { 0.0 },
         };
+        tracing::info!(
+            "sequence {}: {} prompt tokens ({} cached), {} generated, {reason}; queued {:.0} ms, prompt {:.0} ms, {:.1} tok/s",
+            self.seq.0,
+            usage.prompt_tokens,
+            self.cached,
+            self.generated,
+            timings.queue_ms,
+            timings.prompt_ms,
+            timings.predicted_per_second
+        );
         self.send(Event::Done(Finish { reason, usage, timings }));
     }
 }
