@@ -55,6 +55,54 @@ __device__ __forceinline__ void gemm_impl(const u8* __restrict__ W, const u8* __
     }
 }
 
+// ---- GEMV with the weight row staged through shared memory ----
+//
+// The same arithmetic as gemv_impl, but each warp first copies a chunk of its
+// weight row (STAGE_UNITS units, whole blocks) into shared memory with
+// coalesced 16-byte loads, then unpacks units from there: far fewer global
+// load instructions than unpacking straight from global memory byte by byte.
+// The last 16-byte load of a chunk may read up to 15 bytes past the row (never
+// past the 16-byte-aligned granule holding its last byte).
+
+#define STAGE_UNITS 32
+#define STAGE_V4 70 // 16-byte words per warp: 32 q8_0 blocks (1088 bytes) + alignment slack
+
+struct alignas(16) v4u {
+    u32 x, y, z, w;
+};
+
+template <int F>
+__device__ __forceinline__ void gemv_staged_impl(const u8* __restrict__ W, const u8* __restrict__ X,
+                                                 float* __restrict__ Y, int rows, int cols, const u64* tab) {
+    __shared__ v4u stage[GEMV_WARPS][STAGE_V4];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int row = blockIdx.x * GEMV_WARPS + warp;
+    if (row >= rows) return;
+    int units = cols / 32;
+    const u8* w = W + (size_t)row * w_row_bytes<F>(cols);
+    v4u* sm = stage[warp];
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < units; k0 += STAGE_UNITS) {
+        int nu = min(STAGE_UNITS, units - k0);
+        const u8* src = w + (size_t)(k0 / Fmt<F>::UNITS) * Fmt<F>::BYTES;
+        int nbytes = nu / Fmt<F>::UNITS * Fmt<F>::BYTES;
+        size_t addr = (size_t)src;
+        int head = (int)(addr & 15);
+        const v4u* s16 = (const v4u*)(addr - head);
+        int n16 = (head + nbytes + 15) >> 4;
+        __syncwarp();
+        for (int i = lane; i < n16; i += 32) sm[i] = s16[i];
+        __syncwarp();
+        if (lane < nu) {
+            Unit u = load_unit<F>((const u8*)sm + head, lane, tab);
+            XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(X, k0 + lane);
+            acc += unit_dot<F>(u, xv);
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) Y[row] = acc;
+}
+
 // ---- int8 tensor-core GEMM (sm_80+): mma.sync m16n8k16 s8 ----
 //
 // One warp computes a tile of 16 weight rows x (8 * MMA_NT) tokens. For every
@@ -153,6 +201,10 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) gemm_mma_##NAME(              \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
         gemm_mma_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                      \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
+        gemv_staged_##NAME(const u8* W, const u8* X, float* Y, int rows, int cols, const u64* tab) { \
+        gemv_staged_impl<F>(W, X, Y, rows, cols, tab);                                          \
     }
 
 GEMV_ENTRY(q8_0, F_Q8_0)

@@ -103,26 +103,27 @@ pub(crate) fn float_index(ty: GgmlType) -> Option<usize> {
     FLOAT_TYPES.iter().position(|&t| t == ty)
 }
 
-// gemv_<fmt> at 3i, gemm_<fmt> (dp4a) at 3i + 1, gemm_mma_<fmt> (int8 tensor cores)
-// at 3i + 2, then the two activation quantizers.
+// Per format i: gemv_<fmt> at 4i, gemm_<fmt> (dp4a) at 4i + 1, gemm_mma_<fmt>
+// (int8 tensor cores) at 4i + 2, gemv_staged_<fmt> at 4i + 3; then the two
+// activation quantizers.
 const GEMV_QUANT: &[&str] = &[
-    "gemv_q8_0", "gemm_q8_0", "gemm_mma_q8_0",
-    "gemv_q4_0", "gemm_q4_0", "gemm_mma_q4_0",
-    "gemv_q4_1", "gemm_q4_1", "gemm_mma_q4_1",
-    "gemv_q5_0", "gemm_q5_0", "gemm_mma_q5_0",
-    "gemv_q5_1", "gemm_q5_1", "gemm_mma_q5_1",
-    "gemv_q2_k", "gemm_q2_k", "gemm_mma_q2_k",
-    "gemv_q3_k", "gemm_q3_k", "gemm_mma_q3_k",
-    "gemv_q4_k", "gemm_q4_k", "gemm_mma_q4_k",
-    "gemv_q5_k", "gemm_q5_k", "gemm_mma_q5_k",
-    "gemv_q6_k", "gemm_q6_k", "gemm_mma_q6_k",
-    "gemv_iq2_xxs", "gemm_iq2_xxs", "gemm_mma_iq2_xxs",
-    "gemv_iq2_xs", "gemm_iq2_xs", "gemm_mma_iq2_xs",
-    "gemv_iq3_xxs", "gemm_iq3_xxs", "gemm_mma_iq3_xxs",
+    "gemv_q8_0", "gemm_q8_0", "gemm_mma_q8_0", "gemv_staged_q8_0",
+    "gemv_q4_0", "gemm_q4_0", "gemm_mma_q4_0", "gemv_staged_q4_0",
+    "gemv_q4_1", "gemm_q4_1", "gemm_mma_q4_1", "gemv_staged_q4_1",
+    "gemv_q5_0", "gemm_q5_0", "gemm_mma_q5_0", "gemv_staged_q5_0",
+    "gemv_q5_1", "gemm_q5_1", "gemm_mma_q5_1", "gemv_staged_q5_1",
+    "gemv_q2_k", "gemm_q2_k", "gemm_mma_q2_k", "gemv_staged_q2_k",
+    "gemv_q3_k", "gemm_q3_k", "gemm_mma_q3_k", "gemv_staged_q3_k",
+    "gemv_q4_k", "gemm_q4_k", "gemm_mma_q4_k", "gemv_staged_q4_k",
+    "gemv_q5_k", "gemm_q5_k", "gemm_mma_q5_k", "gemv_staged_q5_k",
+    "gemv_q6_k", "gemm_q6_k", "gemm_mma_q6_k", "gemv_staged_q6_k",
+    "gemv_iq2_xxs", "gemm_iq2_xxs", "gemm_mma_iq2_xxs", "gemv_staged_iq2_xxs",
+    "gemv_iq2_xs", "gemm_iq2_xs", "gemm_mma_iq2_xs", "gemv_staged_iq2_xs",
+    "gemv_iq3_xxs", "gemm_iq3_xxs", "gemm_mma_iq3_xxs", "gemv_staged_iq3_xxs",
     "quantize_q8_0", "quantize_q8_k",
 ];
-pub(crate) const QUANTIZE_Q8_0: usize = 39;
-pub(crate) const QUANTIZE_Q8_K: usize = 40;
+pub(crate) const QUANTIZE_Q8_0: usize = 52;
+pub(crate) const QUANTIZE_Q8_K: usize = 53;
 
 const GEMV_FLOAT: &[&str] = &["gemv_f32", "gemm_f32", "gemv_f16", "gemm_f16", "gemv_bf16", "gemm_bf16"];
 
@@ -151,9 +152,10 @@ mod tests {
     fn entry_tables_follow_the_format_order() {
         for (i, ty) in QUANT_TYPES.iter().enumerate() {
             let n = ty.name().to_ascii_lowercase();
-            assert_eq!(GEMV_QUANT[3 * i], format!("gemv_{n}"));
-            assert_eq!(GEMV_QUANT[3 * i + 1], format!("gemm_{n}"));
-            assert_eq!(GEMV_QUANT[3 * i + 2], format!("gemm_mma_{n}"));
+            assert_eq!(GEMV_QUANT[4 * i], format!("gemv_{n}"));
+            assert_eq!(GEMV_QUANT[4 * i + 1], format!("gemm_{n}"));
+            assert_eq!(GEMV_QUANT[4 * i + 2], format!("gemm_mma_{n}"));
+            assert_eq!(GEMV_QUANT[4 * i + 3], format!("gemv_staged_{n}"));
             assert_eq!(EMBED[3 + i], format!("embed_{n}"));
             assert_eq!(MOE[1 + 2 * i], format!("moe_up_{n}"));
             assert_eq!(MOE[2 + 2 * i], format!("moe_down_{n}"));
@@ -188,7 +190,7 @@ mod tests {
             let Some((mac, args)) = l.split_once('(') else { return false };
             let name = args.split(',').next().unwrap_or("").trim();
             let prefixes: &[&str] = match mac.trim() {
-                "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_"],
+                "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_", "gemv_staged_"],
                 "FGEMV_ENTRY" => &["gemv_", "gemm_"],
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],

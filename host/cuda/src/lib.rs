@@ -20,5 +20,5 @@ pub use buf::{DeviceBuf, PinnedBuf, Pod};
 pub use device::CudaDevice;
 pub mod ops;
 
-pub use ops::{act_bytes, attention_workspace_len, weight_bytes, GemmKernel, Gating, KvElem, MoePairs, RouterSpec};
+pub use ops::{act_bytes, attention_workspace_len, weight_bytes, GemmKernel, GemvKernel, Gating, KvElem, MoePairs, RouterSpec};
 pub mod selftest;

@@ -26,6 +26,23 @@ const MMA_ROWS_PER_BLOCK: usize = 64; // MMA_WARPS * 16
 const MMA_TOKENS: usize = 32; // 8 * MMA_NT
 const ATT_CHUNK: usize = 256;
 
+/// Which kernel runs a quantized GEMV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvKernel {
+    /// Each lane unpacks its units straight from global memory.
+    Direct,
+    /// The weight row goes through shared memory in 16-byte coalesced loads first.
+    Staged,
+}
+
+impl GemvKernel {
+    /// The kernel [`CudaDevice::gemv`] uses on a device of compute capability `cc`.
+    pub fn default_for(cc: (i32, i32)) -> GemvKernel {
+        let _ = cc;
+        GemvKernel::Direct
+    }
+}
+
 /// Which kernel runs a quantized GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmKernel {
@@ -227,8 +244,28 @@ impl CudaDevice {
         x: &DeviceBuf<u8>,
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
+        self.gemv_with(stream, GemvKernel::default_for(self.compute_capability()), ty, w, rows, cols, x, y)
+    }
+
+    /// [`CudaDevice::gemv`] with an explicit kernel choice.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_with(
+        &self,
+        stream: &CudaStream,
+        kernel: GemvKernel,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<u8>,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
         let qi = self.check_quant_mm("gemv", ty, w, rows, cols, x, 1, y)?;
-        let f = self.func(Family::GemvQuant, 3 * qi)?;
+        let entry = match kernel {
+            GemvKernel::Direct => 4 * qi,
+            GemvKernel::Staged => 4 * qi + 3,
+        };
+        let f = self.func(Family::GemvQuant, entry)?;
         let (wp, xp, yp, tab) = (w.device_ptr(), x.device_ptr(), y.device_ptr(), self.iq_tables().device_ptr());
         let (r, c) = (rows as i32, cols as i32);
         let grid = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
@@ -273,14 +310,14 @@ impl CudaDevice {
         let qi = self.check_quant_mm("gemm", ty, w, rows, cols, x, n_tok, y)?;
         let (entry, grid) = match kernel {
             GemmKernel::Dp4a => (
-                3 * qi + 1,
+                4 * qi + 1,
                 (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(GEMM_TOKENS) as u32, 1),
             ),
             GemmKernel::TensorCore => {
                 if self.compute_capability().0 < 8 {
                     return Err(CudaError::Unsupported { op: "gemm (int8 tensor cores need sm_80+)", ty });
                 }
-                (3 * qi + 2, (rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(MMA_TOKENS) as u32, 1))
+                (4 * qi + 2, (rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(MMA_TOKENS) as u32, 1))
             }
         };
         let f = self.func(Family::GemvQuant, entry)?;

@@ -17,7 +17,7 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
-use crate::ops::{attention_workspace_len, GemmKernel, Gating, MoePairs, RouterSpec};
+use crate::ops::{attention_workspace_len, GemmKernel, GemvKernel, Gating, MoePairs, RouterSpec};
 
 /// One line of the self-test table.
 #[derive(Clone, Debug)]
@@ -153,6 +153,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         let be = ty.block_elems() as usize;
         let cols = if be == 256 { 256 * 7 } else { 32 * 37 };
         t.push("gemv", &fmt_name(ty), format!("257x{cols}"), quant_mm_case(dev, &pool, &k, ty, 257, cols, 1, next()));
+        t.push("gemv staged", &fmt_name(ty), format!("257x{cols}"), staged_case(dev, &pool, &k, ty, 257, cols, next()));
         t.push("gemm dp4a", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_case(dev, &pool, &k, ty, 129, cols, 37, next()));
         if dev.compute_capability().0 >= 8 {
             t.push("gemm mma", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_with(dev, &pool, &k, GemmKernel::TensorCore, ty, 129, cols, 37, next()));
@@ -285,6 +286,30 @@ fn quant_mm_with(
     } else {
         dev.gemm_with(dev.compute(), kernel, ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
     }
+    Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
+}
+
+/// The staged GEMV over rows that start unaligned (an odd row count of a
+/// 32-value format puts most rows off 16-byte boundaries) and several chunks.
+fn staged_case(
+    dev: &CudaDevice,
+    pool: &rayon::ThreadPool,
+    k: &Kernels,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
+    let be = ty.block_elems() as usize;
+    let cols = cols * 3; // more than one 32-unit chunk, and a partial last one
+    let w = random_blocks(ty, rows * cols / be, seed)?;
+    let x = random_values(cols, seed ^ 1);
+    let acts = Activations::for_weight(ty, &x, cols)?;
+    let mut cpu = vec![0f32; rows];
+    k.matmul(pool, &WeightMatrix::new(ty, &w, rows, cols)?, &acts, &mut cpu)?;
+    let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
+    let mut y = poisoned::<f32>(dev, rows)?;
+    dev.gemv_with(dev.compute(), GemvKernel::Staged, ty, &wd, rows, cols, &xd, &mut y)?;
     Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
 }
 
@@ -536,11 +561,22 @@ fn moe_case(
 /// call and the achieved weight bandwidth.
 pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     let mut out = Vec::new();
+    for n_ctx in [4096usize, 32768] {
+        for f16 in [false, true] {
+            match bench_attention(dev, n_ctx, f16) {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(BenchRow { op: format!("attention failed: {e}"), format: String::new(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }),
+            }
+        }
+    }
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS, GgmlType::Q4_0] {
         for (rows, cols) in shapes {
-            if let Ok(r) = bench_one(dev, GemmKernel::Dp4a, ty, rows, cols, 1) {
-                out.push(r);
+            for gk in [GemvKernel::Direct, GemvKernel::Staged] {
+                match bench_gemv(dev, gk, ty, rows, cols) {
+                    Ok(r) => out.push(r),
+                    Err(e) => out.push(BenchRow { op: format!("gemv {gk:?} failed: {e}"), format: fmt_name(ty), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }),
+                }
             }
         }
         for kernel in [GemmKernel::Dp4a, GemmKernel::TensorCore] {
@@ -551,6 +587,79 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         }
     }
     out
+}
+
+fn bench_gemv(dev: &CudaDevice, kernel: GemvKernel, ty: GgmlType, rows: usize, cols: usize) -> Result<BenchRow, CudaError> {
+    let be = ty.block_elems() as usize;
+    let w = random_blocks(ty, rows * cols / be, 1)?;
+    let acts = Activations::for_weight(ty, &random_values(cols, 2), cols)?;
+    let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
+    let mut y = dev.alloc::<f32>(rows)?;
+    let s = dev.compute();
+    for _ in 0..3 {
+        dev.gemv_with(s, kernel, ty, &wd, rows, cols, &xd, &mut y)?;
+    }
+    let reps = 50;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    e0.record(s)?;
+    for _ in 0..reps {
+        dev.gemv_with(s, kernel, ty, &wd, rows, cols, &xd, &mut y)?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    Ok(BenchRow {
+        op: format!("gemv {kernel:?}"),
+        format: fmt_name(ty),
+        shape: format!("{rows}x{cols}"),
+        us,
+        gb_per_s: w.len() as f64 / (us * 1e-6) / 1e9,
+    })
+}
+
+/// Decode attention (one query, 32 heads over 8 KV heads, d 128) over `n_ctx` cached rows.
+fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow, CudaError> {
+    let p = AttnParams { n_head: 32, n_kv_head: 8, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 };
+    let kv = n_ctx * p.n_kv_head * p.head_dim_k;
+    let q = dev.upload(&random_values(p.n_head * p.head_dim_k, 3))?;
+    let pos = dev.upload(&[(n_ctx - 1) as u32])?;
+    let mut work = dev.alloc::<f32>(attention_workspace_len(&p, 1, n_ctx))?;
+    let mut o = dev.alloc::<f32>(p.n_head * p.head_dim_v)?;
+    let s = dev.compute();
+    let reps = 20;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    let elem = if f16 { 2 } else { 4 };
+    let run = |work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| -> Result<f32, CudaError> {
+        let vals = random_values(kv, 4);
+        if f16 {
+            let bits: Vec<u16> = vals.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
+            let (k, v) = (dev.upload(&bits)?, dev.upload(&bits)?);
+            dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            e0.record(s)?;
+            for _ in 0..reps {
+                dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            }
+        } else {
+            let (k, v) = (dev.upload(&vals)?, dev.upload(&vals)?);
+            dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            e0.record(s)?;
+            for _ in 0..reps {
+                dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            }
+        }
+        e1.record(s)?;
+        e1.synchronize()?;
+        Ok(e0.elapsed_ms(&e1)?)
+    };
+    let ms = run(&mut work, &mut o)? as f64;
+    let us = ms * 1e3 / reps as f64;
+    Ok(BenchRow {
+        op: "attention decode".into(),
+        format: if f16 { "f16 kv".into() } else { "f32 kv".into() },
+        shape: format!("h32/8 d128 ctx{n_ctx}"),
+        us,
+        gb_per_s: (2 * kv * elem) as f64 / (us * 1e-6) / 1e9,
+    })
 }
 
 fn bench_one(dev: &CudaDevice, kernel: GemmKernel, ty: GgmlType, rows: usize, cols: usize, n_tok: usize) -> Result<BenchRow, CudaError> {
@@ -619,7 +728,7 @@ pub fn markdown(rows: &[SelfTestRow]) -> String {
 
 /// The bandwidth table as GitHub Markdown.
 pub fn bench_markdown(rows: &[BenchRow]) -> String {
-    let mut s = String::from("| op | format | shape | us/call | weight GB/s |\n|---|---|---|---|---|\n");
+    let mut s = String::from("| op | format | shape | us/call | GB/s (weights or KV read) |\n|---|---|---|---|---|\n");
     for r in rows {
         s += &format!("| {} | {} | {} | {:.1} | {:.0} |\n", r.op, r.format, r.shape, r.us, r.gb_per_s);
     }
