@@ -253,14 +253,22 @@ fn long_prompt_text(body: &Value) -> String {
 /// A prompt whose greedy completion runs `n` tokens without a stop token
 /// (the synthetic model's text is noise: some prompts end early).
 fn long_prompt(c: &Client, n: usize) -> String {
-    for k in 0..40 {
+    long_prompts(c, n, 1).remove(0)
+}
+
+fn long_prompts(c: &Client, n: usize, count: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for k in 0..60 {
         let p = format!("Story number {k}:");
         let (_, finish, usage) = content(&c.post("/v1/completions", &json!({"prompt": p, "max_tokens": n, "temperature": 0})), false);
         if finish == "length" && usage["completion_tokens"] == n {
-            return p;
+            out.push(p);
+            if out.len() == count {
+                return out;
+            }
         }
     }
-    panic!("no prompt of 40 runs {n} tokens");
+    panic!("fewer than {count} of 60 prompts run {n} tokens");
 }
 
 fn error_of(r: &http::Resp, status: u16) -> Value {
@@ -343,4 +351,35 @@ fn shutdown_ends_running_streams_and_runs_the_hook() {
     let text = String::from_utf8_lossy(&rest);
     assert!(text.contains("shut down") && text.contains("[DONE]"), "the running stream should end with an error and [DONE]: {text}");
     assert!(std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(), "still accepting after shutdown");
+}
+
+#[test]
+fn queued_requests_are_served_in_arrival_order() {
+    let srv = start(1, 2048, None);
+    let c = Client::new(srv.addr(), Some(KEY));
+    // Each runs long enough (~100 ms and more) that finishing order is
+    // serving order, not a race between clients reading their responses.
+    let p = long_prompts(&c, 150, 4);
+    let base = metrics(&c)["requests_total"].as_u64().unwrap() as usize;
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut threads = Vec::new();
+    for (i, (prompt, n)) in [(&p[0], 1500), (&p[1], 150), (&p[2], 150), (&p[3], 150)].into_iter().enumerate() {
+        let (addr, order, body) = (srv.addr(), order.clone(), json!({"prompt": prompt, "max_tokens": n, "temperature": 0}));
+        threads.push(std::thread::spawn(move || {
+            let r = Client::new(addr, Some(KEY)).post("/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.text());
+            order.lock().unwrap().push(i);
+        }));
+        // The next one leaves only once this one is queued on the engine.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while metrics(&c)["requests_total"].as_u64().unwrap() < (base + i + 1) as u64 {
+            assert!(Instant::now() < deadline, "request {i} never arrived");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let m = metrics(&c);
+    assert!(m["queue_depth"].as_u64().unwrap() >= 1, "the first request finished before the others queued: {m}");
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
+    srv.shutdown().unwrap();
 }
