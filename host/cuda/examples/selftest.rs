@@ -12,7 +12,11 @@ use pulsar_cuda::{selftest, CudaDevice};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let bench = args.iter().any(|a| a == "--bench");
-    let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+    let out = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let dev = match CudaDevice::open(0) {
         Ok(d) => d,
         Err(e) => {
@@ -37,7 +41,10 @@ fn main() {
         eprintln!("selftest: compiling the kernels failed: {e}");
         std::process::exit(1);
     }
-    md += &format!("kernel modules ready in {:.2} s (NVRTC compile or disk cache)\n\n", t0.elapsed().as_secs_f64());
+    md += &format!(
+        "kernel modules ready in {:.2} s (NVRTC compile or disk cache)\n\n",
+        t0.elapsed().as_secs_f64()
+    );
     let t1 = Instant::now();
     let rows = selftest::run(&dev);
     let failed = rows.iter().filter(|r| !r.pass).count();

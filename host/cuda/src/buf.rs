@@ -77,7 +77,10 @@ impl<T: Pod> DeviceBuf<T> {
     /// The device address of value `i` (may be one past the end).
     pub fn device_ptr_at(&self, i: usize) -> Result<u64, CudaError> {
         if i > self.len {
-            return Err(shape("device_ptr_at", format!("index {i} beyond {} values", self.len)));
+            return Err(shape(
+                "device_ptr_at",
+                format!("index {i} beyond {} values", self.len),
+            ));
         }
         Ok(self.ptr + (i * std::mem::size_of::<T>()) as u64)
     }
@@ -108,7 +111,11 @@ impl<T: Pod> DeviceBuf<T> {
 
     /// Asynchronous copy in from pinned memory: `src` must stay alive and
     /// unchanged until the stream reaches this point (record an event).
-    pub fn upload_async(&mut self, stream: &CudaStream, src: &PinnedBuf<T>) -> Result<(), CudaError> {
+    pub fn upload_async(
+        &mut self,
+        stream: &CudaStream,
+        src: &PinnedBuf<T>,
+    ) -> Result<(), CudaError> {
         self.check_len("upload_async", src.len())?;
         self.ctx.bind_to_thread()?;
         // SAFETY: sizes checked; pinned memory outlives the copy per the contract above.
@@ -117,7 +124,11 @@ impl<T: Pod> DeviceBuf<T> {
     }
 
     /// Asynchronous copy out into pinned memory (read it after syncing the stream).
-    pub fn download_async(&self, stream: &CudaStream, dst: &mut PinnedBuf<T>) -> Result<(), CudaError> {
+    pub fn download_async(
+        &self,
+        stream: &CudaStream,
+        dst: &mut PinnedBuf<T>,
+    ) -> Result<(), CudaError> {
         self.check_len("download_async", dst.len())?;
         self.ctx.bind_to_thread()?;
         // SAFETY: as above.
@@ -135,7 +146,10 @@ impl<T: Pod> DeviceBuf<T> {
 
     fn check_len(&self, op: &'static str, n: usize) -> Result<(), CudaError> {
         if n != self.len {
-            return Err(shape(op, format!("{n} host values for a buffer of {}", self.len)));
+            return Err(shape(
+                op,
+                format!("{n} host values for a buffer of {}", self.len),
+            ));
         }
         Ok(())
     }
@@ -173,7 +187,9 @@ impl<T: Pod> PinnedBuf<T> {
         // SAFETY: flags 0 = plain cached page-locked memory.
         let p = unsafe { result::malloc_host(bytes.max(1), 0) }? as *mut T;
         if p.is_null() || !p.is_aligned() {
-            return Err(CudaError::Unavailable("cuMemHostAlloc returned an unusable pointer".into()));
+            return Err(CudaError::Unavailable(
+                "cuMemHostAlloc returned an unusable pointer".into(),
+            ));
         }
         // SAFETY: `bytes` bytes were just allocated at `p`.
         unsafe { std::ptr::write_bytes(p as *mut u8, 0, bytes) };

@@ -47,7 +47,11 @@ pub fn arch_name(cc: (i32, i32)) -> String {
 /// Compile one family's source for `arch` (e.g. `sm_90`) to a CUBIN image.
 /// `include_dirs` are passed as `-I` (the sources need none; kept for headers
 /// a future kernel may include).
-pub fn compile_cubin(family: Family, arch: &str, include_dirs: &[PathBuf]) -> Result<Vec<u8>, CudaError> {
+pub fn compile_cubin(
+    family: Family,
+    arch: &str,
+    include_dirs: &[PathBuf],
+) -> Result<Vec<u8>, CudaError> {
     require_nvrtc()?;
     let src = CString::new(family.source()).map_err(|_| CudaError::Compile {
         source_name: family.file(),
@@ -66,12 +70,14 @@ pub fn compile_cubin(family: Family, arch: &str, include_dirs: &[PathBuf]) -> Re
     }
     let prog = nv::create_program(&src, Some(&name))?;
     // SAFETY: `prog` is live until destroy_program below; src/name outlive it.
-    let out = unsafe {
+    unsafe {
         let compiled = nv::compile_program(prog, &opts);
         let result = match compiled {
             Ok(()) => cubin(prog),
             Err(_) => {
-                let log = nv::get_program_log(prog).map(log_string).unwrap_or_default();
+                let log = nv::get_program_log(prog)
+                    .map(log_string)
+                    .unwrap_or_default();
                 Err(CudaError::Compile {
                     source_name: family.file(),
                     arch: arch.to_string(),
@@ -81,8 +87,7 @@ pub fn compile_cubin(family: Family, arch: &str, include_dirs: &[PathBuf]) -> Re
         };
         let _ = nv::destroy_program(prog);
         result
-    };
-    out
+    }
 }
 
 /// # Safety
@@ -96,7 +101,11 @@ unsafe fn cubin(prog: nvsys::nvrtcProgram) -> Result<Vec<u8>, CudaError> {
 }
 
 fn log_string(v: Vec<c_char>) -> String {
-    let bytes: Vec<u8> = v.into_iter().take_while(|&c| c != 0).map(|c| c as u8).collect();
+    let bytes: Vec<u8> = v
+        .into_iter()
+        .take_while(|&c| c != 0)
+        .map(|c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -133,7 +142,11 @@ pub fn cache_path(dir: &Path, family: Family, arch: &str, nvrtc: (i32, i32)) -> 
 
 /// A CUBIN from the cache, else compiled and written to it (best effort: a
 /// cache that cannot be written costs a compile next time, nothing more).
-pub fn cubin_cached(family: Family, arch: &str, cache_dir: Option<&Path>) -> Result<Vec<u8>, CudaError> {
+pub fn cubin_cached(
+    family: Family,
+    arch: &str,
+    cache_dir: Option<&Path>,
+) -> Result<Vec<u8>, CudaError> {
     let ver = nvrtc_version()?;
     let path = cache_dir.map(|d| cache_path(d, family, arch, ver));
     if let Some(p) = &path {

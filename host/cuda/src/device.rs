@@ -35,7 +35,13 @@ pub struct CudaDevice {
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaDevice({} {}, {})", self.ordinal(), self.name, self.arch)
+        write!(
+            f,
+            "CudaDevice({} {}, {})",
+            self.ordinal(),
+            self.name,
+            self.arch
+        )
     }
 }
 
@@ -60,9 +66,14 @@ impl CudaDevice {
     }
 
     /// As [`CudaDevice::open`] with an explicit kernel cache folder (`None`: no disk cache).
-    pub fn open_with_cache(ordinal: usize, cache_dir: Option<PathBuf>) -> Result<CudaDevice, CudaError> {
+    pub fn open_with_cache(
+        ordinal: usize,
+        cache_dir: Option<PathBuf>,
+    ) -> Result<CudaDevice, CudaError> {
         if !driver_present() {
-            return Err(CudaError::Unavailable("libcuda (the NVIDIA driver) not found".into()));
+            return Err(CudaError::Unavailable(
+                "libcuda (the NVIDIA driver) not found".into(),
+            ));
         }
         if !nvrtc_available() {
             return Err(CudaError::Unavailable("libnvrtc not found".into()));
@@ -187,7 +198,11 @@ impl CudaDevice {
         let module = self.ctx.load_module(Ptx::from_binary(bin))?;
         let mut funcs = Vec::with_capacity(family.entries().len());
         for e in family.entries() {
-            funcs.push(module.load_function(e).map_err(|_| CudaError::MissingEntry(e))?);
+            funcs.push(
+                module
+                    .load_function(e)
+                    .map_err(|_| CudaError::MissingEntry(e))?,
+            );
         }
         // A racing thread may have set it first; either value is the same module.
         let _ = cell.set(Loaded {
@@ -256,9 +271,9 @@ fn iq_tables() -> Result<Vec<u64>, CudaError> {
 }
 
 fn pack_u64(vals: &[f32], mul: f32) -> u64 {
-    vals.iter()
-        .enumerate()
-        .fold(0u64, |acc, (i, &x)| acc | (((x * mul).round() as u64) & 0xff) << (8 * i))
+    vals.iter().enumerate().fold(0u64, |acc, (i, &x)| {
+        acc | (((x * mul).round() as u64) & 0xff) << (8 * i)
+    })
 }
 
 #[cfg(test)]

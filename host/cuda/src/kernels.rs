@@ -107,41 +107,122 @@ pub(crate) fn float_index(ty: GgmlType) -> Option<usize> {
 // (int8 tensor cores) at 4i + 2, gemv_staged_<fmt> at 4i + 3; then the two
 // activation quantizers.
 const GEMV_QUANT: &[&str] = &[
-    "gemv_q8_0", "gemm_q8_0", "gemm_mma_q8_0", "gemv_staged_q8_0",
-    "gemv_q4_0", "gemm_q4_0", "gemm_mma_q4_0", "gemv_staged_q4_0",
-    "gemv_q4_1", "gemm_q4_1", "gemm_mma_q4_1", "gemv_staged_q4_1",
-    "gemv_q5_0", "gemm_q5_0", "gemm_mma_q5_0", "gemv_staged_q5_0",
-    "gemv_q5_1", "gemm_q5_1", "gemm_mma_q5_1", "gemv_staged_q5_1",
-    "gemv_q2_k", "gemm_q2_k", "gemm_mma_q2_k", "gemv_staged_q2_k",
-    "gemv_q3_k", "gemm_q3_k", "gemm_mma_q3_k", "gemv_staged_q3_k",
-    "gemv_q4_k", "gemm_q4_k", "gemm_mma_q4_k", "gemv_staged_q4_k",
-    "gemv_q5_k", "gemm_q5_k", "gemm_mma_q5_k", "gemv_staged_q5_k",
-    "gemv_q6_k", "gemm_q6_k", "gemm_mma_q6_k", "gemv_staged_q6_k",
-    "gemv_iq2_xxs", "gemm_iq2_xxs", "gemm_mma_iq2_xxs", "gemv_staged_iq2_xxs",
-    "gemv_iq2_xs", "gemm_iq2_xs", "gemm_mma_iq2_xs", "gemv_staged_iq2_xs",
-    "gemv_iq3_xxs", "gemm_iq3_xxs", "gemm_mma_iq3_xxs", "gemv_staged_iq3_xxs",
-    "quantize_q8_0", "quantize_q8_k",
+    "gemv_q8_0",
+    "gemm_q8_0",
+    "gemm_mma_q8_0",
+    "gemv_staged_q8_0",
+    "gemv_q4_0",
+    "gemm_q4_0",
+    "gemm_mma_q4_0",
+    "gemv_staged_q4_0",
+    "gemv_q4_1",
+    "gemm_q4_1",
+    "gemm_mma_q4_1",
+    "gemv_staged_q4_1",
+    "gemv_q5_0",
+    "gemm_q5_0",
+    "gemm_mma_q5_0",
+    "gemv_staged_q5_0",
+    "gemv_q5_1",
+    "gemm_q5_1",
+    "gemm_mma_q5_1",
+    "gemv_staged_q5_1",
+    "gemv_q2_k",
+    "gemm_q2_k",
+    "gemm_mma_q2_k",
+    "gemv_staged_q2_k",
+    "gemv_q3_k",
+    "gemm_q3_k",
+    "gemm_mma_q3_k",
+    "gemv_staged_q3_k",
+    "gemv_q4_k",
+    "gemm_q4_k",
+    "gemm_mma_q4_k",
+    "gemv_staged_q4_k",
+    "gemv_q5_k",
+    "gemm_q5_k",
+    "gemm_mma_q5_k",
+    "gemv_staged_q5_k",
+    "gemv_q6_k",
+    "gemm_q6_k",
+    "gemm_mma_q6_k",
+    "gemv_staged_q6_k",
+    "gemv_iq2_xxs",
+    "gemm_iq2_xxs",
+    "gemm_mma_iq2_xxs",
+    "gemv_staged_iq2_xxs",
+    "gemv_iq2_xs",
+    "gemm_iq2_xs",
+    "gemm_mma_iq2_xs",
+    "gemv_staged_iq2_xs",
+    "gemv_iq3_xxs",
+    "gemm_iq3_xxs",
+    "gemm_mma_iq3_xxs",
+    "gemv_staged_iq3_xxs",
+    "quantize_q8_0",
+    "quantize_q8_k",
 ];
 pub(crate) const QUANTIZE_Q8_0: usize = 52;
 pub(crate) const QUANTIZE_Q8_K: usize = 53;
 
-const GEMV_FLOAT: &[&str] = &["gemv_f32", "gemm_f32", "gemv_f16", "gemm_f16", "gemv_bf16", "gemm_bf16"];
+const GEMV_FLOAT: &[&str] = &[
+    "gemv_f32",
+    "gemm_f32",
+    "gemv_f16",
+    "gemm_f16",
+    "gemv_bf16",
+    "gemm_bf16",
+];
 
 // Float formats first (FLOAT_TYPES order), then QUANT_TYPES order.
 const EMBED: &[&str] = &[
-    "embed_f32", "embed_f16", "embed_bf16", "embed_q8_0", "embed_q4_0", "embed_q4_1",
-    "embed_q5_0", "embed_q5_1", "embed_q2_k", "embed_q3_k", "embed_q4_k", "embed_q5_k",
-    "embed_q6_k", "embed_iq2_xxs", "embed_iq2_xs", "embed_iq3_xxs",
+    "embed_f32",
+    "embed_f16",
+    "embed_bf16",
+    "embed_q8_0",
+    "embed_q4_0",
+    "embed_q4_1",
+    "embed_q5_0",
+    "embed_q5_1",
+    "embed_q2_k",
+    "embed_q3_k",
+    "embed_q4_k",
+    "embed_q5_k",
+    "embed_q6_k",
+    "embed_iq2_xxs",
+    "embed_iq2_xs",
+    "embed_iq3_xxs",
 ];
 
 // route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i.
 const MOE: &[&str] = &[
-    "route_topk", "moe_up_q8_0", "moe_down_q8_0", "moe_up_q4_0", "moe_down_q4_0",
-    "moe_up_q4_1", "moe_down_q4_1", "moe_up_q5_0", "moe_down_q5_0", "moe_up_q5_1",
-    "moe_down_q5_1", "moe_up_q2_k", "moe_down_q2_k", "moe_up_q3_k", "moe_down_q3_k",
-    "moe_up_q4_k", "moe_down_q4_k", "moe_up_q5_k", "moe_down_q5_k", "moe_up_q6_k",
-    "moe_down_q6_k", "moe_up_iq2_xxs", "moe_down_iq2_xxs", "moe_up_iq2_xs", "moe_down_iq2_xs",
-    "moe_up_iq3_xxs", "moe_down_iq3_xxs",
+    "route_topk",
+    "moe_up_q8_0",
+    "moe_down_q8_0",
+    "moe_up_q4_0",
+    "moe_down_q4_0",
+    "moe_up_q4_1",
+    "moe_down_q4_1",
+    "moe_up_q5_0",
+    "moe_down_q5_0",
+    "moe_up_q5_1",
+    "moe_down_q5_1",
+    "moe_up_q2_k",
+    "moe_down_q2_k",
+    "moe_up_q3_k",
+    "moe_down_q3_k",
+    "moe_up_q4_k",
+    "moe_down_q4_k",
+    "moe_up_q5_k",
+    "moe_down_q5_k",
+    "moe_up_q6_k",
+    "moe_down_q6_k",
+    "moe_up_iq2_xxs",
+    "moe_down_iq2_xxs",
+    "moe_up_iq2_xs",
+    "moe_down_iq2_xs",
+    "moe_up_iq3_xxs",
+    "moe_down_iq3_xxs",
 ];
 
 #[cfg(test)]
@@ -187,7 +268,9 @@ mod tests {
     /// `gemv_q4_k` is defined by `GEMV_ENTRY(q4_k, ...)` (prefix `gemv_##NAME`).
     fn macro_defines(src: &str, entry: &str) -> bool {
         src.lines().filter_map(|l| l.strip_suffix(')')).any(|l| {
-            let Some((mac, args)) = l.split_once('(') else { return false };
+            let Some((mac, args)) = l.split_once('(') else {
+                return false;
+            };
             let name = args.split(',').next().unwrap_or("").trim();
             let prefixes: &[&str] = match mac.trim() {
                 "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_", "gemv_staged_"],

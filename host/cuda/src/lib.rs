@@ -20,5 +20,8 @@ pub use buf::{DeviceBuf, PinnedBuf, Pod};
 pub use device::CudaDevice;
 pub mod ops;
 
-pub use ops::{act_bytes, attention_workspace_len, weight_bytes, GemmKernel, GemvKernel, Gating, KvElem, MoePairs, RouterSpec};
+pub use ops::{
+    act_bytes, attention_workspace_len, weight_bytes, Gating, GemmKernel, GemvKernel, KvElem,
+    MoePairs, RouterSpec,
+};
 pub mod selftest;

@@ -17,7 +17,7 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
-use crate::ops::{attention_workspace_len, GemmKernel, GemvKernel, Gating, MoePairs, RouterSpec};
+use crate::ops::{attention_workspace_len, Gating, GemmKernel, GemvKernel, MoePairs, RouterSpec};
 
 /// One line of the self-test table.
 #[derive(Clone, Debug)]
@@ -54,7 +54,10 @@ struct Cmp {
 
 /// Compare `gpu` to `cpu`: the error bound is `rel_tol` times the largest |cpu|.
 fn compare(gpu: &[f32], cpu: &[f32], rel_tol: f64) -> Cmp {
-    let scale = cpu.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    let scale = cpu
+        .iter()
+        .fold(0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-30);
     let mut abs = 0f64;
     let mut finite = gpu.len() == cpu.len();
     for (g, c) in gpu.iter().zip(cpu) {
@@ -62,7 +65,11 @@ fn compare(gpu: &[f32], cpu: &[f32], rel_tol: f64) -> Cmp {
             finite = false;
         }
         let d = (*g as f64 - *c as f64).abs();
-        abs = if d.is_nan() { f64::INFINITY } else { abs.max(d) };
+        abs = if d.is_nan() {
+            f64::INFINITY
+        } else {
+            abs.max(d)
+        };
     }
     let tol = rel_tol * scale;
     Cmp {
@@ -129,7 +136,11 @@ fn poisoned<T: Pod>(dev: &CudaDevice, len: usize) -> Result<DeviceBuf<T>, CudaEr
 
 fn pool() -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new()
-        .num_threads(std::thread::available_parallelism().map(|n| n.get().min(8)).unwrap_or(1))
+        .num_threads(
+            std::thread::available_parallelism()
+                .map(|n| n.get().min(8))
+                .unwrap_or(1),
+        )
         .build()
         .expect("a CPU thread pool")
 }
@@ -141,58 +152,253 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     let k = Kernels::detect();
     let mut seed = 0x5eed_u64;
     let mut next = || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         seed
     };
 
     for (fmt, cols) in [(ActFormat::Q8_0, 4096 + 96), (ActFormat::Q8K, 4096 + 256)] {
         let rows = 5;
-        t.push("quantize_act", &fmt.to_string(), format!("{rows}x{cols}"), quantize_case(dev, fmt, rows, cols, next()));
+        t.push(
+            "quantize_act",
+            &fmt.to_string(),
+            format!("{rows}x{cols}"),
+            quantize_case(dev, fmt, rows, cols, next()),
+        );
     }
     for ty in QUANT_TYPES {
         let be = ty.block_elems() as usize;
         let cols = if be == 256 { 256 * 7 } else { 32 * 37 };
-        t.push("gemv", &fmt_name(ty), format!("257x{cols}"), quant_mm_case(dev, &pool, &k, ty, 257, cols, 1, next()));
-        t.push("gemv staged", &fmt_name(ty), format!("257x{cols}"), staged_case(dev, &pool, &k, ty, 257, cols, next()));
-        t.push("gemm dp4a", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_case(dev, &pool, &k, ty, 129, cols, 37, next()));
+        t.push(
+            "gemv direct",
+            &fmt_name(ty),
+            format!("257x{cols}"),
+            quant_mm_case(dev, &pool, &k, ty, 257, cols, 1, next()),
+        );
+        t.push(
+            "gemv staged",
+            &fmt_name(ty),
+            format!("257x{cols}"),
+            staged_case(dev, &pool, &k, ty, 257, cols, next()),
+        );
+        t.push(
+            "gemm dp4a",
+            &fmt_name(ty),
+            format!("129x{cols}x37tok"),
+            quant_mm_case(dev, &pool, &k, ty, 129, cols, 37, next()),
+        );
         if dev.compute_capability().0 >= 8 {
-            t.push("gemm mma", &fmt_name(ty), format!("129x{cols}x37tok"), quant_mm_with(dev, &pool, &k, GemmKernel::TensorCore, ty, 129, cols, 37, next()));
+            t.push(
+                "gemm mma",
+                &fmt_name(ty),
+                format!("129x{cols}x37tok"),
+                quant_mm_with(
+                    dev,
+                    &pool,
+                    &k,
+                    GemmKernel::TensorCore,
+                    ty,
+                    129,
+                    cols,
+                    37,
+                    next(),
+                ),
+            );
         }
     }
     for ty in FLOAT_TYPES {
-        t.push("gemv", &fmt_name(ty), "131x1000".into(), float_mm_case(dev, &pool, &k, ty, 131, 1000, 1, next()));
-        t.push("gemm", &fmt_name(ty), "67x520x19tok".into(), float_mm_case(dev, &pool, &k, ty, 67, 520, 19, next()));
+        t.push(
+            "gemv",
+            &fmt_name(ty),
+            "131x1000".into(),
+            float_mm_case(dev, &pool, &k, ty, 131, 1000, 1, next()),
+        );
+        t.push(
+            "gemm",
+            &fmt_name(ty),
+            "67x520x19tok".into(),
+            float_mm_case(dev, &pool, &k, ty, 67, 520, 19, next()),
+        );
     }
-    t.push("rms_norm", "f32", "7x4096 weighted".into(), norm_case(dev, 7, 4096, true, next()));
-    t.push("rms_norm", "f32", "(7x32)x128 grouped".into(), norm_case(dev, 7 * 32, 128, false, next()));
-    let neox = RopeParams { head_dim: 128, n_rot: 128, base: 1_000_000.0, linear_factor: 1.0, kind: RopeKind::Neox };
-    let inter = RopeParams { head_dim: 64, n_rot: 32, base: 10_000.0, linear_factor: 4.0, kind: RopeKind::Interleaved };
-    t.push("rope", "neox", "9x(8x128)".into(), rope_case(dev, 9, 8 * 128, &neox, next()));
-    t.push("rope", "interleaved partial 32/64 lf4", "9x(6x64)".into(), rope_case(dev, 9, 6 * 64, &inter, next()));
-    for (name, act) in [("silu", Activation::Silu), ("gelu_tanh", Activation::GeluTanh)] {
-        t.push("glu", name, "10000".into(), glu_case(dev, act, 10_000, next()));
+    t.push(
+        "rms_norm",
+        "f32",
+        "7x4096 weighted".into(),
+        norm_case(dev, 7, 4096, true, next()),
+    );
+    t.push(
+        "rms_norm",
+        "f32",
+        "(7x32)x128 grouped".into(),
+        norm_case(dev, 7 * 32, 128, false, next()),
+    );
+    let neox = RopeParams {
+        head_dim: 128,
+        n_rot: 128,
+        base: 1_000_000.0,
+        linear_factor: 1.0,
+        kind: RopeKind::Neox,
+    };
+    let inter = RopeParams {
+        head_dim: 64,
+        n_rot: 32,
+        base: 10_000.0,
+        linear_factor: 4.0,
+        kind: RopeKind::Interleaved,
+    };
+    t.push(
+        "rope",
+        "neox",
+        "9x(8x128)".into(),
+        rope_case(dev, 9, 8 * 128, &neox, next()),
+    );
+    t.push(
+        "rope",
+        "interleaved partial 32/64 lf4",
+        "9x(6x64)".into(),
+        rope_case(dev, 9, 6 * 64, &inter, next()),
+    );
+    for (name, act) in [
+        ("silu", Activation::Silu),
+        ("gelu_tanh", Activation::GeluTanh),
+    ] {
+        t.push(
+            "glu",
+            name,
+            "10000".into(),
+            glu_case(dev, act, 10_000, next()),
+        );
     }
-    t.push("add/mul/scale", "f32", "10000".into(), elementwise_case(dev, 10_000, next()));
+    t.push(
+        "add/mul/scale",
+        "f32",
+        "10000".into(),
+        elementwise_case(dev, 10_000, next()),
+    );
     for ty in FLOAT_TYPES.into_iter().chain(QUANT_TYPES) {
-        t.push("embed", &fmt_name(ty), "9 of 50x512".into(), embed_case(dev, ty, 50, 512, next()));
+        t.push(
+            "embed",
+            &fmt_name(ty),
+            "9 of 50x512".into(),
+            embed_case(dev, ty, 50, 512, next()),
+        );
     }
     let attn = [
-        ("decode", AttnParams { n_head: 8, n_kv_head: 2, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 }, vec![1500u32], 1501),
-        ("decode window 256 softcap 50", AttnParams { n_head: 8, n_kv_head: 4, head_dim_k: 64, head_dim_v: 64, scale: 0.125, window: 256, softcap: 50.0 }, vec![999], 1000),
-        ("prefill 96 tok", AttnParams { n_head: 4, n_kv_head: 1, head_dim_k: 64, head_dim_v: 64, scale: 0.125, window: 0, softcap: 0.0 }, (200..296).collect(), 296),
-        ("prefill window 40", AttnParams { n_head: 4, n_kv_head: 2, head_dim_k: 256, head_dim_v: 256, scale: 0.0625, window: 40, softcap: 30.0 }, (0..70).collect(), 70),
+        (
+            "decode",
+            AttnParams {
+                n_head: 8,
+                n_kv_head: 2,
+                head_dim_k: 128,
+                head_dim_v: 128,
+                scale: 0.088,
+                window: 0,
+                softcap: 0.0,
+            },
+            vec![1500u32],
+            1501,
+        ),
+        (
+            "decode window 256 softcap 50",
+            AttnParams {
+                n_head: 8,
+                n_kv_head: 4,
+                head_dim_k: 64,
+                head_dim_v: 64,
+                scale: 0.125,
+                window: 256,
+                softcap: 50.0,
+            },
+            vec![999],
+            1000,
+        ),
+        (
+            "prefill 96 tok",
+            AttnParams {
+                n_head: 4,
+                n_kv_head: 1,
+                head_dim_k: 64,
+                head_dim_v: 64,
+                scale: 0.125,
+                window: 0,
+                softcap: 0.0,
+            },
+            (200..296).collect(),
+            296,
+        ),
+        (
+            "prefill window 40",
+            AttnParams {
+                n_head: 4,
+                n_kv_head: 2,
+                head_dim_k: 256,
+                head_dim_v: 256,
+                scale: 0.0625,
+                window: 40,
+                softcap: 30.0,
+            },
+            (0..70).collect(),
+            70,
+        ),
     ];
     for (name, p, pos, n_ctx) in &attn {
-        let shape = format!("{}q h{}/{} d{} ctx{n_ctx}", pos.len(), p.n_head, p.n_kv_head, p.head_dim_k);
-        t.push("attention f32 kv", name, shape.clone(), attention_case(dev, &pool, p, pos, *n_ctx, false, next()));
-        t.push("attention f16 kv", name, shape, attention_case(dev, &pool, p, pos, *n_ctx, true, next()));
+        let shape = format!(
+            "{}q h{}/{} d{} ctx{n_ctx}",
+            pos.len(),
+            p.n_head,
+            p.n_kv_head,
+            p.head_dim_k
+        );
+        t.push(
+            "attention f32 kv",
+            name,
+            shape.clone(),
+            attention_case(dev, &pool, p, pos, *n_ctx, false, next()),
+        );
+        t.push(
+            "attention f16 kv",
+            name,
+            shape,
+            attention_case(dev, &pool, p, pos, *n_ctx, true, next()),
+        );
     }
-    let soft = RouterSpec { k: 8, gating: Gating::Softmax, renormalize: true, scale: 2.5 };
-    let sig = RouterSpec { k: 6, gating: Gating::Sigmoid, renormalize: true, scale: 1.0 };
-    let plain = RouterSpec { k: 4, gating: Gating::Softmax, renormalize: false, scale: 1.0 };
-    t.push("route ids+weights", "softmax renorm x2.5", "5 tok x 128 exp".into(), route_case(dev, &soft, 5, 128, false, next()));
-    t.push("route ids+weights", "sigmoid bias renorm", "5 tok x 192 exp".into(), route_case(dev, &sig, 5, 192, true, next()));
-    t.push("route ids+weights", "softmax", "3 tok x 512 exp".into(), route_case(dev, &plain, 3, 512, false, next()));
+    let soft = RouterSpec {
+        k: 8,
+        gating: Gating::Softmax,
+        renormalize: true,
+        scale: 2.5,
+    };
+    let sig = RouterSpec {
+        k: 6,
+        gating: Gating::Sigmoid,
+        renormalize: true,
+        scale: 1.0,
+    };
+    let plain = RouterSpec {
+        k: 4,
+        gating: Gating::Softmax,
+        renormalize: false,
+        scale: 1.0,
+    };
+    t.push(
+        "route ids+weights",
+        "softmax renorm x2.5",
+        "5 tok x 128 exp".into(),
+        route_case(dev, &soft, 5, 128, false, next()),
+    );
+    t.push(
+        "route ids+weights",
+        "sigmoid bias renorm",
+        "5 tok x 192 exp".into(),
+        route_case(dev, &sig, 5, 192, true, next()),
+    );
+    t.push(
+        "route ids+weights",
+        "softmax",
+        "3 tok x 512 exp".into(),
+        route_case(dev, &plain, 3, 512, false, next()),
+    );
     let moe = [
         (GgmlType::Q4_K, GgmlType::Q6_K),
         (GgmlType::Q8_0, GgmlType::Q8_0),
@@ -204,12 +410,23 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     ];
     for (gu, dn) in moe {
         let f = format!("{}/{}", fmt_name(gu), fmt_name(dn));
-        t.push("moe_ffn (null slots skipped)", &f, "3 tok x 4 slot, d512 ff512".into(), moe_case(dev, &pool, &k, gu, dn, next()));
+        t.push(
+            "moe_ffn (null slots skipped)",
+            &f,
+            "3 tok x 4 slot, d512 ff512".into(),
+            moe_case(dev, &pool, &k, gu, dn, next()),
+        );
     }
     t.rows
 }
 
-fn quantize_case(dev: &CudaDevice, fmt: ActFormat, rows: usize, cols: usize, seed: u64) -> Result<Cmp, CudaError> {
+fn quantize_case(
+    dev: &CudaDevice,
+    fmt: ActFormat,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
     let mut x = random_values(rows * cols, seed);
     x[17] = 0.0;
     x[cols..cols + 256].iter_mut().for_each(|v| *v = 0.0); // an all-zero block
@@ -221,7 +438,10 @@ fn quantize_case(dev: &CudaDevice, fmt: ActFormat, rows: usize, cols: usize, see
     let got = dev.download(&out)?;
     let c = compare_bytes(&got, cpu.as_bytes());
     if !c.pass {
-        return Err(CudaError::Shape { op: "quantize_act", what: byte_diff_note(fmt, &got, cpu.as_bytes(), &x) });
+        return Err(CudaError::Shape {
+            op: "quantize_act",
+            what: byte_diff_note(fmt, &got, cpu.as_bytes(), &x),
+        });
     }
     Ok(c)
 }
@@ -238,13 +458,26 @@ fn byte_diff_note(fmt: ActFormat, gpu: &[u8], cpu: &[u8], x: &[f32]) -> String {
             continue;
         }
         let (blk, off) = (i / bb, i % bb);
-        if off < qs { scale += 1 } else { quants += 1 }
+        if off < qs {
+            scale += 1
+        } else {
+            quants += 1
+        }
         if first.len() < 4 {
-            let xv = if off >= qs && off - qs < be { x.get(blk * be + off - qs).copied().unwrap_or(f32::NAN) } else { f32::NAN };
-            first.push(format!("blk {blk} byte {off}: gpu {g:#04x} cpu {c:#04x} x {xv}"));
+            let xv = if off >= qs && off - qs < be {
+                x.get(blk * be + off - qs).copied().unwrap_or(f32::NAN)
+            } else {
+                f32::NAN
+            };
+            first.push(format!(
+                "blk {blk} byte {off}: gpu {g:#04x} cpu {c:#04x} x {xv}"
+            ));
         }
     }
-    format!("{scale} scale bytes and {quants} quant bytes differ; {}", first.join("; "))
+    format!(
+        "{scale} scale bytes and {quants} quant bytes differ; {}",
+        first.join("; ")
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -278,13 +511,37 @@ fn quant_mm_with(
     let x = random_values(n_tok * cols, seed ^ 1);
     let acts = Activations::for_weight(ty, &x, cols)?;
     let mut cpu = vec![0f32; rows * n_tok];
-    k.matmul(pool, &WeightMatrix::new(ty, &w, rows, cols)?, &acts, &mut cpu)?;
+    k.matmul(
+        pool,
+        &WeightMatrix::new(ty, &w, rows, cols)?,
+        &acts,
+        &mut cpu,
+    )?;
     let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
     let mut y = poisoned::<f32>(dev, rows * n_tok)?;
     if n_tok == 1 {
-        dev.gemv(dev.compute(), ty, &wd, rows, cols, &xd, &mut y)?;
+        dev.gemv_with(
+            dev.compute(),
+            GemvKernel::Direct,
+            ty,
+            &wd,
+            rows,
+            cols,
+            &xd,
+            &mut y,
+        )?;
     } else {
-        dev.gemm_with(dev.compute(), kernel, ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
+        dev.gemm_with(
+            dev.compute(),
+            kernel,
+            ty,
+            &wd,
+            rows,
+            cols,
+            &xd,
+            n_tok,
+            &mut y,
+        )?;
     }
     Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
 }
@@ -306,10 +563,24 @@ fn staged_case(
     let x = random_values(cols, seed ^ 1);
     let acts = Activations::for_weight(ty, &x, cols)?;
     let mut cpu = vec![0f32; rows];
-    k.matmul(pool, &WeightMatrix::new(ty, &w, rows, cols)?, &acts, &mut cpu)?;
+    k.matmul(
+        pool,
+        &WeightMatrix::new(ty, &w, rows, cols)?,
+        &acts,
+        &mut cpu,
+    )?;
     let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
     let mut y = poisoned::<f32>(dev, rows)?;
-    dev.gemv_with(dev.compute(), GemvKernel::Staged, ty, &wd, rows, cols, &xd, &mut y)?;
+    dev.gemv_with(
+        dev.compute(),
+        GemvKernel::Staged,
+        ty,
+        &wd,
+        rows,
+        cols,
+        &xd,
+        &mut y,
+    )?;
     Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
 }
 
@@ -328,21 +599,42 @@ fn float_mm_case(
     let x = random_values(n_tok * cols, seed ^ 1);
     let acts = Activations::for_weight(ty, &x, cols)?;
     let mut cpu = vec![0f32; rows * n_tok];
-    k.matmul(pool, &WeightMatrix::new(ty, &w, rows, cols)?, &acts, &mut cpu)?;
+    k.matmul(
+        pool,
+        &WeightMatrix::new(ty, &w, rows, cols)?,
+        &acts,
+        &mut cpu,
+    )?;
     let (wd, xd) = (dev.upload(&w)?, dev.upload(&x)?);
     let mut y = poisoned::<f32>(dev, rows * n_tok)?;
     dev.gemm_float(dev.compute(), ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
     Ok(compare(&dev.download(&y)?, &cpu, 1e-5))
 }
 
-fn norm_case(dev: &CudaDevice, groups: usize, group: usize, weighted: bool, seed: u64) -> Result<Cmp, CudaError> {
-    let x: Vec<f32> = random_values(groups * group, seed).iter().map(|v| v * 3.0).collect();
+fn norm_case(
+    dev: &CudaDevice,
+    groups: usize,
+    group: usize,
+    weighted: bool,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
+    let x: Vec<f32> = random_values(groups * group, seed)
+        .iter()
+        .map(|v| v * 3.0)
+        .collect();
     let w = random_values(group, seed ^ 1);
     let mut cpu = x.clone();
     ops::rms_norm_rows(&mut cpu, group, weighted.then_some(&w[..]), 1e-6);
     let (xd, wd) = (dev.upload(&x)?, dev.upload(&w)?);
     let mut y = poisoned::<f32>(dev, x.len())?;
-    dev.rms_norm(dev.compute(), &xd, &mut y, weighted.then_some(&wd), group, 1e-6)?;
+    dev.rms_norm(
+        dev.compute(),
+        &xd,
+        &mut y,
+        weighted.then_some(&wd),
+        group,
+        1e-6,
+    )?;
     let r1 = compare(&dev.download(&y)?, &cpu, 1e-6);
     // In place must agree with out of place.
     let mut xi = dev.upload(&x)?;
@@ -351,9 +643,17 @@ fn norm_case(dev: &CudaDevice, groups: usize, group: usize, weighted: bool, seed
     Ok(if r2.abs > r1.abs || !r2.pass { r2 } else { r1 })
 }
 
-fn rope_case(dev: &CudaDevice, n: usize, width: usize, p: &RopeParams, seed: u64) -> Result<Cmp, CudaError> {
+fn rope_case(
+    dev: &CudaDevice,
+    n: usize,
+    width: usize,
+    p: &RopeParams,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
     let x = random_values(n * width, seed);
-    let pos: Vec<u32> = (0..n as u32).map(|i| [0, 1, 7, 100, 513, 2047, 4095, 32767, 131_000][i as usize % 9]).collect();
+    let pos: Vec<u32> = (0..n as u32)
+        .map(|i| [0, 1, 7, 100, 513, 2047, 4095, 32767, 131_000][i as usize % 9])
+        .collect();
     let mut cpu = x.clone();
     ops::rope_rows(&mut cpu, width, &pos, *p);
     let (mut xd, pd) = (dev.upload(&x)?, dev.upload(&pos)?);
@@ -392,7 +692,13 @@ fn elementwise_case(dev: &CudaDevice, n: usize, seed: u64) -> Result<Cmp, CudaEr
     Ok(compare(&got, &cpu, 0.0))
 }
 
-fn embed_case(dev: &CudaDevice, ty: GgmlType, n_vocab: usize, cols: usize, seed: u64) -> Result<Cmp, CudaError> {
+fn embed_case(
+    dev: &CudaDevice,
+    ty: GgmlType,
+    n_vocab: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
     let be = ty.block_elems() as usize;
     let table = random_blocks(ty, n_vocab * cols / be, seed)?;
     let ids: Vec<u32> = vec![3, 0, 49, 17, 17, 8, 21, 48, 1];
@@ -400,14 +706,22 @@ fn embed_case(dev: &CudaDevice, ty: GgmlType, n_vocab: usize, cols: usize, seed:
     let mut cpu = vec![0f32; ids.len() * cols];
     for (i, &id) in ids.iter().enumerate() {
         let r = id as usize;
-        dequantize(ty, &table[r * rb..(r + 1) * rb], &mut cpu[i * cols..(i + 1) * cols])?;
+        dequantize(
+            ty,
+            &table[r * rb..(r + 1) * rb],
+            &mut cpu[i * cols..(i + 1) * cols],
+        )?;
     }
     let (td, idd) = (dev.upload(&table)?, dev.upload(&ids)?);
     let mut o = poisoned::<f32>(dev, ids.len() * cols)?;
     dev.embed(dev.compute(), ty, &td, n_vocab, cols, &idd, &mut o)?;
     // The IQ formats fold their scale factors in another order than the CPU.
     let iq = matches!(ty, GgmlType::IQ2_XXS | GgmlType::IQ2_XS | GgmlType::IQ3_XXS);
-    Ok(compare(&dev.download(&o)?, &cpu, if iq { 1e-6 } else { 0.0 }))
+    Ok(compare(
+        &dev.download(&o)?,
+        &cpu,
+        if iq { 1e-6 } else { 0.0 },
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -425,11 +739,20 @@ fn attention_case(
     let mut kc = random_values(n_ctx * p.n_kv_head * p.head_dim_k, seed ^ 1);
     let mut vc = random_values(n_ctx * p.n_kv_head * p.head_dim_v, seed ^ 2);
     let to_f16 = |v: &mut Vec<f32>| -> Vec<u16> {
-        let bits: Vec<u16> = v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect();
-        v.iter_mut().zip(&bits).for_each(|(x, b)| *x = half::f16::from_bits(*b).to_f32());
+        let bits: Vec<u16> = v
+            .iter()
+            .map(|x| half::f16::from_f32(*x).to_bits())
+            .collect();
+        v.iter_mut()
+            .zip(&bits)
+            .for_each(|(x, b)| *x = half::f16::from_bits(*b).to_f32());
         bits
     };
-    let (kh, vh) = if f16_kv { (to_f16(&mut kc), to_f16(&mut vc)) } else { (Vec::new(), Vec::new()) };
+    let (kh, vh) = if f16_kv {
+        (to_f16(&mut kc), to_f16(&mut vc))
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let mut cpu = vec![0f32; n_q * p.n_head * p.head_dim_v];
     ops::attend_rows(pool, p, &q, pos, &kc, &vc, &mut cpu);
     let (qd, pd) = (dev.upload(&q)?, dev.upload(pos)?);
@@ -437,17 +760,50 @@ fn attention_case(
     let mut o = poisoned::<f32>(dev, cpu.len())?;
     if f16_kv {
         let (kd, vd) = (dev.upload(&kh)?, dev.upload(&vh)?);
-        dev.attention(dev.compute(), p, &qd, &pd, &kd, &vd, n_ctx, &mut work, &mut o)?;
+        dev.attention(
+            dev.compute(),
+            p,
+            &qd,
+            &pd,
+            &kd,
+            &vd,
+            n_ctx,
+            &mut work,
+            &mut o,
+        )?;
     } else {
         let (kd, vd) = (dev.upload(&kc)?, dev.upload(&vc)?);
-        dev.attention(dev.compute(), p, &qd, &pd, &kd, &vd, n_ctx, &mut work, &mut o)?;
+        dev.attention(
+            dev.compute(),
+            p,
+            &qd,
+            &pd,
+            &kd,
+            &vd,
+            n_ctx,
+            &mut work,
+            &mut o,
+        )?;
     }
     Ok(compare(&dev.download(&o)?, &cpu, 1e-5))
 }
 
-fn route_case(dev: &CudaDevice, spec: &RouterSpec, n_tok: usize, n_exp: usize, with_bias: bool, seed: u64) -> Result<Cmp, CudaError> {
-    let logits: Vec<f32> = random_values(n_tok * n_exp, seed).iter().map(|v| v * 2.0).collect();
-    let bias: Vec<f32> = random_values(n_exp, seed ^ 1).iter().map(|v| v * 0.1).collect();
+fn route_case(
+    dev: &CudaDevice,
+    spec: &RouterSpec,
+    n_tok: usize,
+    n_exp: usize,
+    with_bias: bool,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
+    let logits: Vec<f32> = random_values(n_tok * n_exp, seed)
+        .iter()
+        .map(|v| v * 2.0)
+        .collect();
+    let bias: Vec<f32> = random_values(n_exp, seed ^ 1)
+        .iter()
+        .map(|v| v * 0.1)
+        .collect();
     let (mut cpu_ids, mut cpu_w) = (Vec::new(), Vec::new());
     for row in logits.chunks_exact(n_exp) {
         let mut p = row.to_vec();
@@ -455,17 +811,33 @@ fn route_case(dev: &CudaDevice, spec: &RouterSpec, n_tok: usize, n_exp: usize, w
             Gating::Softmax => ops::softmax_in_place(&mut p),
             Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
         }
-        let choice: Vec<f32> = if with_bias { p.iter().zip(&bias).map(|(a, b)| a + b).collect() } else { p.clone() };
+        let choice: Vec<f32> = if with_bias {
+            p.iter().zip(&bias).map(|(a, b)| a + b).collect()
+        } else {
+            p.clone()
+        };
         let ids = ops::top_k(&choice, spec.k);
         let w: Vec<f32> = ids.iter().map(|&i| p[i]).collect();
         let s: f32 = w.iter().sum();
-        cpu_w.extend(w.iter().map(|v| if spec.renormalize { v / s } else { *v } * spec.scale));
+        cpu_w.extend(
+            w.iter()
+                .map(|v| if spec.renormalize { v / s } else { *v } * spec.scale),
+        );
         cpu_ids.extend(ids.iter().map(|&i| i as i32));
     }
     let (ld, bd) = (dev.upload(&logits)?, dev.upload(&bias)?);
     let mut ids = poisoned::<i32>(dev, n_tok * spec.k)?;
     let mut w = poisoned::<f32>(dev, n_tok * spec.k)?;
-    dev.route(dev.compute(), spec, &ld, with_bias.then_some(&bd), n_tok, n_exp, &mut ids, &mut w)?;
+    dev.route(
+        dev.compute(),
+        spec,
+        &ld,
+        with_bias.then_some(&bd),
+        n_tok,
+        n_exp,
+        &mut ids,
+        &mut w,
+    )?;
     let got_ids = dev.download(&ids)?;
     let mut c = compare(&dev.download(&w)?, &cpu_w, 1e-6);
     let wrong_ids = got_ids.iter().zip(&cpu_ids).filter(|(a, b)| a != b).count();
@@ -486,29 +858,74 @@ fn moe_case(
 ) -> Result<Cmp, CudaError> {
     let (d_model, ff, n_tok, n_slot, n_exp) = (512usize, 512usize, 3usize, 4usize, 5usize);
     let nb = |ty: GgmlType, r: usize, c: usize| r * c / ty.block_elems() as usize;
-    let gates: Vec<Vec<u8>> = (0..n_exp).map(|e| random_blocks(gu, nb(gu, ff, d_model), seed + e as u64)).collect::<Result<_, _>>()?;
-    let ups: Vec<Vec<u8>> = (0..n_exp).map(|e| random_blocks(gu, nb(gu, ff, d_model), seed + 100 + e as u64)).collect::<Result<_, _>>()?;
-    let downs: Vec<Vec<u8>> = (0..n_exp).map(|e| random_blocks(dn, nb(dn, d_model, ff), seed + 200 + e as u64)).collect::<Result<_, _>>()?;
+    let gates: Vec<Vec<u8>> = (0..n_exp)
+        .map(|e| random_blocks(gu, nb(gu, ff, d_model), seed + e as u64))
+        .collect::<Result<_, _>>()?;
+    let ups: Vec<Vec<u8>> = (0..n_exp)
+        .map(|e| random_blocks(gu, nb(gu, ff, d_model), seed + 100 + e as u64))
+        .collect::<Result<_, _>>()?;
+    let downs: Vec<Vec<u8>> = (0..n_exp)
+        .map(|e| random_blocks(dn, nb(dn, d_model, ff), seed + 200 + e as u64))
+        .collect::<Result<_, _>>()?;
     let x = random_values(n_tok * d_model, seed ^ 7);
     let xa = Activations::for_weight(gu, &x, d_model)?;
     // Pair (t, s) uses expert (t + 2 s) % n_exp; pairs 5 and 10 are "not mine".
     let expert = |p: usize| ((p / n_slot) + 2 * (p % n_slot)) % n_exp;
     let skipped = |p: usize| p == 5 || p == 10;
-    let gd: Vec<DeviceBuf<u8>> = gates.iter().map(|b| dev.upload(b)).collect::<Result<_, _>>()?;
-    let ud: Vec<DeviceBuf<u8>> = ups.iter().map(|b| dev.upload(b)).collect::<Result<_, _>>()?;
-    let dd: Vec<DeviceBuf<u8>> = downs.iter().map(|b| dev.upload(b)).collect::<Result<_, _>>()?;
+    let gd: Vec<DeviceBuf<u8>> = gates
+        .iter()
+        .map(|b| dev.upload(b))
+        .collect::<Result<_, _>>()?;
+    let ud: Vec<DeviceBuf<u8>> = ups
+        .iter()
+        .map(|b| dev.upload(b))
+        .collect::<Result<_, _>>()?;
+    let dd: Vec<DeviceBuf<u8>> = downs
+        .iter()
+        .map(|b| dev.upload(b))
+        .collect::<Result<_, _>>()?;
     let n_pairs = n_tok * n_slot;
     let ptrs = |bufs: &[DeviceBuf<u8>]| -> Vec<u64> {
-        (0..n_pairs).map(|p| if skipped(p) { 0 } else { bufs[expert(p)].device_ptr() }).collect()
+        (0..n_pairs)
+            .map(|p| {
+                if skipped(p) {
+                    0
+                } else {
+                    bufs[expert(p)].device_ptr()
+                }
+            })
+            .collect()
     };
-    let (gp, up, dp) = (dev.upload(&ptrs(&gd))?, dev.upload(&ptrs(&ud))?, dev.upload(&ptrs(&dd))?);
-    let pairs = MoePairs { gate: &gp, up: &up, down: &dp, n_tok, n_slot };
+    let (gp, up, dp) = (
+        dev.upload(&ptrs(&gd))?,
+        dev.upload(&ptrs(&ud))?,
+        dev.upload(&ptrs(&dd))?,
+    );
+    let pairs = MoePairs {
+        gate: &gp,
+        up: &up,
+        down: &dp,
+        n_tok,
+        n_slot,
+    };
     let xd = dev.upload(xa.as_bytes())?;
     let mut h = poisoned::<f32>(dev, n_pairs * ff)?;
     let dfmt = ActFormat::for_weight(dn).ok_or(CudaError::Unsupported { op: "moe", ty: dn })?;
     let mut hq = poisoned::<u8>(dev, crate::ops::act_bytes(dfmt, n_pairs, ff)?)?;
     let mut out = poisoned::<f32>(dev, n_pairs * d_model)?;
-    dev.moe_ffn(dev.compute(), gu, dn, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out)?;
+    dev.moe_ffn(
+        dev.compute(),
+        gu,
+        dn,
+        &pairs,
+        &xd,
+        d_model,
+        ff,
+        Activation::Silu,
+        &mut h,
+        &mut hq,
+        &mut out,
+    )?;
     let got = dev.download(&out)?;
     let (h_gpu, hq_gpu) = (dev.download(&h)?, dev.download(&hq)?);
 
@@ -524,8 +941,18 @@ fn moe_case(
         let (t, e) = (p / n_slot, expert(p));
         let xt = Activations::for_weight(gu, &x[t * d_model..(t + 1) * d_model], d_model)?;
         let (mut g, mut u) = (vec![0f32; ff], vec![0f32; ff]);
-        k.matvec(pool, &WeightMatrix::new(gu, &gates[e], ff, d_model)?, &xt, &mut g)?;
-        k.matvec(pool, &WeightMatrix::new(gu, &ups[e], ff, d_model)?, &xt, &mut u)?;
+        k.matvec(
+            pool,
+            &WeightMatrix::new(gu, &gates[e], ff, d_model)?,
+            &xt,
+            &mut g,
+        )?;
+        k.matvec(
+            pool,
+            &WeightMatrix::new(gu, &ups[e], ff, d_model)?,
+            &xt,
+            &mut u,
+        )?;
         ops::glu_rows(&mut g, &u, Activation::Silu);
         // Diagnostics: the GPU's h against the CPU's, and the GPU's quantization of its own h.
         let hg = &h_gpu[p * ff..(p + 1) * ff];
@@ -536,7 +963,12 @@ fn moe_case(
         hq_off += compare_bytes(&hq_gpu[p * rb..(p + 1) * rb], hq_of_gpu_h.as_bytes()).abs as usize;
         let hq_cpu = Activations::for_weight(dn, &g, ff)?;
         let mut y = vec![0f32; d_model];
-        k.matvec(pool, &WeightMatrix::new(dn, &downs[e], d_model, ff)?, &hq_cpu, &mut y)?;
+        k.matvec(
+            pool,
+            &WeightMatrix::new(dn, &downs[e], d_model, ff)?,
+            &hq_cpu,
+            &mut y,
+        )?;
         cpu.extend(y);
         gpu.extend_from_slice(row);
     }
@@ -565,31 +997,62 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         for f16 in [false, true] {
             match bench_attention(dev, n_ctx, f16) {
                 Ok(r) => out.push(r),
-                Err(e) => out.push(BenchRow { op: format!("attention failed: {e}"), format: String::new(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }),
+                Err(e) => out.push(BenchRow {
+                    op: format!("attention failed: {e}"),
+                    format: String::new(),
+                    shape: String::new(),
+                    us: f64::NAN,
+                    gb_per_s: f64::NAN,
+                }),
             }
         }
     }
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS, GgmlType::Q4_0] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::IQ2_XXS,
+        GgmlType::Q4_0,
+    ] {
         for (rows, cols) in shapes {
             for gk in [GemvKernel::Direct, GemvKernel::Staged] {
                 match bench_gemv(dev, gk, ty, rows, cols) {
                     Ok(r) => out.push(r),
-                    Err(e) => out.push(BenchRow { op: format!("gemv {gk:?} failed: {e}"), format: fmt_name(ty), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }),
+                    Err(e) => out.push(BenchRow {
+                        op: format!("gemv {gk:?} failed: {e}"),
+                        format: fmt_name(ty),
+                        shape: String::new(),
+                        us: f64::NAN,
+                        gb_per_s: f64::NAN,
+                    }),
                 }
             }
         }
         for kernel in [GemmKernel::Dp4a, GemmKernel::TensorCore] {
             match bench_one(dev, kernel, ty, 4096, 4096, 512) {
                 Ok(r) => out.push(r),
-                Err(e) => out.push(BenchRow { op: format!("{kernel:?} failed: {e}"), format: fmt_name(ty), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }),
+                Err(e) => out.push(BenchRow {
+                    op: format!("{kernel:?} failed: {e}"),
+                    format: fmt_name(ty),
+                    shape: String::new(),
+                    us: f64::NAN,
+                    gb_per_s: f64::NAN,
+                }),
             }
         }
     }
     out
 }
 
-fn bench_gemv(dev: &CudaDevice, kernel: GemvKernel, ty: GgmlType, rows: usize, cols: usize) -> Result<BenchRow, CudaError> {
+fn bench_gemv(
+    dev: &CudaDevice,
+    kernel: GemvKernel,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+) -> Result<BenchRow, CudaError> {
     let be = ty.block_elems() as usize;
     let w = random_blocks(ty, rows * cols / be, 1)?;
     let acts = Activations::for_weight(ty, &random_values(cols, 2), cols)?;
@@ -619,7 +1082,15 @@ fn bench_gemv(dev: &CudaDevice, kernel: GemvKernel, ty: GgmlType, rows: usize, c
 
 /// Decode attention (one query, 32 heads over 8 KV heads, d 128) over `n_ctx` cached rows.
 fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow, CudaError> {
-    let p = AttnParams { n_head: 32, n_kv_head: 8, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 };
+    let p = AttnParams {
+        n_head: 32,
+        n_kv_head: 8,
+        head_dim_k: 128,
+        head_dim_v: 128,
+        scale: 0.088,
+        window: 0,
+        softcap: 0.0,
+    };
     let kv = n_ctx * p.n_kv_head * p.head_dim_k;
     let q = dev.upload(&random_values(p.n_head * p.head_dim_k, 3))?;
     let pos = dev.upload(&[(n_ctx - 1) as u32])?;
@@ -632,7 +1103,10 @@ fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow
     let run = |work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| -> Result<f32, CudaError> {
         let vals = random_values(kv, 4);
         if f16 {
-            let bits: Vec<u16> = vals.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
+            let bits: Vec<u16> = vals
+                .iter()
+                .map(|v| half::f16::from_f32(*v).to_bits())
+                .collect();
             let (k, v) = (dev.upload(&bits)?, dev.upload(&bits)?);
             dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
             e0.record(s)?;
@@ -655,14 +1129,25 @@ fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow
     let us = ms * 1e3 / reps as f64;
     Ok(BenchRow {
         op: "attention decode".into(),
-        format: if f16 { "f16 kv".into() } else { "f32 kv".into() },
+        format: if f16 {
+            "f16 kv".into()
+        } else {
+            "f32 kv".into()
+        },
         shape: format!("h32/8 d128 ctx{n_ctx}"),
         us,
         gb_per_s: (2 * kv * elem) as f64 / (us * 1e-6) / 1e9,
     })
 }
 
-fn bench_one(dev: &CudaDevice, kernel: GemmKernel, ty: GgmlType, rows: usize, cols: usize, n_tok: usize) -> Result<BenchRow, CudaError> {
+fn bench_one(
+    dev: &CudaDevice,
+    kernel: GemmKernel,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n_tok: usize,
+) -> Result<BenchRow, CudaError> {
     let be = ty.block_elems() as usize;
     let w = random_blocks(ty, rows * cols / be, 1)?;
     let x = random_values(n_tok * cols, 2);
@@ -690,7 +1175,10 @@ fn bench_one(dev: &CudaDevice, kernel: GemmKernel, ty: GgmlType, rows: usize, co
     }
     e1.record(s)?;
     e1.synchronize()?;
-    let ms = e0.elapsed_ms(&e1).map(|v| v as f64).unwrap_or(wall.elapsed().as_secs_f64() * 1e3);
+    let ms = e0
+        .elapsed_ms(&e1)
+        .map(|v| v as f64)
+        .unwrap_or(wall.elapsed().as_secs_f64() * 1e3);
     let us = ms * 1e3 / reps as f64;
     let tops = 2.0 * (rows * cols * n_tok) as f64 / (us * 1e-6) / 1e12;
     Ok(BenchRow {
@@ -710,7 +1198,11 @@ fn bench_one(dev: &CudaDevice, kernel: GemmKernel, ty: GgmlType, rows: usize, co
 pub fn markdown(rows: &[SelfTestRow]) -> String {
     let mut s = String::from("| op | format | shape | max abs err | max rel err | tol | pass |\n|---|---|---|---|---|---|---|\n");
     for r in rows {
-        let note = if r.note.is_empty() { String::new() } else { format!(" ({})", r.note.replace('\n', " ").replace('|', "/")) };
+        let note = if r.note.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", r.note.replace('\n', " ").replace('|', "/"))
+        };
         s += &format!(
             "| {} | {} | {} | {:.3e} | {:.3e} | {:.3e} | {}{} |\n",
             r.op,
@@ -728,9 +1220,14 @@ pub fn markdown(rows: &[SelfTestRow]) -> String {
 
 /// The bandwidth table as GitHub Markdown.
 pub fn bench_markdown(rows: &[BenchRow]) -> String {
-    let mut s = String::from("| op | format | shape | us/call | GB/s (weights or KV read) |\n|---|---|---|---|---|\n");
+    let mut s = String::from(
+        "| op | format | shape | us/call | GB/s (weights or KV read) |\n|---|---|---|---|---|\n",
+    );
     for r in rows {
-        s += &format!("| {} | {} | {} | {:.1} | {:.0} |\n", r.op, r.format, r.shape, r.us, r.gb_per_s);
+        s += &format!(
+            "| {} | {} | {} | {:.1} | {:.0} |\n",
+            r.op, r.format, r.shape, r.us, r.gb_per_s
+        );
     }
     s
 }

@@ -33,7 +33,8 @@ fn preload_from_env() -> Result<(), String> {
     names.sort_by_key(|p| !p.to_string_lossy().contains("builtins"));
     for p in names {
         // SAFETY: loading NVIDIA's NVRTC libraries runs no unusual initialisers.
-        let lib = unsafe { libloading::Library::new(&p) }.map_err(|e| format!("{}: {e}", p.display()))?;
+        let lib =
+            unsafe { libloading::Library::new(&p) }.map_err(|e| format!("{}: {e}", p.display()))?;
         // Keep it loaded for the life of the test process.
         std::mem::forget(lib);
     }
@@ -57,7 +58,11 @@ fn every_kernel_compiles_for_every_arch() {
         for arch in ARCHS {
             match compile_cubin(family, arch, &[]) {
                 Ok(bin) => {
-                    assert!(bin.starts_with(b"\x7fELF"), "{} {arch}: not an ELF image", family.file());
+                    assert!(
+                        bin.starts_with(b"\x7fELF"),
+                        "{} {arch}: not an ELF image",
+                        family.file()
+                    );
                     for e in family.entries() {
                         if !cubin_has_symbol(&bin, e) {
                             failures.push(format!("{} {arch}: entry {e} missing", family.file()));
