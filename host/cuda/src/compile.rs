@@ -44,6 +44,9 @@ pub fn arch_name(cc: (i32, i32)) -> String {
     format!("sm_{}{}", cc.0, cc.1)
 }
 
+/// NVRTC options besides the architecture (part of the cache key).
+const OPTIONS: [&str; 3] = ["--std=c++17", "--fmad=true", "-default-device"];
+
 /// Compile one family's source for `arch` (e.g. `sm_90`) to a CUBIN image.
 /// `include_dirs` are passed as `-I` (the sources need none; kept for headers
 /// a future kernel may include).
@@ -59,12 +62,8 @@ pub fn compile_cubin(
         log: "source holds a NUL byte".into(),
     })?;
     let name = CString::new(family.file()).expect("file names hold no NUL");
-    let mut opts = vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--fmad=true".to_string(),
-        "-default-device".to_string(),
-    ];
+    let mut opts = vec![format!("--gpu-architecture={arch}")];
+    opts.extend(OPTIONS.iter().map(|o| o.to_string()));
     for d in include_dirs {
         opts.push(format!("-I{}", d.display()));
     }
@@ -136,7 +135,13 @@ pub fn default_cache_dir() -> Option<PathBuf> {
 /// Cache file of one family for one arch and NVRTC version: `<hash>.cubin`.
 pub fn cache_path(dir: &Path, family: Family, arch: &str, nvrtc: (i32, i32)) -> PathBuf {
     let ver = format!("{}.{}", nvrtc.0, nvrtc.1);
-    let h = fnv1a(&[family.source().as_bytes(), arch.as_bytes(), ver.as_bytes()]);
+    let opts = OPTIONS.join(" ");
+    let h = fnv1a(&[
+        family.source().as_bytes(),
+        arch.as_bytes(),
+        ver.as_bytes(),
+        opts.as_bytes(),
+    ]);
     dir.join(format!("{h:016x}.cubin"))
 }
 
@@ -156,6 +161,18 @@ pub fn cubin_cached(
             }
         }
     }
+    compile_and_store(family, arch, cache_dir)
+}
+
+/// Compile afresh and (best effort) replace the cache entry: for a cached
+/// image the driver refused to load.
+pub fn compile_and_store(
+    family: Family,
+    arch: &str,
+    cache_dir: Option<&Path>,
+) -> Result<Vec<u8>, CudaError> {
+    let ver = nvrtc_version()?;
+    let path = cache_dir.map(|d| cache_path(d, family, arch, ver));
     let bin = compile_cubin(family, arch, &[])?;
     if let (Some(p), Some(dir)) = (&path, cache_dir) {
         if std::fs::create_dir_all(dir).is_ok() {

@@ -9,7 +9,9 @@ use cudarc::nvrtc::Ptx;
 use pulsar_gguf::GgmlType;
 
 use crate::buf::{DeviceBuf, PinnedBuf, Pod};
-use crate::compile::{arch_name, cubin_cached, default_cache_dir, nvrtc_available};
+use crate::compile::{
+    arch_name, compile_and_store, cubin_cached, default_cache_dir, nvrtc_available,
+};
 use crate::error::CudaError;
 use crate::kernels::Family;
 
@@ -195,7 +197,14 @@ impl CudaDevice {
             return Ok(l);
         }
         let bin = cubin_cached(family, &self.arch, self.cache_dir.as_deref())?;
-        let module = self.ctx.load_module(Ptx::from_binary(bin))?;
+        let module = match self.ctx.load_module(Ptx::from_binary(bin)) {
+            Ok(m) => m,
+            // A damaged cache entry: compile again, replace it, load that.
+            Err(_) => {
+                let bin = compile_and_store(family, &self.arch, self.cache_dir.as_deref())?;
+                self.ctx.load_module(Ptx::from_binary(bin))?
+            }
+        };
         let mut funcs = Vec::with_capacity(family.entries().len());
         for e in family.entries() {
             funcs.push(

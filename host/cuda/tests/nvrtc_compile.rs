@@ -8,7 +8,9 @@
 
 use std::path::PathBuf;
 
-use pulsar_cuda::compile::{compile_cubin, cubin_has_symbol, nvrtc_available, nvrtc_version};
+use pulsar_cuda::compile::{
+    cache_path, compile_cubin, cubin_cached, cubin_has_symbol, nvrtc_available, nvrtc_version,
+};
 use pulsar_cuda::Family;
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_86", "sm_89", "sm_90"];
@@ -74,4 +76,40 @@ fn every_kernel_compiles_for_every_arch() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn compiled_kernels_are_cached_on_disk() {
+    if let Err(e) = preload_from_env() {
+        panic!("PULSAR_NVRTC_LIB_DIR is set but its libraries do not load: {e}");
+    }
+    assert!(
+        nvrtc_available(),
+        "libnvrtc not found: run tools/nvrtc/setup.sh and export the PULSAR_NVRTC_LIB_DIR it prints"
+    );
+    let dir = std::env::temp_dir().join(format!("pulsar-cuda-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ver = nvrtc_version().unwrap();
+    let path = cache_path(&dir, Family::Act, "sm_86", ver);
+    let first = cubin_cached(Family::Act, "sm_86", Some(&dir)).unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        first,
+        "the compile is written to the cache"
+    );
+    // A second call is served from the file: prove it by planting a marked image.
+    let mut marked = first.clone();
+    marked.extend_from_slice(b"pulsar-cache-marker");
+    std::fs::write(&path, &marked).unwrap();
+    assert_eq!(
+        cubin_cached(Family::Act, "sm_86", Some(&dir)).unwrap(),
+        marked
+    );
+    // Something that is not an ELF image is ignored and recompiled.
+    std::fs::write(&path, b"garbage").unwrap();
+    assert_eq!(
+        cubin_cached(Family::Act, "sm_86", Some(&dir)).unwrap(),
+        first
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
