@@ -24,13 +24,17 @@ fn start(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>) -> Server {
 }
 
 fn start_with(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_stats: Option<TierStats>) -> Server {
+    start_opts(parallel, n_ctx, hook, tier_stats, Duration::from_secs(1))
+}
+
+fn start_opts(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_stats: Option<TierStats>, grace: Duration) -> Server {
     let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats };
     let opts = ServeOptions {
         port: 0,
         api_key: Some(KEY.into()),
         n_ctx,
         parallel,
-        grace: Duration::from_secs(1),
+        grace,
         model_id: "tiny".into(),
         ..ServeOptions::default()
     };
@@ -202,15 +206,25 @@ fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
     let before = metrics(&c)["completion_tokens_total"].as_u64().unwrap();
     let mut s = c.open_stream("/v1/completions", &long);
     http::read_events(&mut s, 3);
-    // B runs beside A; C waits for a slot (parallel 2) and gets A's once A is gone.
+    let n0 = metrics(&c)["requests_total"].as_u64().unwrap();
+    let wait_requests = |c: &Client, k: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while metrics(c)["requests_total"].as_u64().unwrap() < n0 + k {
+            assert!(Instant::now() < deadline, "request {k} never reached the engine");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // B runs beside A; C waits for a slot (parallel 2) and gets A's once A is
+    // gone. Each leaves once the one before is on the engine, and A is
+    // dropped at once after: no sleeps that a fast machine could outrun.
     let (addr, b) = (srv.addr(), short(0, true));
     let tb = std::thread::spawn(move || content(&Client::new(addr, Some(KEY)).post("/v1/chat/completions", &b), true));
-    std::thread::sleep(Duration::from_millis(50));
+    wait_requests(&c, 1);
     let tc = {
         let b = short(1, true);
         std::thread::spawn(move || content(&Client::new(addr, Some(KEY)).post("/v1/chat/completions", &b), true))
     };
-    std::thread::sleep(Duration::from_millis(100));
+    wait_requests(&c, 2);
     drop(s);
     let (rb, rc) = (tb.join().unwrap(), tc.join().unwrap());
     assert_eq!((&rb.0, &rb.1), (&refs[0].0, &refs[0].1));
@@ -232,7 +246,11 @@ fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
     // A non-streaming client that hangs up is noticed too.
     let whole = json!({"prompt": long_prompt_text(&long), "max_tokens": 100_000, "temperature": 0});
     let s = c.open_stream("/v1/completions", &whole);
-    std::thread::sleep(Duration::from_millis(200));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metrics(&c)["active_sequences"] != 1 {
+        assert!(Instant::now() < deadline, "the request never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     drop(s);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -334,7 +352,9 @@ fn bad_requests_get_clear_errors_and_the_server_stays_up() {
 fn shutdown_ends_running_streams_and_runs_the_hook() {
     let called = Arc::new(AtomicBool::new(false));
     let flag = called.clone();
-    let srv = start(2, 4096, Some(Box::new(move || flag.store(true, Ordering::SeqCst))));
+    // No grace: the running stream is cancelled at once (a fast machine could
+    // otherwise finish it within any grace period).
+    let srv = start_opts(2, 4096, Some(Box::new(move || flag.store(true, Ordering::SeqCst))), None, Duration::ZERO);
     let addr = srv.addr();
     let c = Client::new(addr, Some(KEY));
     // Runs ~4000 tokens (several seconds) unless stopped.
@@ -343,7 +363,7 @@ fn shutdown_ends_running_streams_and_runs_the_hook() {
     http::read_events(&mut s, 2);
     let t0 = Instant::now();
     srv.shutdown().unwrap();
-    // grace (1 s) then the stream is cancelled; the server is gone.
+    // The stream is cancelled; the server is gone.
     assert!(t0.elapsed() < Duration::from_secs(10), "shutdown took {:?}", t0.elapsed());
     assert!(called.load(Ordering::SeqCst), "on_shutdown was not called");
     let mut rest = Vec::new();
@@ -359,16 +379,16 @@ fn queued_requests_are_served_in_arrival_order() {
     let c = Client::new(srv.addr(), Some(KEY));
     // Each runs long enough (~100 ms and more) that finishing order is
     // serving order, not a race between clients reading their responses.
-    let p = long_prompts(&c, 150, 4);
+    let p = long_prompts(&c, 600, 4);
     let base = metrics(&c)["requests_total"].as_u64().unwrap() as usize;
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut threads = Vec::new();
-    for (i, (prompt, n)) in [(&p[0], 1500), (&p[1], 150), (&p[2], 150), (&p[3], 150)].into_iter().enumerate() {
+    for (i, (prompt, n)) in [(&p[0], 600), (&p[1], 600), (&p[2], 600), (&p[3], 600)].into_iter().enumerate() {
         let (addr, order, body) = (srv.addr(), order.clone(), json!({"prompt": prompt, "max_tokens": n, "temperature": 0}));
         threads.push(std::thread::spawn(move || {
             let r = Client::new(addr, Some(KEY)).post("/v1/completions", &body);
             assert_eq!(r.status, 200, "{}", r.text());
-            order.lock().unwrap().push(i);
+            order.lock().unwrap().push((i, r.json()["timings"]["queue_ms"].as_f64().unwrap()));
         }));
         // The next one leaves only once this one is queued on the engine.
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -377,9 +397,10 @@ fn queued_requests_are_served_in_arrival_order() {
             std::thread::sleep(Duration::from_millis(2));
         }
     }
-    let m = metrics(&c);
-    assert!(m["queue_depth"].as_u64().unwrap() >= 1, "the first request finished before the others queued: {m}");
     threads.into_iter().for_each(|t| t.join().unwrap());
-    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
+    let order = order.lock().unwrap();
+    assert_eq!(order.iter().map(|o| o.0).collect::<Vec<_>>(), vec![0, 1, 2, 3], "{order:?}");
+    // Each later one waited for the slot (600 tokens of the one before).
+    assert!(order[1..].iter().all(|o| o.1 > 1.0), "queue times {order:?}");
     srv.shutdown().unwrap();
 }
