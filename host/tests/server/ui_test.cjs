@@ -31,7 +31,7 @@ async function api(p, body) {
 async function longMessage() {
   for (let k = 0; k < 40; k++) {
     const m = "Write a long story about a dragon who learns to bake bread, part " + (k + 1) + ".";
-    const j = await api("/v1/chat/completions", { messages: [{ role: "user", content: m }], max_tokens: 48, temperature: 0 });
+    const j = await api("/v1/chat/completions", { messages: [{ role: "user", content: m }], max_tokens: 96, temperature: 0 });
     if (j.choices[0].finish_reason === "length") return m;
   }
   throw new Error("no message of 40 gets a long reply");
