@@ -405,3 +405,32 @@ fn queued_requests_are_served_in_arrival_order() {
     assert!(order[1..].iter().all(|o| o.1 > 1.0), "queue times {order:?}");
     srv.shutdown().unwrap();
 }
+
+#[test]
+fn a_queued_request_whose_client_leaves_is_dropped_from_the_queue() {
+    let srv = start(1, 2048, None);
+    let c = Client::new(srv.addr(), Some(KEY));
+    let p = long_prompt(&c, 1500);
+    let n0 = metrics(&c)["requests_total"].as_u64().unwrap();
+    let mut a = c.open_stream("/v1/completions", &json!({"prompt": p, "max_tokens": 100_000, "temperature": 0, "stream": true}));
+    http::read_events(&mut a, 2);
+    let b = c.open_stream("/v1/completions", &json!({"prompt": "queued", "max_tokens": 8}));
+    let poll = |what: &str, ok: &dyn Fn(&Value) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let m = metrics(&c);
+            if ok(&m) {
+                return m;
+            }
+            assert!(Instant::now() < deadline, "{what}: {m}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    poll("B never queued", &|m| m["requests_total"] == n0 + 2 && m["queue_depth"] == 1);
+    drop(b);
+    let m = poll("B stayed in the queue", &|m| m["queue_depth"] == 0 && m["requests_cancelled"] == 1);
+    assert_eq!(m["active_sequences"], 1, "A must still be running: {m}");
+    drop(a);
+    poll("A kept its slot", &|m| m["active_sequences"] == 0 && m["requests_cancelled"] == 2);
+    srv.shutdown().unwrap();
+}

@@ -31,6 +31,7 @@ models = client.models.list()
 ids = [m.id for m in models.data]
 check(len(ids) == 1 and ids[0], f"models.list() gives one model: {ids}")
 model = ids[0]
+check(client.models.retrieve(model).id == model, "models.retrieve()")
 
 r = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, seed=1)
 text = r.choices[0].message.content
