@@ -200,7 +200,7 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
         let grace_over = shutdown.is_some_and(|t| t.elapsed() >= p.grace);
         active.retain(|a| {
             if a.job.events.is_closed() {
-                tracing::debug!("sequence {}: client gone after {} tokens; slot freed", a.seq.0, a.generated);
+                tracing::info!("sequence {}: client gone after {} tokens; slot freed", a.seq.0, a.generated);
                 m.requests_cancelled.fetch_add(1, Relaxed);
                 engine.free(a.seq);
                 false
@@ -215,11 +215,11 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
         // Admit in arrival order while slots are free.
         while engine.n_free() > 0 {
             let Some(job) = queue.pop_front() else { break };
-            m.queue_depth.fetch_sub(1, Relaxed);
             let Some((seq, cached)) = engine.alloc(&job.prompt) else {
                 queue.push_front(job);
                 break;
             };
+            m.queue_depth.fetch_sub(1, Relaxed);
             m.prompt_tokens_cached_total.fetch_add(cached as u64, Relaxed);
             tracing::debug!("sequence {}: {} prompt tokens, {cached} cached", seq.0, job.prompt.len());
             active.push(Active {
