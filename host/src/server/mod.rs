@@ -8,6 +8,20 @@
 //! and runs every active request's next tokens in one batched step
 //! ([`scheduler`]); HTTP handlers tokenize, validate, queue a job and relay its
 //! events as a JSON body or an SSE stream.
+//!
+//! ```text
+//! pulsar-host serve -m model.gguf --parallel 4 --api-key KEY
+//! curl -H 'Authorization: Bearer KEY' http://127.0.0.1:11435/v1/chat/completions \
+//!      -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+//! ```
+//!
+//! Request fields used: `messages` / `prompt` (one), `stream`,
+//! `stream_options.include_usage`, `temperature` (default 1), `top_p`,
+//! `min_p`, `top_k`, `seed`, `max_tokens` / `max_completion_tokens` (clamped to
+//! the context), `stop` (string or up to 16), `n` (1 only). Others (`model`,
+//! penalties, `logit_bias`, tools, ...) are accepted and ignored. Responses
+//! add `usage.prompt_tokens_details.cached_tokens` (prefix reuse) and a
+//! `timings` object.
 
 pub mod api;
 mod guard;
