@@ -169,15 +169,29 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
     );
     bar.set_message(format!("synth {}", path.display()));
     let tmp = path.with_extension("gguf.partial");
+    // Large chunks so every thread has rows to work on.
+    w.set_chunk_bytes(64 << 20);
     let mut out = w.create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     for (ti, t) in plan.iter().enumerate() {
         let cols = t.dims[0] as usize;
         let row_bytes = t.ty.row_bytes(cols as u64).context("row is not whole blocks")? as usize;
         let seed = s.seed ^ ((ti as u64) << 32);
+        // Quantized weights are random blocks with their scales set for the
+        // target spread (fitting random floats to K/IQ formats is far slower
+        // and buys nothing for a synthetic model).
+        let block_scale = if t.constant || t.ty == GgmlType::F32 { None } else { block_scale_for(t.ty, t.amp) };
+        let n_blocks = cols / t.ty.block_elems() as usize;
         out.write_tensor_with(&t.name, |offset, buf| {
             let first_row = offset as usize / row_bytes;
             buf.par_chunks_mut(row_bytes).enumerate().try_for_each(|(i, dst)| {
-                let mut rng = Rng::new(seed.wrapping_add((first_row + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let row_seed = seed.wrapping_add((first_row + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                if let Some(sc) = block_scale {
+                    let b = pulsar_kernels::quant::random_blocks_scaled(t.ty, n_blocks, row_seed, sc)
+                        .map_err(|e| std::io::Error::other(format!("{}: {e}", t.name)))?;
+                    dst.copy_from_slice(&b);
+                    return Ok(());
+                }
+                let mut rng = Rng::new(row_seed);
                 let vals: Vec<f32> = if t.constant {
                     vec![t.amp; cols]
                 } else {
@@ -193,6 +207,17 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", tmp.display()))?;
     bar.finish_and_clear();
     Ok(())
+}
+
+/// The f16 scale that makes random blocks of `ty` spread like uniform
+/// [-amp, amp] values (RMS amp/sqrt(3)); `None` for types without scale fields.
+fn block_scale_for(ty: GgmlType, amp: f32) -> Option<f32> {
+    let n = 64;
+    let b = pulsar_kernels::quant::random_blocks_scaled(ty, n, 12345, 1.0).ok()?;
+    let mut y = vec![0f32; n * ty.block_elems() as usize];
+    pulsar_kernels::dequantize(ty, &b, &mut y).ok()?;
+    let rms = (y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / y.len() as f64).sqrt() as f32;
+    (rms > 0.0).then(|| amp / 3f32.sqrt() / rms)
 }
 
 /// The built-in default model, created in the cache folder on first use.

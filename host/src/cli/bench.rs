@@ -14,7 +14,9 @@ use serde::Serialize;
 
 use super::Ctx;
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
+use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
+use crate::session::{open_device, DeviceChoice, Session};
 use crate::experts::StoreExperts;
 use crate::model::Model;
 use crate::sample::Rng;
@@ -45,6 +47,9 @@ pub struct Args {
     /// Emit one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// cpu, cuda, cuda:N, or auto.
+    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
+    pub device: DeviceChoice,
 }
 
 #[derive(Serialize, Clone, Debug, PartialEq)]
@@ -74,6 +79,10 @@ pub struct Traffic {
     /// Disk throughput while reading.
     pub disk_gbps: f64,
     pub prefetch_precision: f64,
+    /// GPU backends: expert bytes uploaded into the VRAM pool per token, its hit rate, the upload rate.
+    pub vram_upload_bytes_per_token: f64,
+    pub vram_hit_rate: f64,
+    pub h2d_gbps: f64,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -111,6 +120,7 @@ pub struct Report {
     pub n_gen: usize,
     pub repeats: usize,
     pub host_cache_bytes: Option<u64>,
+    pub vram_budget_bytes: Option<u64>,
     pub links: Links,
     pub runs: Vec<Run>,
 }
@@ -154,6 +164,21 @@ fn disk_gbps(model: &Model) -> Option<f64> {
     (secs > 0.0).then(|| bytes as f64 / secs / 1e9)
 }
 
+/// Pinned host-to-device copy rate: 256 MiB, three times.
+fn h2d_pinned_gbps(dev: &pulsar_cuda::CudaDevice) -> anyhow::Result<f64> {
+    let n = 64 << 20;
+    let src = dev.alloc_pinned::<u32>(n)?;
+    let mut dst = dev.alloc::<u32>(n)?;
+    dst.upload_async(dev.copy(), &src)?;
+    dev.copy().synchronize()?;
+    let t = Instant::now();
+    for _ in 0..3 {
+        dst.upload_async(dev.copy(), &src)?;
+    }
+    dev.copy().synchronize()?;
+    Ok(3.0 * (4 * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
 fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
     let mut r = Rng::new(seed);
     (0..n).map(|_| (r.next_u64() % vocab as u64) as u32).collect()
@@ -162,14 +187,23 @@ fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 struct Bench<'a> {
     model: &'a Model,
     cpu: &'a CpuBackend,
+    cuda: Option<&'a CudaModel>,
     args: &'a Args,
 }
 
 impl Bench<'_> {
+    fn session<'s>(&'s self, source: &'s dyn ExpertSource, n_ctx: usize) -> anyhow::Result<Box<dyn Session + 's>> {
+        let mut s: Box<dyn Session + 's> = match self.cuda {
+            Some(cm) => Box::new(CudaEngine::new(self.model, cm, n_ctx)?),
+            None => Box::new(Engine::new(self.model, self.cpu, source, n_ctx)),
+        };
+        s.set_ubatch(self.args.ubatch);
+        Ok(s)
+    }
+
     fn pp(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
         let vocab = self.model.plan.n_vocab.max(2);
-        let mut eng = Engine::new(self.model, self.cpu, source, self.args.n_prompt + 8);
-        eng.ubatch = self.args.ubatch.max(1);
+        let mut eng = self.session(source, self.args.n_prompt + 8)?;
         eng.forward(&random_tokens(8, vocab, 7), false)?; // warm-up, untimed
         let mut s = Vec::new();
         for r in 0..self.args.repeats {
@@ -184,7 +218,7 @@ impl Bench<'_> {
 
     fn tg(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
         let vocab = self.model.plan.n_vocab.max(2);
-        let mut eng = Engine::new(self.model, self.cpu, source, self.args.n_gen + 8);
+        let mut eng = self.session(source, self.args.n_gen + 8)?;
         let mut s = Vec::new();
         for r in 0..self.args.repeats {
             eng.reset();
@@ -213,6 +247,7 @@ fn traffic(before: &pulsar_store::StoreStats, after: &pulsar_store::StoreStats, 
         host_hit_rate: if host_hits + disk > 0.0 { host_hits / (host_hits + disk) } else { 0.0 },
         disk_gbps: if secs > 0.0 { (b.disk.bytes - a.disk.bytes) as f64 / secs / 1e9 } else { 0.0 },
         prefetch_precision: after.prefetch.precision(),
+        ..Traffic::default()
     }
 }
 
@@ -232,7 +267,18 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         host_copy_gbps: host_copy_gbps(),
         h2d_pinned_gbps: None,
     };
-    let bench = Bench { model: &model, cpu: &cpu, args: &a };
+    let device = open_device(a.device)?;
+    let n_ctx = a.n_prompt.max(a.n_gen) + 16;
+    let cuda_model = match device {
+        Some(dev) => {
+            let budget = a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64);
+            Some(CudaModel::load(dev, &model, budget, CudaKv::bytes_for(&model, n_ctx))?)
+        }
+        None => None,
+    };
+    let h2d = cuda_model.as_ref().and_then(|cm| h2d_pinned_gbps(&cm.dev).ok());
+    let links = Links { h2d_pinned_gbps: h2d, ..links };
+    let bench = Bench { model: &model, cpu: &cpu, cuda: cuda_model.as_ref(), args: &a };
     let store = match (mem.expert_bytes, budget) {
         (0, _) => None,
         (_, Some(b)) => Some(StoreExperts::open(&model, b)?),
@@ -246,16 +292,29 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     for name in ["cold", "warm"] {
         let pp = (a.n_prompt > 0).then(|| bench.pp(source)).transpose()?;
         let before = store.as_ref().map(|s| s.store.stats());
+        let pool_before = cuda_model.as_ref().and_then(|c| c.pool_stats());
         let tg = (a.n_gen > 0).then(|| bench.tg(source)).transpose()?;
-        let tg_traffic = match (&store, &before) {
-            (Some(s), Some(b)) => traffic(b, &s.store.stats(), (a.n_gen * a.repeats) as f64),
+        let tokens = (a.n_gen * a.repeats) as f64;
+        let mut tg_traffic = match (&store, &before, &cuda_model) {
+            (Some(s), Some(b), None) => traffic(b, &s.store.stats(), tokens),
             _ => Traffic::default(),
         };
+        if let (Some(b), Some(after)) = (pool_before, cuda_model.as_ref().and_then(|c| c.pool_stats())) {
+            tg_traffic.vram_upload_bytes_per_token = (after.uploaded_bytes - b.uploaded_bytes) as f64 / tokens.max(1.0);
+            let (h, m) = ((after.hits - b.hits) as f64, (after.misses - b.misses) as f64);
+            tg_traffic.vram_hit_rate = if h + m > 0.0 { h / (h + m) } else { 0.0 };
+            let secs = after.upload_seconds - b.upload_seconds;
+            tg_traffic.h2d_gbps = if secs > 0.0 { (after.uploaded_bytes - b.uploaded_bytes) as f64 / secs / 1e9 } else { 0.0 };
+        }
         // Seconds per token the links need for this traffic, at their measured rates.
-        let floor = links.disk_read_gbps.filter(|_| tg_traffic.disk_bytes_per_token > 0.0).map(|g| {
-            let s = tg_traffic.disk_bytes_per_token / (g * 1e9) + tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
-            1.0 / s
-        });
+        let floor = if tg_traffic.vram_upload_bytes_per_token > 0.0 {
+            links.h2d_pinned_gbps.map(|g| g * 1e9 / tg_traffic.vram_upload_bytes_per_token)
+        } else {
+            links.disk_read_gbps.filter(|_| tg_traffic.disk_bytes_per_token > 0.0).map(|g| {
+                let s = tg_traffic.disk_bytes_per_token / (g * 1e9) + tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
+                1.0 / s
+            })
+        };
         runs.push(Run { name: name.into(), pp, tg, tg_traffic, floor_tg_tok_s: floor });
     }
     if let Some(s) = &store {
@@ -270,8 +329,12 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         params: params(&model),
         expert_bytes: mem.expert_bytes,
         resident_bytes: mem.resident_bytes,
-        backend: format!("cpu ({})", cpu.kernels.isa().name()),
+        backend: match &cuda_model {
+            Some(cm) => format!("cuda ({}, {})", cm.dev.name(), cm.dev.arch()),
+            None => format!("cpu ({})", cpu.kernels.isa().name()),
+        },
         threads: cpu.pool.current_num_threads(),
+        vram_budget_bytes: a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64),
         n_prompt: a.n_prompt,
         n_gen: a.n_gen,
         repeats: a.repeats,
@@ -313,8 +376,11 @@ pub fn table(r: &Report) -> String {
     for run in &r.runs {
         let t = &run.tg_traffic;
         s.push_str(&format!(
-            "\n{} tg: per token {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
+            "\n{} tg: per token {:.2} MiB uploaded to VRAM (pool hit rate {:.1}%, {:.1} GB/s), {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
             run.name,
+            t.vram_upload_bytes_per_token / 1048576.0,
+            100.0 * t.vram_hit_rate,
+            t.h2d_gbps,
             t.disk_bytes_per_token / 1048576.0,
             t.disk_gbps,
             t.host_bytes_per_token / 1048576.0,
@@ -324,9 +390,10 @@ pub fn table(r: &Report) -> String {
         ));
     }
     s.push_str(&format!(
-        "\nlinks: disk {} GB/s, host copy {:.1} GB/s\n",
+        "\nlinks: disk {} GB/s, host copy {:.1} GB/s, pinned host-to-device {} GB/s\n",
         r.links.disk_read_gbps.map_or("n/a".into(), |g| format!("{g:.2}")),
-        r.links.host_copy_gbps
+        r.links.host_copy_gbps,
+        r.links.h2d_pinned_gbps.map_or("n/a".into(), |g| format!("{g:.1}"))
     ));
     s
 }

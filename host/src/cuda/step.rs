@@ -298,6 +298,11 @@ impl<'a> CudaStep<'a> {
         wts.download(&stream, &mut h_w).map_err(err)?;
         self.pools.i32.give(ids);
         self.pools.f32.give(wts);
+        // The downloads synchronised the stream: earlier layers' expert
+        // kernels are done, so their pool slots may be reused from here on.
+        if let Some(p) = &cm.experts {
+            p.lock().unwrap_or_else(|e| e.into_inner()).begin_step();
+        }
         // Per-(token, slot) expert pointers: resident tensors or pool slots.
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
         let mut ptrs: [Vec<u64>; 3] = [vec![0; rows * k], vec![0; rows * k], vec![0; rows * k]];
@@ -330,6 +335,10 @@ impl<'a> CudaStep<'a> {
             let mut b = self.pools.u64.take(dev, n_pairs).map_err(err)?;
             b.upload(&stream, p).map_err(err)?;
             pbufs.push(b);
+        }
+        let quantized = |t: pulsar_gguf::GgmlType| matches!(ActFormat::for_weight(t), Some(ActFormat::Q8_0 | ActFormat::Q8K));
+        if !quantized(gate_ty) || !quantized(down_ty) {
+            return Err(format!("the CUDA MoE kernels take quantized experts; {gate_ty}/{down_ty} experts run with --device cpu"));
         }
         let gfmt = ActFormat::for_weight(gate_ty).ok_or_else(|| format!("no CUDA expert kernel for {gate_ty}"))?;
         let dfmt = ActFormat::for_weight(down_ty).ok_or_else(|| format!("no CUDA expert kernel for {down_ty}"))?;

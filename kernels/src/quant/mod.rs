@@ -41,7 +41,7 @@ pub mod q8_0;
 pub mod q8_k;
 
 pub use activations::{ActFormat, ActRow, Activations};
-pub use random::{random_blocks, random_values};
+pub use random::{random_blocks, random_blocks_scaled, random_values};
 
 // ---- little-endian field access shared by the format modules ----
 

@@ -99,6 +99,30 @@ pub fn random_blocks(ty: GgmlType, n_blocks: usize, seed: u64) -> Result<Vec<u8>
     Ok(out)
 }
 
+/// Random valid blocks whose every f16 scale field is `scale` (random quant
+/// bits otherwise), for synthetic models: dequantized values are linear in
+/// `scale`, so a caller can pick it for a target spread. Fast (no fitting),
+/// unlike [`super::quantize`] of random values for the K and IQ formats.
+pub fn random_blocks_scaled(ty: GgmlType, n_blocks: usize, seed: u64, scale: f32) -> Result<Vec<u8>, QuantError> {
+    let fields = f16_fields(ty);
+    if fields.is_empty() || !can_dequantize(ty) {
+        return Err(QuantError::Unsupported { ty, op: "random_blocks_scaled" });
+    }
+    let (_, bb) = geometry(ty);
+    let mut rng = Rng(seed ^ (ty.id() as u64) << 32);
+    let mut out = vec![0u8; n_blocks * bb];
+    for c in out.chunks_mut(8) {
+        let v = rng.next().to_le_bytes();
+        c.copy_from_slice(&v[..c.len()]);
+    }
+    for b in out.chunks_exact_mut(bb) {
+        for &o in fields {
+            wr_f16(b, o, scale);
+        }
+    }
+    Ok(out)
+}
+
 /// `n` roughly normal values (mean 0, sd 1), reproducible from `seed`.
 pub fn random_values(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng(seed);
@@ -108,6 +132,22 @@ pub fn random_values(n: usize, seed: u64) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scaled_blocks_scale_linearly() {
+        for ty in [GgmlType::Q2_K, GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::IQ2_XXS] {
+            let (be, _) = geometry(ty);
+            let rms = |s: f32| {
+                let b = random_blocks_scaled(ty, 4, 3, s).unwrap();
+                let mut y = vec![0f32; 4 * be];
+                super::super::dequantize(ty, &b, &mut y).unwrap();
+                (y.iter().map(|v| v * v).sum::<f32>() / y.len() as f32).sqrt()
+            };
+            let (a, b) = (rms(1.0), rms(0.25));
+            assert!(a > 0.0 && ((b / a) - 0.25).abs() < 1e-3, "{ty}: {a} {b}");
+        }
+        assert!(random_blocks_scaled(GgmlType::F32, 1, 0, 1.0).is_err());
+    }
 
     #[test]
     fn every_format_dequantizes_to_finite_values() {
