@@ -144,6 +144,29 @@ impl<'a> OpenCx<'a> {
             .collect()
     }
 
+    /// `{arch}.attention.head_count` and `.head_count_kv`, checked for grouped
+    /// attention (the KV heads divide the query heads).
+    pub fn gqa_heads(&self) -> Result<(u32, u32), PluginError> {
+        let n_head = self.u32(&self.key("attention.head_count"))?;
+        let n_kv = self.u32(&self.key("attention.head_count_kv"))?;
+        if n_kv == 0 || n_head % n_kv != 0 {
+            return Err(PluginError::BadValue {
+                key: self.key("attention.head_count_kv"),
+                why: format!("{n_kv} does not divide head_count {n_head}"),
+            });
+        }
+        Ok((n_head, n_kv))
+    }
+
+    /// The vocabulary size: the second dimension of the embedding table.
+    pub fn n_vocab(&self, embedding: &str) -> Result<u32, PluginError> {
+        let t = self.tensor(embedding).ok_or_else(|| PluginError::MissingTensor(embedding.to_string()))?;
+        match t.dims.as_slice() {
+            [_, v] => u32::try_from(*v).map_err(|_| PluginError::BadShape { name: embedding.into(), expected: vec![], found: t.dims.to_vec() }),
+            d => Err(PluginError::BadShape { name: embedding.into(), expected: vec![0, 0], found: d.to_vec() }),
+        }
+    }
+
     pub fn tensor(&self, name: &str) -> Option<TensorDesc> {
         self.model.tensor(RStr::from_str(name)).into_option()
     }

@@ -44,18 +44,11 @@ impl Config {
     pub fn parse(cx: &OpenCx<'_>) -> Result<Config, PluginError> {
         let n_layers = cx.u32(&cx.key("block_count"))?;
         let n_embd = cx.u32(&cx.key("embedding_length"))?;
-        let n_head = cx.u32(&cx.key("attention.head_count"))?;
-        let n_kv_head = cx.u32(&cx.key("attention.head_count_kv"))?;
+        let (n_head, n_kv_head) = cx.gqa_heads()?;
         let head_dim = cx.u32(&cx.key("attention.key_length"))?;
         let head_dim_v = cx.u32(&cx.key("attention.value_length"))?;
         if head_dim_v != head_dim {
             return Err(PluginError::Unsupported(format!("key_length {head_dim} != value_length {head_dim_v}")));
-        }
-        if n_kv_head == 0 || n_head % n_kv_head != 0 {
-            return Err(PluginError::BadValue {
-                key: cx.key("attention.head_count_kv"),
-                why: format!("{n_kv_head} does not divide head_count {n_head}"),
-            });
         }
         let scaling = cx.meta(&cx.key("rope.scaling.type")).map(|_| cx.string(&cx.key("rope.scaling.type"))).transpose()?;
         let rope_scale_global = match scaling.as_deref() {
@@ -63,7 +56,7 @@ impl Config {
             Some("linear") => cx.f32(&cx.key("rope.scaling.factor"))?,
             Some(other) => return Err(PluginError::Unsupported(format!("rope scaling `{other}`"))),
         };
-        let n_vocab = cx.tensor("token_embd.weight").map(|t| t.dims.get(1).copied().unwrap_or(0) as u32).unwrap_or(0);
+        let n_vocab = cx.n_vocab("token_embd.weight")?;
         // llama.cpp's rule: the 27B model scales by 1/sqrt(n_embd / n_head)
         // (its query_pre_attn_scalar), the others by 1/sqrt(head_dim); GGUF
         // carries no key for it.

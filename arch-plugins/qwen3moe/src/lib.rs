@@ -33,15 +33,8 @@ pub struct Config {
 
 impl Config {
     pub fn parse(cx: &OpenCx<'_>) -> Result<Config, PluginError> {
-        let n_head = cx.u32(&cx.key("attention.head_count"))?;
-        let n_kv_head = cx.u32(&cx.key("attention.head_count_kv"))?;
+        let (n_head, n_kv_head) = cx.gqa_heads()?;
         let n_embd = cx.u32(&cx.key("embedding_length"))?;
-        if n_kv_head == 0 || n_head % n_kv_head != 0 {
-            return Err(PluginError::BadValue {
-                key: cx.key("attention.head_count_kv"),
-                why: format!("{n_kv_head} does not divide head_count {n_head}"),
-            });
-        }
         let head_dim = match cx.opt_u32(&cx.key("attention.key_length"))? {
             Some(d) => d,
             None => n_embd / n_head,
@@ -59,7 +52,7 @@ impl Config {
                 why: format!("{n_expert_used} experts used of {n_expert}"),
             });
         }
-        let n_vocab = cx.tensor("token_embd.weight").map(|t| t.dims.get(1).copied().unwrap_or(0) as u32).unwrap_or(0);
+        let n_vocab = cx.n_vocab("token_embd.weight")?;
         Ok(Config {
             n_layers: cx.u32(&cx.key("block_count"))?,
             n_embd,
