@@ -32,6 +32,9 @@ pub struct SynthSpec {
     pub dense_type: GgmlType,
     pub n_ctx: u32,
     pub seed: u64,
+    /// Routing skew: expert e's popularity falls roughly as (e+1)^-skew
+    /// (Zipf exponent); 0 = uniform.
+    pub skew: f32,
 }
 
 /// Named geometries of real models.
@@ -50,6 +53,7 @@ pub fn preset(name: &str) -> anyhow::Result<SynthSpec> {
         dense_type: GgmlType::Q8_0,
         n_ctx: 4096,
         seed: 1,
+        skew: 0.0,
     };
     Ok(match name {
         // The built-in default: small enough to create in a second on first use.
@@ -79,17 +83,40 @@ struct TensorPlan {
     /// Values are uniform in [-a, a] (or exactly `a` for norms).
     amp: f32,
     constant: bool,
+    role: PlanRole,
 }
+
+/// How routing skew is built: every token embedding carries the same offset
+/// `EMBED_OFFSET` in column 0, so after the RMS norm each hidden state has a
+/// nearly constant component h0 = `H0` there; router row e adds
+/// -skew·ln(e+1)/H0 in that column, which shifts expert e's logit by
+/// -skew·ln(e+1), i.e. its softmax weight by (e+1)^-skew. The residual
+/// updates (attention output, expert down projections) are kept small so
+/// the stream stays close to the token's own embedding and routing varies
+/// token to token instead of collapsing onto a few experts.
+#[derive(Clone, Copy, PartialEq)]
+enum PlanRole {
+    Plain,
+    Embedding,
+    Router,
+}
+
+const EMBED_OFFSET: f32 = 2.0;
+/// Uniform [-1, 1] entries have mean square 1/3; with the offset the RMS norm
+/// divides by sqrt(1/3 + offset^2/n) ~ sqrt(1/3) for wide models.
+const H0: f32 = EMBED_OFFSET * 1.732_050_8;
+/// Residual updates are this much smaller than a 1/sqrt(fan_in) init.
+const RESIDUAL_DAMP: f32 = 0.2;
 
 fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
     let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
     let (nq, nkv, nx, ff) = (s.n_head as u64 * hd, s.n_kv_head as u64 * hd, s.n_expert as u64, s.n_ff_exp as u64);
     // Uniform [-a, a] has variance a^2/3: a = sqrt(3/fan_in) gives variance 1/fan_in.
     let lin = |fan_in: u64| (3.0 / fan_in as f32).sqrt();
-    let t = |name: String, dims: Vec<u64>, ty: GgmlType, amp: f32| TensorPlan { name, dims, ty, amp, constant: false };
-    let norm = |name: String, n: u64| TensorPlan { name, dims: vec![n], ty: GgmlType::F32, amp: 1.0, constant: true };
+    let t = |name: String, dims: Vec<u64>, ty: GgmlType, amp: f32| TensorPlan { name, dims, ty, amp, constant: false, role: PlanRole::Plain };
+    let norm = |name: String, n: u64| TensorPlan { name, dims: vec![n], ty: GgmlType::F32, amp: 1.0, constant: true, role: PlanRole::Plain };
     let mut v = vec![
-        t("token_embd.weight".into(), vec![e, n_vocab], s.dense_type, 1.0),
+        TensorPlan { role: PlanRole::Embedding, ..t("token_embd.weight".into(), vec![e, n_vocab], s.dense_type, 1.0) },
         norm("output_norm.weight".into(), e),
         t("output.weight".into(), vec![e, n_vocab], s.dense_type, lin(e)),
     ];
@@ -99,14 +126,14 @@ fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
         v.push(t(n("attn_q"), vec![e, nq], s.dense_type, lin(e)));
         v.push(t(n("attn_k"), vec![e, nkv], s.dense_type, lin(e)));
         v.push(t(n("attn_v"), vec![e, nkv], s.dense_type, lin(e)));
-        v.push(t(n("attn_output"), vec![nq, e], s.dense_type, lin(nq)));
+        v.push(t(n("attn_output"), vec![nq, e], s.dense_type, lin(nq) * RESIDUAL_DAMP));
         v.push(norm(n("attn_q_norm"), hd));
         v.push(norm(n("attn_k_norm"), hd));
         v.push(norm(n("ffn_norm"), e));
-        v.push(t(n("ffn_gate_inp"), vec![e, nx], GgmlType::F32, lin(e)));
+        v.push(TensorPlan { role: PlanRole::Router, ..t(n("ffn_gate_inp"), vec![e, nx], GgmlType::F32, lin(e)) });
         v.push(t(n("ffn_gate_exps"), vec![e, ff, nx], s.expert_type, lin(e)));
         v.push(t(n("ffn_up_exps"), vec![e, ff, nx], s.expert_type, lin(e)));
-        v.push(t(n("ffn_down_exps"), vec![ff, e, nx], s.expert_type, lin(ff)));
+        v.push(t(n("ffn_down_exps"), vec![ff, e, nx], s.expert_type, lin(ff) * RESIDUAL_DAMP));
     }
     v
 }
@@ -179,7 +206,8 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
         // Quantized weights are random blocks with their scales set for the
         // target spread (fitting random floats to K/IQ formats is far slower
         // and buys nothing for a synthetic model).
-        let block_scale = if t.constant || t.ty == GgmlType::F32 { None } else { block_scale_for(t.ty, t.amp) };
+        let block_scale = if t.constant || t.ty == GgmlType::F32 || t.role != PlanRole::Plain { None } else { block_scale_for(t.ty, t.amp) };
+        let skew = s.skew;
         let n_blocks = cols / t.ty.block_elems() as usize;
         out.write_tensor_with(&t.name, |offset, buf| {
             let first_row = offset as usize / row_bytes;
@@ -192,11 +220,18 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
                     return Ok(());
                 }
                 let mut rng = Rng::new(row_seed);
-                let vals: Vec<f32> = if t.constant {
+                let mut vals: Vec<f32> = if t.constant {
                     vec![t.amp; cols]
                 } else {
                     (0..cols).map(|_| ((rng.next_f64() * 2.0 - 1.0) as f32) * t.amp).collect()
                 };
+                let row = first_row + i;
+                match t.role {
+                    PlanRole::Embedding => vals[0] = EMBED_OFFSET,
+                    // Router rows are experts (dims [n_embd, n_expert]).
+                    PlanRole::Router => vals[0] = -skew * ((row + 1) as f32).ln() / H0,
+                    PlanRole::Plain => {}
+                }
                 pulsar_kernels::quantize(t.ty, &vals, dst).map_err(|e| std::io::Error::other(format!("{}: {e}", t.name)))
             })?;
             bar.inc(buf.len() as u64);

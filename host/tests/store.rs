@@ -75,3 +75,28 @@ fn census_sidecar_is_written_and_a_corrupt_one_is_replaced() {
         _ => panic!("sidecar not readable after save"),
     }
 }
+
+/// Expert popularity over layer 0 after prefilling pseudo-random tokens.
+fn popularity(skew: f32) -> Vec<u64> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("s.gguf");
+    let spec = pulsar_host::synth::SynthSpec { n_layers: 2, skew, ..pulsar_host::synth::preset("tiny").unwrap() };
+    pulsar_host::synth::write(&spec, &p, false).unwrap();
+    let model = Model::open(&p, "qwen3moe", pulsar_arch_qwen3moe::plugin_module()).unwrap();
+    let st = StoreExperts::mapped(&model).unwrap();
+    let prompt: Vec<u32> = (0..128u32).map(|i| (i.wrapping_mul(2654435761) >> 7) % 256).collect();
+    let _ = logits(&model, &st, &prompt, 0);
+    let c = st.store.census();
+    (0..spec.n_expert).map(|e| c.count(0, e)).collect()
+}
+
+#[test]
+fn synthetic_routing_skew_is_controllable() {
+    let uniform = popularity(0.0);
+    let skewed = popularity(3.0);
+    let share = |v: &[u64]| v[..4].iter().sum::<u64>() as f64 / v.iter().sum::<u64>() as f64;
+    println!("skew 0: {uniform:?} (top-4 share {:.2}); skew 3: {skewed:?} (top-4 share {:.2})", share(&uniform), share(&skewed));
+    assert!(uniform.iter().filter(|&&c| c > 0).count() >= 14, "skew 0 should use nearly every expert: {uniform:?}");
+    assert!(share(&uniform) < 0.45, "skew 0 is not close to uniform: {uniform:?}");
+    assert!(share(&skewed) > share(&uniform) + 0.2, "skew 3 does not concentrate routing: {skewed:?}");
+}

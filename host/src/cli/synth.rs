@@ -27,6 +27,9 @@ pub struct Args {
     pub dense_type: Option<String>,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Routing skew: expert popularity roughly Zipf with this exponent (0 = uniform).
+    #[arg(long, default_value_t = 0.0)]
+    pub skew: f32,
     /// Output file.
     #[arg(short = 'o', long)]
     pub output: PathBuf,
@@ -58,6 +61,10 @@ pub fn main(_ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         s.dense_type = ty(t)?;
     }
     s.seed = a.seed;
+    if !(a.skew >= 0.0 && a.skew.is_finite()) {
+        anyhow::bail!("--skew must be >= 0");
+    }
+    s.skew = a.skew;
     let bytes = synth::tensor_bytes(&s);
     eprintln!("writing {} ({:.2} GiB of tensors)", a.output.display(), bytes as f64 / (1u64 << 30) as f64);
     let t0 = std::time::Instant::now();
