@@ -82,17 +82,21 @@ fi
 
 if has bench; then
   say "## bench"
-  m="$WORK/q235-l48-q2k.gguf"
-  if [ ! -f "$m" ]; then
+  # skew:configs ("-" = resident)
+  for plan in "0:- 16" "1:16"; do
+    skew=${plan%%:*}; cfgs=${plan#*:}
+    m="$WORK/q235-l48-q2k-s$skew.gguf"
+    rm -f "$WORK"/q235-l48-q2k-s*.gguf  # one 39 GB model at a time on a 64 GB disk
     t0=$(date +%s)
-    "$H" synth --preset qwen3-235b-a22b --layers 48 --expert-type q2_K -o "$m" 2>>"$O/bench.log"
-    say "synth: $(( $(date +%s) - t0 )) s for $(du -h "$m" | cut -f1)"
-  fi
-  for cfg in "" "--vram-budget 16"; do
-    # shellcheck disable=SC2086
-    "$H" bench -m "$m" -p 512 -n 32 -r 2 --device cuda $cfg "${P[@]}" > "$WORK/bench.txt" 2>>"$O/bench.log"
-    say "### cuda ${cfg:-resident}"
-    cat "$WORK/bench.txt" | tee -a "$S"
+    "$H" synth --preset qwen3-235b-a22b --layers 48 --expert-type q2_K --skew "$skew" -o "$m" 2>>"$O/bench.log"
+    say "synth skew $skew: $(( $(date +%s) - t0 )) s for $(du -h "$m" | cut -f1)"
+    for c in $cfgs; do
+      if [ "$c" = "-" ]; then cfg=""; else cfg="--vram-budget $c"; fi
+      # shellcheck disable=SC2086
+      "$H" bench -m "$m" -p 512 -n 32 -r 2 --device cuda $cfg "${P[@]}" > "$WORK/bench.txt" 2>>"$O/bench.log"
+      say "### cuda skew $skew ${cfg:-resident}"
+      tee -a "$S" < "$WORK/bench.txt"
+    done
   done
 fi
 say "done $(date -u +%FT%TZ)"
