@@ -28,6 +28,17 @@ pub fn catalog(model: &Model) -> anyhow::Result<Catalog> {
     Ok(Catalog::new(model.file.shard_paths().to_vec(), entries)?)
 }
 
+/// Hit rates per tier since the start, for `/metrics` and reports.
+pub fn tier_hit_rates(s: &pulsar_store::StoreStats) -> serde_json::Value {
+    let t = &s.total;
+    let n = (t.host.slabs + t.disk.slabs + t.mapped.slabs).max(1) as f64;
+    serde_json::json!({
+        "host": t.host.slabs as f64 / n,
+        "disk": t.disk.slabs as f64 / n,
+        "resident": t.mapped.slabs as f64 / n,
+    })
+}
+
 /// Experts served by an [`ExpertStore`].
 pub struct StoreExperts {
     pub store: ExpertStore,
@@ -118,3 +129,32 @@ impl ExpertSource for StoreExperts {
         self.store.prefetch(layer, experts);
     }
 }
+
+/// How routed experts are served: `None` for a model without routed experts;
+/// everything resident (mapped) when they fit in available memory and no
+/// budget is given; else a host cache of `host_cache` GiB (or the default budget).
+pub fn experts_for(model: &Model, host_cache: Option<f64>) -> anyhow::Result<Option<StoreExperts>> {
+    let expert_bytes = model.memory_plan().expert_bytes;
+    if expert_bytes == 0 {
+        return Ok(None);
+    }
+    let budget = match host_cache {
+        Some(gb) => Some(pulsar_store::budget_from_gib(gb)?),
+        None => match pulsar_store::default_host_budget() {
+            Ok(b) if b >= expert_bytes => None,
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!("{e}; serving experts from the file mapping");
+                None
+            }
+        },
+    };
+    Ok(Some(match budget {
+        Some(b) => {
+            tracing::info!("expert store: host cache of {:.2} GiB over {:.2} GiB of experts", b as f64 / (1u64 << 30) as f64, expert_bytes as f64 / (1u64 << 30) as f64);
+            StoreExperts::open(model, b)?
+        }
+        None => StoreExperts::mapped(model)?,
+    }))
+}
+

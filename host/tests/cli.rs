@@ -170,3 +170,48 @@ fn bench_json_has_every_field_and_the_store_carries_traffic() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("family qwen3moe"));
 }
+
+/// One HTTP/1.1 request over loopback; returns the body.
+fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split("\r\n\r\n").nth(1).unwrap_or("").to_string()
+}
+
+#[test]
+fn serve_reports_store_tiers_and_saves_the_census_on_sigterm() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let mut child = bin()
+        .args(["serve", "-m"])
+        .arg(&m)
+        .args(["--port", "0", "--plugin-dir"])
+        .arg(staged_plugins())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "server exited before listening");
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    let body = http(&addr, "POST", "/v1/completions", r#"{"prompt":"hello","max_tokens":4}"#);
+    assert!(body.contains("\"choices\""), "{body}");
+    let metrics: serde_json::Value = serde_json::from_str(&http(&addr, "GET", "/metrics?format=json", "")).unwrap();
+    let tiers = &metrics["expert_tier_hit_rates"];
+    assert!(tiers["resident"].as_f64().unwrap() > 0.0, "{metrics}");
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    let st = child.wait().unwrap();
+    assert!(st.success(), "serve exited with {st}");
+    assert!(pulsar_store::sidecar_path(&m).is_file(), "no census sidecar after shutdown");
+}

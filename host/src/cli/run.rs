@@ -12,7 +12,6 @@ use super::Ctx;
 use crate::chat::{ChatTemplate, Message};
 use crate::config::{self, Setting};
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
-use crate::experts::StoreExperts;
 use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
 use crate::session::{open_device, DeviceChoice, Session};
@@ -86,33 +85,6 @@ pub struct Args {
     pub vram_budget: Option<f64>,
 }
 
-/// How routed experts are served for this run.
-fn experts_for(model: &Model, host_cache: Option<f64>) -> anyhow::Result<Option<StoreExperts>> {
-    let expert_bytes = model.memory_plan().expert_bytes;
-    if expert_bytes == 0 {
-        return Ok(None);
-    }
-    let budget = match host_cache {
-        Some(gb) => Some(pulsar_store::budget_from_gib(gb)?),
-        None => match pulsar_store::default_host_budget() {
-            Ok(b) if b >= expert_bytes => None,
-            Ok(b) => Some(b),
-            Err(e) => {
-                tracing::warn!("{e}; serving experts from the file mapping");
-                None
-            }
-        },
-    };
-    Ok(Some(match budget {
-        Some(b) => {
-            tracing::info!("expert store: host cache of {:.2} GiB over {:.2} GiB of experts", b as f64 / GIB, expert_bytes as f64 / GIB);
-            StoreExperts::open(model, b)?
-        }
-        None => StoreExperts::mapped(model)?,
-    }))
-}
-
-const GIB: f64 = (1u64 << 30) as f64;
 
 fn stats_line(s: &pulsar_store::StoreStats) -> String {
     let t = &s.total;
@@ -180,7 +152,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
-    let store = experts_for(&model, a.host_cache)?;
+    let store = crate::experts::experts_for(&model, a.host_cache)?;
     let source: &dyn ExpertSource = match &store {
         Some(s) => s,
         None => &MappedExperts,

@@ -101,7 +101,18 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         grace: Duration::from_secs(a.shutdown_grace),
         model_id,
     };
-    let backend = Backend { model: Arc::new(model), cpu: Arc::new(cpu), experts: Arc::new(MappedExperts), tier_stats: None };
+    let store = crate::experts::experts_for(&model, None)?.map(Arc::new);
+    let experts: Arc<dyn crate::cpu::ExpertSource + Send + Sync> = match &store {
+        Some(s) => s.clone(),
+        None => Arc::new(MappedExperts),
+    };
+    let tier_stats: Option<server::metrics::TierStats> = store.clone().map(|s| {
+        let f: server::metrics::TierStats = Arc::new(move || crate::experts::tier_hit_rates(&s.store.stats()));
+        f
+    });
+    let model = Arc::new(model);
+    let backend = Backend { model: model.clone(), cpu: Arc::new(cpu), experts, tier_stats };
+    let model_path = a.model.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().thread_name("pulsar-http").build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)).await.with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port))?;
@@ -114,8 +125,15 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
             opts.parallel,
             if opts.api_key.is_some() { ", API key required" } else { "" }
         );
-        // The hook where the expert census will be saved once the store is wired in.
-        let on_shutdown: server::ShutdownHook = Box::new(|| tracing::info!("on_shutdown: nothing to save yet"));
+        // Save the expert census like the CLI does, once nothing runs the model.
+        let on_shutdown: server::ShutdownHook = Box::new(move || {
+            if let Some(s) = &store {
+                match s.save_census(&model_path, &model) {
+                    Ok(p) => tracing::info!("census saved to {}", p.display()),
+                    Err(e) => tracing::warn!("could not save the census: {e:#}"),
+                }
+            }
+        });
         server::serve(listener, backend, opts, shutdown_signal(), Some(on_shutdown)).await
     })?;
     Ok(ExitCode::SUCCESS)
