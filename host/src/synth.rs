@@ -105,8 +105,14 @@ const EMBED_OFFSET: f32 = 2.0;
 /// Uniform [-1, 1] entries have mean square 1/3; with the offset the RMS norm
 /// divides by sqrt(1/3 + offset^2/n) ~ sqrt(1/3) for wide models.
 const H0: f32 = EMBED_OFFSET * 1.732_050_8;
-/// Residual updates are this much smaller than a 1/sqrt(fan_in) init.
-const RESIDUAL_DAMP: f32 = 0.2;
+/// Residual updates are this much smaller than a 1/sqrt(fan_in) init, over
+/// the layer count: with random weights, attention outputs share a
+/// token-independent part (the average over positions) that adds up
+/// coherently layer after layer; scaled by 1/layers its sum stays below the
+/// token's own embedding, so deep layers still route by token.
+fn residual_damp(n_layers: u32) -> f32 {
+    (0.25 / n_layers.max(1) as f32).min(0.2)
+}
 
 fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
     let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
@@ -126,14 +132,14 @@ fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
         v.push(t(n("attn_q"), vec![e, nq], s.dense_type, lin(e)));
         v.push(t(n("attn_k"), vec![e, nkv], s.dense_type, lin(e)));
         v.push(t(n("attn_v"), vec![e, nkv], s.dense_type, lin(e)));
-        v.push(t(n("attn_output"), vec![nq, e], s.dense_type, lin(nq) * RESIDUAL_DAMP));
+        v.push(t(n("attn_output"), vec![nq, e], s.dense_type, lin(nq) * residual_damp(s.n_layers)));
         v.push(norm(n("attn_q_norm"), hd));
         v.push(norm(n("attn_k_norm"), hd));
         v.push(norm(n("ffn_norm"), e));
         v.push(TensorPlan { role: PlanRole::Router, ..t(n("ffn_gate_inp"), vec![e, nx], GgmlType::F32, lin(e)) });
         v.push(t(n("ffn_gate_exps"), vec![e, ff, nx], s.expert_type, lin(e)));
         v.push(t(n("ffn_up_exps"), vec![e, ff, nx], s.expert_type, lin(e)));
-        v.push(t(n("ffn_down_exps"), vec![ff, e, nx], s.expert_type, lin(ff) * RESIDUAL_DAMP));
+        v.push(t(n("ffn_down_exps"), vec![ff, e, nx], s.expert_type, lin(ff) * residual_damp(s.n_layers)));
     }
     v
 }
