@@ -13,6 +13,8 @@ export PULSAR_NVRTC_LIB_DIR PULSAR_CUDA_INCLUDE_DIR
 cargo build --workspace --locked
 scripts/stage-plugins.sh debug >/dev/null
 cargo test --workspace --locked "$@"
+# The reference-parity table of every family (cargo captures it in the run above).
+cargo test --locked -q -p pulsar-host --test parity parity_table -- --nocapture 2>&1 | sed -n '/^family/,/^$/p'
 # The server with real clients: the official openai package and the web page in
 # headless Chromium (installs its venv, npm package and Chromium when missing).
 PULSAR_E2E_NO_BUILD=1 host/tests/server/run-e2e.sh
