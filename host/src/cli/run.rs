@@ -86,6 +86,24 @@ pub struct Args {
 }
 
 
+/// One token's expert traffic: the difference of two store snapshots.
+fn token_traffic(b: &pulsar_store::StoreStats, a: &pulsar_store::StoreStats) -> String {
+    let (x, y) = (&b.total, &a.total);
+    let mib = |v: u64| v as f64 / 1048576.0;
+    let secs = y.disk_seconds - x.disk_seconds;
+    let disk = y.disk.bytes - x.disk.bytes;
+    format!(
+        "host {} hits ({:.2} MiB), disk {} reads ({:.2} MiB, {:.2} GB/s), resident {} ({:.2} MiB)",
+        y.host.slabs - x.host.slabs,
+        mib(y.host.bytes - x.host.bytes),
+        y.disk.slabs - x.disk.slabs,
+        mib(disk),
+        if secs > 0.0 { disk as f64 / secs / 1e9 } else { 0.0 },
+        y.mapped.slabs - x.mapped.slabs,
+        mib(y.mapped.bytes - x.mapped.bytes),
+    )
+}
+
 fn stats_line(s: &pulsar_store::StoreStats) -> String {
     let t = &s.total;
     format!(
@@ -204,7 +222,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     sampling.validate().map_err(|e| anyhow::anyhow!(e))?;
     let _ = Setting { value: (), source: config::Source::Default };
 
-    let code = if a.chat { chat(&a, &model, &tok, engine, sampling)? } else { generate(&a, &model, &tok, engine, sampling)? };
+    let code = if a.chat { chat(&a, &model, &tok, engine, sampling)? } else { generate(&a, &model, &tok, engine, sampling, store.as_ref())? };
     if let (Some(cm), true) = (&cuda_model, a.stats) {
         if let Some(p) = cm.pool_stats() {
             eprintln!("vram expert pool: {}", serde_json::to_string(&p)?);
@@ -222,7 +240,14 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
-fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
+fn generate(
+    a: &Args,
+    model: &Model,
+    tok: &Tokenizer,
+    engine: &mut dyn Session,
+    sampling: SamplerConfig,
+    store: Option<&crate::experts::StoreExperts>,
+) -> anyhow::Result<ExitCode> {
     let text = a.prompt.clone().unwrap_or_default();
     let prompt = prompt_tokens(a, tok, &text);
     if prompt.is_empty() {
@@ -274,7 +299,11 @@ fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, 
         if generated == a.n_predict || engine.n_past() + 1 > engine.n_ctx() {
             break;
         }
+        let before = store.filter(|_| a.stats).map(|s| s.store.stats());
         let l = engine.forward(&[next], false)?;
+        if let (Some(b), Some(s)) = (before, store) {
+            eprintln!("[token {generated}] {}", token_traffic(&b, &s.store.stats()));
+        }
         next = sampler.sample(&l[0]);
     }
     writeln!(out, "{}", dec.finish())?;
