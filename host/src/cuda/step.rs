@@ -147,6 +147,10 @@ impl<'a> CudaStep<'a> {
         Ok(host.chunks(d.cols.max(1)).map(|r| r.to_vec()).collect())
     }
 
+    fn dims(&self, v: Val) -> R<(usize, usize)> {
+        self.get(v).map(|d| (d.rows, d.cols))
+    }
+
     fn get(&self, v: Val) -> R<&DVal> {
         self.vals.get(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))
     }
@@ -170,10 +174,7 @@ impl<'a> CudaStep<'a> {
 
     /// `y = x · Wᵀ` for weight bytes at `w` (`rows` = n_out, `cols` = n_in).
     fn matmul_raw(&mut self, ty: pulsar_gguf::GgmlType, w: &DeviceBuf<u8>, n_out: usize, n_in: usize, x: Val) -> R<(DeviceBuf<f32>, usize)> {
-        let (rows, cols) = {
-            let d = self.get(x)?;
-            (d.rows, d.cols)
-        };
+        let (rows, cols) = self.dims(x)?;
         if cols != n_in {
             return Err(format!("linear: input width {cols}, weight takes {n_in}"));
         }
@@ -273,10 +274,7 @@ impl<'a> CudaStep<'a> {
         let cm: &'a CudaModel = self.cm;
         let dev = &cm.dev;
         let stream = dev.compute().clone();
-        let (rows, d_model) = {
-            let d = self.get(x)?;
-            (d.rows, d.cols)
-        };
+        let (rows, d_model) = self.dims(x)?;
         let (ne, k) = (spec.n_expert as usize, spec.top_k as usize);
         // Router scores on the device, top-k there too.
         let logits = self.linear_w(spec.router, x)?;
@@ -413,10 +411,7 @@ impl Ops for CudaStep<'_> {
     }
     fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
         res((|| {
-            let (rows, cols) = {
-                let d = self.get(x)?;
-                (d.rows, d.cols)
-            };
+            let (rows, cols) = self.dims(x)?;
             let g = group as usize;
             let weight = match w {
                 ROption::RSome(w) => {
@@ -443,10 +438,7 @@ impl Ops for CudaStep<'_> {
     }
     fn scale(&mut self, x: Val, s: f32) -> OpResult {
         res((|| {
-            let (rows, cols) = {
-                let d = self.get(x)?;
-                (d.rows, d.cols)
-            };
+            let (rows, cols) = self.dims(x)?;
             let mut y = self.new_val(rows, cols)?;
             let stream = self.cm.dev.compute().clone();
             self.cm.dev.scale(&stream, &self.vals[x.0 as usize].buf, s, &mut y).map_err(err)?;
@@ -456,10 +448,7 @@ impl Ops for CudaStep<'_> {
     fn act(&mut self, x: Val, act: Act) -> OpResult {
         // act(x) = glu(x, 1): the GLU kernel with a ones vector.
         res((|| {
-            let (rows, cols) = {
-                let d = self.get(x)?;
-                (d.rows, d.cols)
-            };
+            let (rows, cols) = self.dims(x)?;
             let stream = self.cm.dev.compute().clone();
             let mut ones = self.new_val(rows, cols)?;
             ones.upload(&stream, &vec![1f32; rows * cols]).map_err(err)?;
@@ -486,10 +475,7 @@ impl Ops for CudaStep<'_> {
     }
     fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
         res((|| {
-            let (rows, cols) = {
-                let d = self.get(x)?;
-                (d.rows, d.cols)
-            };
+            let (rows, cols) = self.dims(x)?;
             if rows != self.positions.len() {
                 return Err(format!("rope: {rows} rows for {} positions", self.positions.len()));
             }
@@ -513,10 +499,7 @@ impl Ops for CudaStep<'_> {
     }
     fn output_rows(&mut self, x: Val) -> OpResult {
         res((|| {
-            let (rows, cols) = {
-                let d = self.get(x)?;
-                (d.rows, d.cols)
-            };
+            let (rows, cols) = self.dims(x)?;
             let keep = if self.all_rows { rows } else { 1 };
             let mut y = self.new_val(keep, cols)?;
             let src = self.vals[x.0 as usize].buf.device_ptr() + ((rows - keep) * cols * 4) as u64;
