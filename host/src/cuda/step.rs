@@ -3,6 +3,7 @@
 
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
+use pulsar_cuda::ops::{GemmKernel, GemvKernel};
 use pulsar_cuda::{attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
 use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
@@ -173,6 +174,10 @@ impl<'a> CudaStep<'a> {
     }
 
     /// `y = x · Wᵀ` for weight bytes at `w` (`rows` = n_out, `cols` = n_in).
+    /// Decode uses the direct GEMV and prefill the dp4a GEMM: those two sum
+    /// each dot in the same order, so a decoded token's logits equal a fresh
+    /// prefill's bit for bit (the staged GEMV and the tensor-core GEMM are
+    /// faster but round differently).
     fn matmul_raw(&mut self, ty: pulsar_gguf::GgmlType, w: &DeviceBuf<u8>, n_out: usize, n_in: usize, x: Val) -> R<(DeviceBuf<f32>, usize)> {
         let (rows, cols) = self.dims(x)?;
         if cols != n_in {
@@ -191,9 +196,9 @@ impl<'a> CudaStep<'a> {
                 let xb = &self.vals[x.0 as usize].buf;
                 self.cm.dev.quantize_act(&stream, fmt, xb, rows, cols, &mut q).map_err(err)?;
                 if rows == 1 {
-                    self.cm.dev.gemv(&stream, ty, w, n_out, n_in, &q, &mut y).map_err(err)?;
+                    self.cm.dev.gemv_with(&stream, GemvKernel::Direct, ty, w, n_out, n_in, &q, &mut y).map_err(err)?;
                 } else {
-                    self.cm.dev.gemm(&stream, ty, w, n_out, n_in, &q, rows, &mut y).map_err(err)?;
+                    self.cm.dev.gemm_with(&stream, GemmKernel::Dp4a, ty, w, n_out, n_in, &q, rows, &mut y).map_err(err)?;
                 }
                 self.pools.u8.give(q);
             }
