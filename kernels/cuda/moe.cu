@@ -149,3 +149,35 @@ MOE_ENTRY(q6_k, F_Q6_K)
 MOE_ENTRY(iq2_xxs, F_IQ2_XXS)
 MOE_ENTRY(iq2_xs, F_IQ2_XS)
 MOE_ENTRY(iq3_xxs, F_IQ3_XXS)
+
+// moe_gather_ptrs — per-(token, slot) slab pointers from per-expert tables:
+// PG[p] = TG[ids[p]] (likewise up, down). A table entry of 0 ("not mine":
+// served by another lane) yields a null pair the expert kernels skip. Lets a
+// resident or hot-set layer route and run with no host round trip.
+// Twin: the host's table lookup.
+extern "C" __global__ void moe_gather_ptrs(const int* ids, int n_pairs, int n_exp, const u64* tg, const u64* tu,
+                                           const u64* td, u64* pg, u64* pu, u64* pd) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n_pairs) return;
+    int e = ids[p];
+    bool ok = e >= 0 && e < n_exp;
+    pg[p] = ok ? tg[e] : 0;
+    pu[p] = ok ? tu[e] : 0;
+    pd[p] = ok ? td[e] : 0;
+}
+
+// moe_combine — y[t] = sum over slots s, in slot order, of w[t, s] * out[t, s]
+// from 0, with separate multiply and add roundings as the CPU backend's loop.
+// Twin: the CPU MoE op's slot sum.
+extern "C" __global__ void moe_combine(const float* out, const float* w, int n_tok, int n_slot, int d_model,
+                                       float* y) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = blockIdx.y;
+    if (c >= d_model || t >= n_tok) return;
+    float acc = 0.0f;
+    for (int s = 0; s < n_slot; s++) {
+        size_t p = (size_t)t * n_slot + s;
+        acc = __fadd_rn(acc, __fmul_rn(w[p], out[p * d_model + c]));
+    }
+    y[(size_t)t * d_model + c] = acc;
+}

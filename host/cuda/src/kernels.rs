@@ -194,7 +194,8 @@ const EMBED: &[&str] = &[
     "embed_iq3_xxs",
 ];
 
-// route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i.
+// route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i, then
+// the pointer gather and the slot combine.
 const MOE: &[&str] = &[
     "route_topk",
     "moe_up_q8_0",
@@ -223,7 +224,11 @@ const MOE: &[&str] = &[
     "moe_down_iq2_xs",
     "moe_up_iq3_xxs",
     "moe_down_iq3_xxs",
+    "moe_gather_ptrs",
+    "moe_combine",
 ];
+pub(crate) const MOE_GATHER_PTRS: usize = 27;
+pub(crate) const MOE_COMBINE: usize = 28;
 
 #[cfg(test)]
 mod tests {
@@ -248,6 +253,8 @@ mod tests {
         }
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_0], "quantize_q8_0");
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_K], "quantize_q8_k");
+        assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
+        assert_eq!(MOE[MOE_COMBINE], "moe_combine");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use pulsar_kernels::ActFormat;
 use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
-use crate::kernels::{float_index, quant_index, Family, QUANTIZE_Q8_0, QUANTIZE_Q8_K};
+use crate::kernels::{float_index, quant_index, Family, MOE_COMBINE, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K};
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
 macro_rules! params {
@@ -1002,6 +1002,79 @@ impl CudaDevice {
                 0,
                 stream,
                 &mut params![dp, hqp, op, dm, ffi, tab],
+            )
+        }
+    }
+
+    /// Per-(token, slot) slab pointers from per-expert tables (`[n_exp]`
+    /// device addresses each, 0 = "not mine"): `out.gate[p] = gate[ids[p]]`.
+    /// An id outside the tables gives a null pair. Twin: a host table lookup.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gather_ptrs(
+        &self,
+        stream: &CudaStream,
+        ids: &DeviceBuf<i32>,
+        tables: [&DeviceBuf<u64>; 3],
+        out: [&mut DeviceBuf<u64>; 3],
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_gather_ptrs";
+        let n_pairs = ids.len();
+        let n_exp = tables[0].len();
+        for t in &tables[1..] {
+            want(OP, "table", t.len(), n_exp)?;
+        }
+        for o in &out {
+            want(OP, "pointers", o.len(), n_pairs)?;
+        }
+        let (np, ne) = (to_i32(OP, "n_pairs", n_pairs)?, to_i32(OP, "n_exp", n_exp)?);
+        let (ip, tg, tu, td) = (ids.device_ptr(), tables[0].device_ptr(), tables[1].device_ptr(), tables[2].device_ptr());
+        let (pg, pu, pd) = (out[0].device_ptr(), out[1].device_ptr(), out[2].device_ptr());
+        let f = self.func(Family::Moe, MOE_GATHER_PTRS)?;
+        // SAFETY: parameters as moe_gather_ptrs; sizes checked.
+        unsafe {
+            self.launch(
+                f,
+                (n_pairs.div_ceil(128).max(1) as u32, 1, 1),
+                128,
+                0,
+                stream,
+                &mut params![ip, np, ne, tg, tu, td, pg, pu, pd],
+            )
+        }
+    }
+
+    /// `y[t] = sum_s w[t, s] * out[t * n_slot + s]` in slot order (`out`:
+    /// `[n_tok * n_slot, d_model]`, `w`: `[n_tok, n_slot]`, `y`: `[n_tok,
+    /// d_model]`). Twin: the CPU MoE op's slot sum (same roundings).
+    pub fn moe_combine(
+        &self,
+        stream: &CudaStream,
+        out: &DeviceBuf<f32>,
+        w: &DeviceBuf<f32>,
+        n_tok: usize,
+        n_slot: usize,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_combine";
+        want(OP, "weights", w.len(), n_tok * n_slot)?;
+        let d_model = y.len().checked_div(n_tok).unwrap_or(0);
+        want(OP, "y", y.len(), n_tok * d_model)?;
+        want(OP, "out", out.len(), n_tok * n_slot * d_model)?;
+        if n_tok > 65535 {
+            return Err(shape(OP, format!("{n_tok} tokens in one launch (at most 65535)")));
+        }
+        let (nt, ns, dm) = (to_i32(OP, "n_tok", n_tok)?, to_i32(OP, "n_slot", n_slot)?, to_i32(OP, "d_model", d_model)?);
+        let (op, wp, yp) = (out.device_ptr(), w.device_ptr(), y.device_ptr());
+        let f = self.func(Family::Moe, MOE_COMBINE)?;
+        // SAFETY: parameters as moe_combine; sizes checked.
+        unsafe {
+            self.launch(
+                f,
+                (d_model.div_ceil(128).max(1) as u32, n_tok.max(1) as u32, 1),
+                128,
+                0,
+                stream,
+                &mut params![op, wp, nt, ns, dm, yp],
             )
         }
     }

@@ -417,7 +417,79 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             moe_case(dev, &pool, &k, gu, dn, next()),
         );
     }
+    t.push(
+        "moe_gather_ptrs",
+        "u64",
+        "40 pairs x 16 exp".into(),
+        gather_case(dev, next()),
+    );
+    t.push(
+        "moe_combine",
+        "f32",
+        "5 tok x 8 slot x 2048".into(),
+        combine_case(dev, 5, 8, 2048, next()),
+    );
     t.rows
+}
+
+fn gather_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
+    let (n_pairs, n_exp) = (40usize, 16usize);
+    // Ids include out-of-range values (-1, n_exp): those pairs must come out null.
+    let ids: Vec<i32> = (0..n_pairs)
+        .map(|p| match p {
+            3 => -1,
+            7 => n_exp as i32,
+            _ => ((p as u64 * 7 + seed) % n_exp as u64) as i32,
+        })
+        .collect();
+    let tables: Vec<Vec<u64>> = (0..3u64)
+        .map(|k| {
+            (0..n_exp as u64)
+                .map(|e| if e == 5 { 0 } else { (k + 1) << 40 | (e * 4096 + seed % 64) })
+                .collect()
+        })
+        .collect();
+    let idd = dev.upload(&ids)?;
+    let td: Vec<DeviceBuf<u64>> = tables.iter().map(|t| dev.upload(t)).collect::<Result<_, _>>()?;
+    let (mut g, mut u, mut d) = (
+        poisoned::<u64>(dev, n_pairs)?,
+        poisoned::<u64>(dev, n_pairs)?,
+        poisoned::<u64>(dev, n_pairs)?,
+    );
+    dev.moe_gather_ptrs(dev.compute(), &idd, [&td[0], &td[1], &td[2]], [&mut g, &mut u, &mut d])?;
+    let mut diff = 0usize;
+    for (k, got) in [dev.download(&g)?, dev.download(&u)?, dev.download(&d)?].iter().enumerate() {
+        for (p, &v) in got.iter().enumerate() {
+            let e = ids[p];
+            let want = if (0..n_exp as i32).contains(&e) { tables[k][e as usize] } else { 0 };
+            diff += (v != want) as usize;
+        }
+    }
+    Ok(Cmp { abs: diff as f64, rel: diff as f64 / (3 * n_pairs) as f64, tol: 0.0, pass: diff == 0 })
+}
+
+fn combine_case(dev: &CudaDevice, n_tok: usize, n_slot: usize, d_model: usize, seed: u64) -> Result<Cmp, CudaError> {
+    let out = random_values(n_tok * n_slot * d_model, seed);
+    let w = random_values(n_tok * n_slot, seed ^ 3);
+    let (od, wd) = (dev.upload(&out)?, dev.upload(&w)?);
+    let mut y = poisoned::<f32>(dev, n_tok * d_model)?;
+    dev.moe_combine(dev.compute(), &od, &wd, n_tok, n_slot, &mut y)?;
+    let got = dev.download(&y)?;
+    // The CPU backend's loop: from zero, slot by slot, multiply then add.
+    let mut cpu = vec![0f32; n_tok * d_model];
+    for t in 0..n_tok {
+        for s in 0..n_slot {
+            let p = t * n_slot + s;
+            for c in 0..d_model {
+                cpu[t * d_model + c] += w[p] * out[p * d_model + c];
+            }
+        }
+    }
+    // Same operations in the same order: bit for bit.
+    let diff = got.iter().zip(&cpu).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    let mut c = compare(&got, &cpu, 0.0);
+    c.pass = diff == 0;
+    Ok(c)
 }
 
 fn quantize_case(
