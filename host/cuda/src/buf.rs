@@ -225,3 +225,107 @@ impl<T: Pod> Drop for PinnedBuf<T> {
         }
     }
 }
+
+/// Host memory someone else owns (a file mapping, a cache arena), page-locked
+/// in place with `cuMemHostRegister`: copies from it run at pinned speed on
+/// any stream without a staging copy, and kernels can read it over the bus
+/// (zero-copy) through [`HostRegistration::device_addr`]. Unregistered on drop.
+pub struct HostRegistration {
+    base: usize,
+    len: usize,
+    dev_base: u64,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the registration only records addresses; the memory is the owner's.
+unsafe impl Send for HostRegistration {}
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Page-lock `len` bytes at `ptr` (`read_only` for mappings that must not
+    /// be written, such as a read-only file map).
+    ///
+    /// # Safety
+    /// The range must stay mapped until the registration is dropped.
+    pub(crate) unsafe fn new(
+        ctx: &Arc<CudaContext>,
+        ptr: *const u8,
+        len: usize,
+        read_only: bool,
+    ) -> Result<Self, CudaError> {
+        if len == 0 {
+            return Err(shape("host register", "an empty range".to_string()));
+        }
+        ctx.bind_to_thread()?;
+        let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        if read_only {
+            flags |= sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        }
+        // SAFETY: the caller keeps the range mapped; flags as documented.
+        unsafe { sys::cuMemHostRegister_v2(ptr as *mut std::ffi::c_void, len, flags) }.result()?;
+        let mut dev_base: sys::CUdeviceptr = 0;
+        // SAFETY: the range was registered with DEVICEMAP just above.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev_base, ptr as *mut std::ffi::c_void, 0) }.result();
+        if let Err(e) = r {
+            // SAFETY: registered above, unregistered once.
+            unsafe {
+                let _ = sys::cuMemHostUnregister(ptr as *mut std::ffi::c_void);
+            }
+            return Err(e.into());
+        }
+        Ok(HostRegistration {
+            base: ptr as usize,
+            len,
+            dev_base,
+            ctx: ctx.clone(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether `bytes` lie wholly inside the registered range.
+    pub fn contains(&self, bytes: &[u8]) -> bool {
+        let p = bytes.as_ptr() as usize;
+        p >= self.base && p.saturating_add(bytes.len()) <= self.base + self.len
+    }
+
+    /// The address a kernel reads `bytes` at (zero-copy), if they are registered here.
+    pub fn device_addr(&self, bytes: &[u8]) -> Option<u64> {
+        self.contains(bytes)
+            .then(|| self.dev_base + (bytes.as_ptr() as usize - self.base) as u64)
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered in `new`, unregistered once.
+            unsafe {
+                let _ = sys::cuMemHostUnregister(self.base as *mut std::ffi::c_void);
+            }
+        }
+    }
+}
+
+/// Copy host `src` into device memory at `dst` on `stream` without waiting.
+///
+/// # Safety
+/// `dst` must address at least `src.len()` bytes of live device memory, and
+/// `src` must stay alive and unchanged until the stream passes this copy. It
+/// is asynchronous only when `src` is page-locked (else the driver stages it
+/// and returns when the host side is read).
+pub unsafe fn copy_to_device_async(
+    stream: &CudaStream,
+    dst: u64,
+    src: &[u8],
+) -> Result<(), CudaError> {
+    stream.context().bind_to_thread()?;
+    // SAFETY: per the contract above.
+    unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+    Ok(())
+}

@@ -178,6 +178,20 @@ impl CudaDevice {
         PinnedBuf::alloc(&self.ctx, len)
     }
 
+    /// Page-lock host memory owned elsewhere in place (see [`HostRegistration`]).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must stay mapped until the registration is dropped.
+    pub unsafe fn register_host(
+        &self,
+        ptr: *const u8,
+        len: usize,
+        read_only: bool,
+    ) -> Result<crate::buf::HostRegistration, CudaError> {
+        // SAFETY: forwarded contract.
+        unsafe { crate::buf::HostRegistration::new(&self.ctx, ptr, len, read_only) }
+    }
+
     pub(crate) fn iq_tables(&self) -> &DeviceBuf<u64> {
         &self.iq_tables
     }

@@ -16,7 +16,7 @@ pub use kernels::Family;
 pub mod buf;
 pub mod device;
 
-pub use buf::{DeviceBuf, PinnedBuf, Pod};
+pub use buf::{copy_to_device_async, DeviceBuf, HostRegistration, PinnedBuf, Pod};
 pub use device::CudaDevice;
 pub mod ops;
 
