@@ -50,6 +50,12 @@ pub struct Args {
     /// cpu, cuda, cuda:N, or auto.
     #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
     pub device: DeviceChoice,
+    /// How cold experts are served on the GPU (upload, zerocopy, auto).
+    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
+    pub cold_path: crate::cuda::ColdPath,
+    /// Never page-lock the model file in host memory.
+    #[arg(long)]
+    pub no_pin: bool,
 }
 
 #[derive(Serialize, Clone, Debug, PartialEq)]
@@ -83,6 +89,12 @@ pub struct Traffic {
     pub vram_upload_bytes_per_token: f64,
     pub vram_hit_rate: f64,
     pub h2d_gbps: f64,
+    /// Cold expert bytes per token the GPU kernels read in place from page-locked host memory.
+    pub vram_zero_copy_bytes_per_token: f64,
+    /// Hot-set admissions per token (slabs that earned a VRAM slot).
+    pub vram_admissions_per_token: f64,
+    /// Slabs warm-loaded into the hot set before the run (from the census).
+    pub vram_warm_loaded: u64,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -269,16 +281,14 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     };
     let device = open_device(a.device)?;
     let n_ctx = a.n_prompt.max(a.n_gen) + 16;
-    let cuda_model = match device {
-        Some(dev) => {
-            let budget = a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64);
-            Some(CudaModel::load(dev, &model, budget, CudaKv::bytes_for(&model, n_ctx))?)
-        }
-        None => None,
-    };
-    let h2d = cuda_model.as_ref().and_then(|cm| h2d_pinned_gbps(&cm.dev).ok());
+    let h2d = device.as_ref().and_then(|d| h2d_pinned_gbps(d).ok());
     let links = Links { h2d_pinned_gbps: h2d, ..links };
-    let bench = Bench { model: &model, cpu: &cpu, cuda: cuda_model.as_ref(), args: &a };
+    let backend = match &device {
+        Some(d) => format!("cuda ({}, {})", d.name(), d.arch()),
+        None => format!("cpu ({})", cpu.kernels.isa().name()),
+    };
+    let ordinal = device.as_ref().map(|d| d.ordinal());
+    let mut device = device;
     let store = match (mem.expert_bytes, budget) {
         (0, _) => None,
         (_, Some(b)) => Some(StoreExperts::open(&model, b)?),
@@ -290,6 +300,26 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     };
     let mut runs = Vec::new();
     for name in ["cold", "warm"] {
+        // GPU: a fresh load per run. The cold one starts with an empty hot
+        // set; the warm one is warm-loaded from the census the cold one saved.
+        let cuda_model = match ordinal {
+            Some(n) => {
+                let dev = match device.take() {
+                    Some(d) => d,
+                    None => pulsar_cuda::CudaDevice::open(n)?,
+                };
+                let opts = crate::cuda::LoadOptions {
+                    vram_budget: a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64),
+                    kv_bytes: CudaKv::bytes_for(&model, n_ctx),
+                    census: if name == "warm" { crate::cuda::warm_census(&a.model, &model) } else { None },
+                    zero_copy: a.cold_path.zero_copy(),
+                    no_pin: a.no_pin,
+                };
+                Some(CudaModel::load(dev, &model, &opts)?)
+            }
+            None => None,
+        };
+        let bench = Bench { model: &model, cpu: &cpu, cuda: cuda_model.as_ref(), args: &a };
         let pp = (a.n_prompt > 0).then(|| bench.pp(source)).transpose()?;
         let before = store.as_ref().map(|s| s.store.stats());
         let pool_before = cuda_model.as_ref().and_then(|c| c.pool_stats());
@@ -300,24 +330,34 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
             _ => Traffic::default(),
         };
         if let (Some(b), Some(after)) = (pool_before, cuda_model.as_ref().and_then(|c| c.pool_stats())) {
-            tg_traffic.vram_upload_bytes_per_token = (after.uploaded_bytes - b.uploaded_bytes) as f64 / tokens.max(1.0);
-            let (h, m) = ((after.hits - b.hits) as f64, (after.misses - b.misses) as f64);
+            let per = |x: u64, y: u64| (y - x) as f64 / tokens.max(1.0);
+            tg_traffic.vram_upload_bytes_per_token = per(b.uploaded_bytes, after.uploaded_bytes);
+            tg_traffic.vram_zero_copy_bytes_per_token = per(b.zero_copy_bytes, after.zero_copy_bytes);
+            tg_traffic.vram_admissions_per_token = per(b.admissions, after.admissions);
+            tg_traffic.vram_warm_loaded = after.warm_loaded;
+            let (h, m) = ((after.hits - b.hits) as f64, (after.misses - b.misses + after.zero_copy - b.zero_copy) as f64);
             tg_traffic.vram_hit_rate = if h + m > 0.0 { h / (h + m) } else { 0.0 };
             let secs = after.upload_seconds - b.upload_seconds;
             tg_traffic.h2d_gbps = if secs > 0.0 { (after.uploaded_bytes - b.uploaded_bytes) as f64 / secs / 1e9 } else { 0.0 };
         }
         // Seconds per token the links need for this traffic, at their measured rates.
-        let floor = if tg_traffic.vram_upload_bytes_per_token > 0.0 {
-            links.h2d_pinned_gbps.map(|g| g * 1e9 / tg_traffic.vram_upload_bytes_per_token)
+        let link_bytes = tg_traffic.vram_upload_bytes_per_token + tg_traffic.vram_zero_copy_bytes_per_token;
+        let floor = if link_bytes > 0.0 {
+            links.h2d_pinned_gbps.map(|g| g * 1e9 / link_bytes)
         } else {
             links.disk_read_gbps.filter(|_| tg_traffic.disk_bytes_per_token > 0.0).map(|g| {
                 let s = tg_traffic.disk_bytes_per_token / (g * 1e9) + tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
                 1.0 / s
             })
         };
+        if let Some(cm) = &cuda_model {
+            if let Err(e) = cm.save_census(&a.model, &model) {
+                tracing::warn!("could not save the census: {e:#}");
+            }
+        }
         runs.push(Run { name: name.into(), pp, tg, tg_traffic, floor_tg_tok_s: floor });
     }
-    if let Some(s) = &store {
+    if let (Some(s), None) = (&store, ordinal) {
         if let Err(e) = s.save_census(&a.model, &model) {
             tracing::warn!("could not save the census: {e:#}");
         }
@@ -329,10 +369,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         params: params(&model),
         expert_bytes: mem.expert_bytes,
         resident_bytes: mem.resident_bytes,
-        backend: match &cuda_model {
-            Some(cm) => format!("cuda ({}, {})", cm.dev.name(), cm.dev.arch()),
-            None => format!("cpu ({})", cpu.kernels.isa().name()),
-        },
+        backend,
         threads: cpu.pool.current_num_threads(),
         vram_budget_bytes: a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64),
         n_prompt: a.n_prompt,

@@ -83,6 +83,14 @@ pub struct Args {
     /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
     #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB")]
     pub vram_budget: Option<f64>,
+    /// How cold experts (not in VRAM) are served on the GPU: upload them,
+    /// let the kernels read them in place from page-locked memory (zerocopy),
+    /// or auto (zero-copy for decode when the model could be page-locked).
+    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
+    pub cold_path: crate::cuda::ColdPath,
+    /// Never page-lock the model file in host memory (uploads go pageable).
+    #[arg(long)]
+    pub no_pin: bool,
 }
 
 
@@ -180,7 +188,14 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         Some(dev) => {
             let budget = a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64);
             let t = Instant::now();
-            let cm = CudaModel::load(dev, &model, budget, CudaKv::bytes_for(&model, n_ctx))?;
+            let opts = crate::cuda::LoadOptions {
+                vram_budget: budget,
+                kv_bytes: CudaKv::bytes_for(&model, n_ctx),
+                census: crate::cuda::warm_census(&model_path, &model),
+                zero_copy: a.cold_path.zero_copy(),
+                no_pin: a.no_pin,
+            };
+            let cm = CudaModel::load(dev, &model, &opts)?;
             tracing::info!(
                 "{} ({}): {:.2} GiB resident, experts {} in {:.2} s",
                 cm.dev.name(),
@@ -228,7 +243,13 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
             eprintln!("vram expert pool: {}", serde_json::to_string(&p)?);
         }
     }
-    if let Some(st) = &store {
+    if let Some(cm) = &cuda_model {
+        match cm.save_census(&model_path, &model) {
+            Ok(Some(p)) => tracing::info!("census saved to {}", p.display()),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("could not save the census: {e:#}"),
+        }
+    } else if let Some(st) = &store {
         if a.stats {
             eprintln!("{}", stats_line(&st.store.stats()));
         }

@@ -4,10 +4,14 @@
 //!
 //! Memory: every resident weight (everything but routed experts) is uploaded
 //! once at load. Routed experts are uploaded whole when they fit the VRAM
-//! budget; otherwise they stream through a fixed pool of expert slots in VRAM
-//! (the hot set: least recently used slot out, the step's own slabs pinned),
-//! uploaded from host memory on a miss. Activations come from a pool reused
-//! across steps, so after the first step a decode allocates nothing.
+//! budget, with per-expert pointer tables on the device so a MoE layer routes
+//! and runs with no host round trip. Otherwise they stream through a fixed
+//! pool of expert slots in VRAM: the hot set (tier 2, admission by heat, warm
+//! loaded from the census) plus scratch slots for one layer's cold slabs.
+//! The file mapping is page-locked in place when host memory allows, so cold
+//! slabs are copied on the copy stream at pinned speed or read in place by
+//! the kernels (zero-copy). Activations come from a pool reused across steps,
+//! so after the first step a decode allocates nothing.
 
 mod pool;
 mod step;
@@ -21,7 +25,7 @@ use pulsar_plugin_api::Role;
 
 use crate::model::Model;
 
-pub use pool::{ExpertPool, PoolStats};
+pub use pool::{ColdServe, ExpertPool, LayerRequest, PoolStats};
 pub use step::CudaEngine;
 
 #[derive(Debug, thiserror::Error)]
@@ -46,9 +50,57 @@ pub struct DevWeight {
 pub struct CudaModel {
     pub dev: CudaDevice,
     pub weights: Vec<DevWeight>,
+    /// Per-expert device addresses of each resident routed-expert weight
+    /// (by weight index), for the on-device pointer gather.
+    pub expert_tables: HashMap<usize, DeviceBuf<u64>>,
     /// Some: routed experts stream through this pool.
     pub experts: Option<Mutex<ExpertPool>>,
+    /// How cold slabs are served in decode steps.
+    pub cold: ColdServe,
     pub resident_bytes: u64,
+}
+
+/// The `--cold-path` choice for the GPU: how experts not in VRAM are served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ColdPath {
+    /// Zero-copy for decode where the model could be page-locked, uploads otherwise.
+    #[default]
+    Auto,
+    Upload,
+    ZeroCopy,
+}
+
+impl ColdPath {
+    pub fn zero_copy(self) -> bool {
+        !matches!(self, ColdPath::Upload)
+    }
+}
+
+impl std::str::FromStr for ColdPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ColdPath::Auto),
+            "upload" => Ok(ColdPath::Upload),
+            "zerocopy" | "zero-copy" => Ok(ColdPath::ZeroCopy),
+            _ => Err(format!("unknown cold path `{s}` (auto, upload, zerocopy)")),
+        }
+    }
+}
+
+/// How [`CudaModel::load`] places a model.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Caps what weights, KV and pools may occupy (emulates a smaller card).
+    pub vram_budget: Option<u64>,
+    pub kv_bytes: u64,
+    /// Expert popularity from earlier runs (or a built-in hotlist): the hot
+    /// set is warm-loaded with its hottest triples.
+    pub census: Option<pulsar_store::Census>,
+    /// Serve decode's cold slabs in place from page-locked memory (else upload).
+    pub zero_copy: bool,
+    /// Never page-lock the file mapping (uploads then go pageable).
+    pub no_pin: bool,
 }
 
 /// Free device memory minus a reserve for activations, KV and the driver.
@@ -60,8 +112,9 @@ pub fn default_vram_budget(dev: &CudaDevice) -> Result<u64, CudaBackendError> {
 impl CudaModel {
     /// Upload `model`'s weights. `vram_budget` caps what weights may occupy
     /// (emulating a smaller card); experts beyond it stream.
-    pub fn load(dev: CudaDevice, model: &Model, vram_budget: Option<u64>, kv_bytes: u64) -> Result<CudaModel, CudaBackendError> {
-        let budget = match vram_budget {
+    pub fn load(dev: CudaDevice, model: &Model, opts: &LoadOptions) -> Result<CudaModel, CudaBackendError> {
+        let kv_bytes = opts.kv_bytes;
+        let budget = match opts.vram_budget {
             Some(b) => b,
             None => default_vram_budget(&dev)?,
         };
@@ -98,6 +151,17 @@ impl CudaModel {
             };
             weights.push(DevWeight { ty: w.ty, dims: w.dims.clone(), raw, f32 });
         }
+        let mut expert_tables = HashMap::new();
+        if !stream_experts {
+            for (i, (w, dw)) in model.weights.iter().zip(&weights).enumerate() {
+                if let (Role::RoutedExpert, Some(raw)) = (w.role, &dw.raw) {
+                    let n = w.dims.get(2).copied().unwrap_or(1).max(1) as usize;
+                    let slab = w.bytes as usize / n;
+                    let tab: Vec<u64> = (0..n).map(|e| raw.device_ptr_at(e * slab)).collect::<Result<_, _>>()?;
+                    expert_tables.insert(i, dev.upload(&tab)?);
+                }
+            }
+        }
         let experts = if stream_experts {
             let slot_bytes = model
                 .weights
@@ -106,18 +170,109 @@ impl CudaModel {
                 .map(|w| w.bytes / w.dims.get(2).copied().unwrap_or(1).max(1))
                 .max()
                 .unwrap_or(0);
+            let n_exp = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).filter_map(|w| w.dims.get(2)).copied().max().unwrap_or(1) as usize;
+            let n_moe_layers = model.weights.iter().filter(|w| w.role == Role::Router).count().max(1);
+            // Scratch for one layer's cold slabs and the tables come out of the budget too.
             let room = budget - fixed;
             let n_slots = (room / slot_bytes.max(1)) as usize;
-            Some(Mutex::new(ExpertPool::new(&dev, slot_bytes as usize, n_slots)?))
+            // Heat halves over about 256 tokens (one hot-set step per MoE layer).
+            let mut pool = ExpertPool::new(&dev, slot_bytes as usize, n_slots, n_exp, 256.0 * n_moe_layers as f64)?;
+            if !opts.no_pin {
+                pin_mapping(&dev, model, mem.expert_bytes, &mut pool);
+            }
+            if let Some(census) = opts.census.as_ref().filter(|c| !c.is_empty()) {
+                let cat = crate::experts::catalog(model).map_err(|e| CudaBackendError::Other(e.to_string()))?;
+                let by_slab = slab_tensors(model);
+                pool.warm_load(&dev, &cat, census, &|id| {
+                    let &w = by_slab.get(&(id.layer, id.kind)).ok_or_else(|| format!("{id}: no such expert tensor"))?;
+                    let t = model.tensor(&model.weights[w]);
+                    let r = model.file.expert_slab(t, id.expert as u64).map_err(|e| e.to_string())?;
+                    model.file.bytes(&r).map_err(|e| e.to_string())
+                })?;
+                tracing::info!("hot set warm-loaded with {} slabs from the census", pool.stats.warm_loaded);
+            }
+            Some(Mutex::new(pool))
         } else {
             None
         };
-        Ok(CudaModel { dev, weights, experts, resident_bytes: resident })
+        let cold = if opts.zero_copy { ColdServe::ZeroCopy } else { ColdServe::Upload };
+        Ok(CudaModel { dev, weights, expert_tables, experts, cold, resident_bytes: resident })
     }
 
     pub fn pool_stats(&self) -> Option<PoolStats> {
         self.experts.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).stats.clone())
     }
+}
+
+/// Expert popularity to warm-load the hot set with: the model's census
+/// sidecar when there is a valid one, else the family's built-in hotlist.
+pub fn warm_census(model_path: &std::path::Path, model: &Model) -> Option<pulsar_store::Census> {
+    let side = pulsar_store::sidecar_path(model_path);
+    match pulsar_store::load_sidecar(&side, &model.file.fingerprint()) {
+        pulsar_store::SidecarLoad::Loaded(c) if !c.is_empty() => Some(c),
+        _ => pulsar_store::builtin_hotlist(&model.arch).map(|h| h.to_census()).filter(|c| !c.is_empty()),
+    }
+}
+
+impl CudaModel {
+    /// Merge this run's expert selections (streaming runs only) into the
+    /// model's census sidecar; `None` when nothing was recorded.
+    pub fn save_census(&self, model_path: &std::path::Path, model: &Model) -> anyhow::Result<Option<std::path::PathBuf>> {
+        let Some(p) = &self.experts else { return Ok(None) };
+        let census = p.lock().unwrap_or_else(|e| e.into_inner()).census().clone();
+        if census.is_empty() {
+            return Ok(None);
+        }
+        let path = pulsar_store::sidecar_path(model_path);
+        pulsar_store::save_sidecar(&path, &model.file.fingerprint(), &census)?;
+        Ok(Some(path))
+    }
+}
+
+/// Expert weights by (layer, slab kind): the index into `model.weights`.
+pub(crate) fn slab_tensors(model: &Model) -> HashMap<(u32, pulsar_store::SlabKind), usize> {
+    model
+        .weights
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.role == Role::RoutedExpert)
+        .filter_map(|(i, w)| Some(((w.layer?, crate::cpu::moe::slab_kind(&w.name)?), i)))
+        .collect()
+}
+
+/// Page-lock the file mapping in place when the routed experts fit in
+/// available host memory, so cold slabs upload at pinned speed and can be
+/// read in place. Pinning faults every page in: on a model larger than RAM
+/// it would thrash, so it is skipped there (uploads then go pageable).
+fn pin_mapping(dev: &CudaDevice, model: &Model, expert_bytes: u64, pool: &mut ExpertPool) {
+    let avail = match pulsar_store::default_host_budget() {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!("not page-locking the model: {e}");
+            return;
+        }
+    };
+    if expert_bytes > avail {
+        tracing::info!("experts ({:.1} GiB) exceed available host memory ({:.1} GiB): uploads go pageable", expert_bytes as f64 / GIB, avail as f64 / GIB);
+        return;
+    }
+    let t = std::time::Instant::now();
+    let page = pulsar_store::page_size();
+    for (i, info) in model.file.shard_infos().enumerate() {
+        let Ok(all) = model.file.bytes(&pulsar_gguf::ByteRange { shard: i, offset: 0, len: info.len }) else { continue };
+        // The mapping covers whole pages: the last partial page is mapped too.
+        let len = all.len().next_multiple_of(page);
+        // SAFETY: the mapping lives as long as the model, which outlives the
+        // pool (CudaModel borrows nothing but is dropped before the Model by
+        // every caller); READ_ONLY matches the read-only map.
+        match unsafe { dev.register_host(all.as_ptr(), len, true) } {
+            Ok(r) => pool.add_pinned(r),
+            Err(e) => {
+                tracing::warn!("could not page-lock shard {i} of the model ({e}); its slabs upload pageable");
+            }
+        }
+    }
+    tracing::info!("page-locked the model mapping in {:.2} s", t.elapsed().as_secs_f64());
 }
 
 pub(crate) const GIB: f64 = (1u64 << 30) as f64;

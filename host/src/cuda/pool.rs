@@ -2,7 +2,9 @@
 
 use std::collections::HashMap;
 
-use pulsar_cuda::{CudaDevice, DeviceBuf, Pod};
+use cudarc::driver::CudaEvent;
+use pulsar_cuda::{CudaDevice, DeviceBuf, HostRegistration, PinnedBuf, Pod};
+use pulsar_store::{Catalog, Census, HotSet, HotSetConfig, SlabId, SlabKind};
 
 use super::CudaBackendError;
 
@@ -34,89 +36,268 @@ impl<T: Pod> BufPool<T> {
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct PoolStats {
     pub slots: usize,
+    pub hot_slots: usize,
     pub slot_bytes: usize,
+    /// Slabs found in their hot-set slot.
     pub hits: u64,
+    /// Slabs uploaded (admitted to the hot set, or into a scratch slot).
     pub misses: u64,
+    /// Cold slabs the kernels read in place from page-locked host memory.
+    pub zero_copy: u64,
+    pub zero_copy_bytes: u64,
     pub uploaded_bytes: u64,
+    /// Of those, bytes copied from page-locked memory on the copy stream.
+    pub pinned_bytes: u64,
+    /// Copy-stream time of the pinned uploads plus host time of the others.
     pub upload_seconds: f64,
+    pub admissions: u64,
+    pub evictions: u64,
+    /// Slabs put in place before the first step from the census or hotlist.
+    pub warm_loaded: u64,
 }
 
-/// A fixed pool of expert slabs in VRAM. A slab keeps its slot until a miss
-/// needs room; the victim is the least recently used slot not needed by the
-/// step in progress.
+/// Where one layer's cold (not hot-set) slabs are served from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColdServe {
+    /// Uploaded into a scratch slot for this layer.
+    Upload,
+    /// Read in place by the kernels from page-locked host memory (needs a
+    /// registered host range; falls back to upload where the bytes are not).
+    ZeroCopy,
+}
+
+/// Tier 2 on the device: a fixed pool of expert-slab slots in VRAM. Hot slots
+/// follow [`HotSet`]'s admission policy (a slab earns a slot only by being
+/// hotter than the coldest resident); scratch slots hold one layer's cold
+/// slabs that were not admitted. Copies from registered (page-locked) host
+/// memory run on the copy stream; the compute stream waits on an event.
 pub struct ExpertPool {
     slots: DeviceBuf<u8>,
     slot_bytes: usize,
-    map: HashMap<(usize, u32), usize>,
-    owner: Vec<Option<(usize, u32)>>,
-    last_use: Vec<u64>,
-    /// The step a slot was last used by: never evicted within that step.
-    step_of: Vec<u64>,
-    clock: u64,
-    step: u64,
+    n_hot: usize,
+    n_scratch: usize,
+    scratch_next: usize,
+    hot: HotSet,
+    /// Page-locked host ranges slabs may be copied or read from.
+    pinned: Vec<HostRegistration>,
+    copy_start: CudaEvent,
+    copy_done: CudaEvent,
+    /// A timed copy is in flight since the last layer (read its time at the next).
+    timing_pending: bool,
+    table_host: [PinnedBuf<u64>; 3],
+    table_dev: [DeviceBuf<u64>; 3],
+    n_exp: usize,
+    /// This run's expert selections, for the census sidecar.
+    census: Census,
     pub stats: PoolStats,
 }
 
+/// One layer's slabs to serve: for each of gate/up/down, the kind and a
+/// lookup of an expert's bytes.
+pub struct LayerRequest<'a> {
+    pub layer: u32,
+    pub kinds: [SlabKind; 3],
+    /// Distinct experts, ascending.
+    pub experts: &'a [u32],
+    /// Every (token, slot) selection's expert, for heat (repeats count).
+    pub touched: &'a [u32],
+    pub cold: ColdServe,
+}
+
 impl ExpertPool {
-    pub fn new(dev: &CudaDevice, slot_bytes: usize, n_slots: usize) -> Result<ExpertPool, CudaBackendError> {
-        if n_slots == 0 {
+    /// `n_slots` slots of `slot_bytes`; `n_exp` experts per layer (the scratch
+    /// part holds one layer's three slabs per expert at most).
+    pub fn new(dev: &CudaDevice, slot_bytes: usize, n_slots: usize, n_exp: usize, half_life_steps: f64) -> Result<ExpertPool, CudaBackendError> {
+        let n_scratch = (3 * n_exp).min(n_slots / 2);
+        let n_hot = n_slots - n_scratch;
+        if n_scratch == 0 {
             return Err(CudaBackendError::Other("the VRAM budget leaves no room for a single expert slab".into()));
         }
+        let mut cfg = HotSetConfig::new(n_hot);
+        cfg.half_life_steps = half_life_steps;
         Ok(ExpertPool {
             slots: dev.alloc::<u8>(slot_bytes * n_slots)?,
             slot_bytes,
-            map: HashMap::new(),
-            owner: vec![None; n_slots],
-            last_use: vec![0; n_slots],
-            step_of: vec![u64::MAX; n_slots],
-            clock: 0,
-            step: 0,
-            stats: PoolStats { slots: n_slots, slot_bytes, ..Default::default() },
+            n_hot,
+            n_scratch,
+            scratch_next: 0,
+            hot: HotSet::new(cfg),
+            pinned: Vec::new(),
+            copy_start: dev.new_event(true)?,
+            copy_done: dev.new_event(true)?,
+            timing_pending: false,
+            table_host: [dev.alloc_pinned::<u64>(n_exp)?, dev.alloc_pinned::<u64>(n_exp)?, dev.alloc_pinned::<u64>(n_exp)?],
+            table_dev: [dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?],
+            n_exp,
+            census: Census::new(),
+            stats: PoolStats { slots: n_slots, hot_slots: n_hot, slot_bytes, ..Default::default() },
         })
     }
 
-    /// Start a step: slots used from now on are pinned until the next call.
-    pub fn begin_step(&mut self) {
-        self.step += 1;
+    /// Copies and zero-copy reads may use this page-locked host range.
+    pub fn add_pinned(&mut self, r: HostRegistration) {
+        self.pinned.push(r);
     }
 
-    /// The device address of `(tensor, expert)`'s slab, uploading `bytes` on a miss.
-    pub fn get(&mut self, dev: &CudaDevice, key: (usize, u32), bytes: &[u8]) -> Result<u64, CudaBackendError> {
-        self.clock += 1;
-        if let Some(&s) = self.map.get(&key) {
-            self.stats.hits += 1;
-            self.last_use[s] = self.clock;
-            self.step_of[s] = self.step;
-            return self.slots.device_ptr_at(s * self.slot_bytes).map_err(Into::into);
-        }
+    pub fn has_pinned(&self) -> bool {
+        !self.pinned.is_empty()
+    }
+
+    fn registration(&self, bytes: &[u8]) -> Option<&HostRegistration> {
+        self.pinned.iter().find(|r| r.contains(bytes))
+    }
+
+    fn slot_ptr(&self, slot: usize) -> Result<u64, CudaBackendError> {
+        Ok(self.slots.device_ptr_at(slot * self.slot_bytes)?)
+    }
+
+    fn upload(&mut self, dev: &CudaDevice, slot: usize, bytes: &[u8]) -> Result<u64, CudaBackendError> {
         if bytes.len() > self.slot_bytes {
             return Err(CudaBackendError::Other(format!("expert slab of {} bytes exceeds the slot size {}", bytes.len(), self.slot_bytes)));
         }
-        let victim = (0..self.owner.len())
-            .filter(|&s| self.step_of[s] != self.step)
-            .min_by_key(|&s| (self.owner[s].is_some(), self.last_use[s]))
-            .ok_or_else(|| {
-                CudaBackendError::Other(format!(
-                    "the VRAM expert pool ({} slots) cannot hold one step's experts; raise --vram-budget or lower --ubatch",
-                    self.owner.len()
-                ))
-            })?;
-        if let Some(old) = self.owner[victim].take() {
-            self.map.remove(&old);
+        let ptr = self.slot_ptr(slot)?;
+        if self.registration(bytes).is_some() {
+            if !self.timing_pending {
+                self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
+                self.timing_pending = true;
+            }
+            // SAFETY: the slot holds `slot_bytes >= bytes.len()` bytes; the
+            // bytes are page-locked file or cache memory that outlives the
+            // step, and the compute stream waits for this copy (copy_done).
+            unsafe { pulsar_cuda::copy_to_device_async(dev.copy(), ptr, bytes) }?;
+            self.stats.pinned_bytes += bytes.len() as u64;
+        } else {
+            let t = std::time::Instant::now();
+            dev.context().bind_to_thread().map_err(pulsar_cuda::CudaError::from)?;
+            // SAFETY: as above; a pageable copy completes before the call
+            // returns, so `bytes` may go away after.
+            unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, bytes) }.map_err(pulsar_cuda::CudaError::from)?;
+            self.stats.upload_seconds += t.elapsed().as_secs_f64();
         }
-        let ptr = self.slots.device_ptr_at(victim * self.slot_bytes)?;
-        let t = std::time::Instant::now();
-        dev.context().bind_to_thread().map_err(pulsar_cuda::CudaError::from)?;
-        // SAFETY: the slot holds `slot_bytes >= bytes.len()` bytes; a pageable
-        // copy completes before the call returns, so `bytes` may go away after.
-        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr, bytes) }.map_err(pulsar_cuda::CudaError::from)?;
-        self.stats.upload_seconds += t.elapsed().as_secs_f64();
         self.stats.misses += 1;
         self.stats.uploaded_bytes += bytes.len() as u64;
-        self.owner[victim] = Some(key);
-        self.map.insert(key, victim);
-        self.last_use[victim] = self.clock;
-        self.step_of[victim] = self.step;
         Ok(ptr)
+    }
+
+    /// Fill free hot slots with the hottest whole triples of `census` (the
+    /// sidecar of earlier runs, or a built-in hotlist) before the first step.
+    pub fn warm_load<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        catalog: &Catalog,
+        census: &Census,
+        bytes: &dyn Fn(SlabId) -> Result<&'b [u8], String>,
+    ) -> Result<(), CudaBackendError> {
+        for a in self.hot.warm_load(catalog, census) {
+            let b = bytes(a.slab).map_err(CudaBackendError::Other)?;
+            self.upload(dev, a.slot as usize, b)?;
+            self.stats.warm_loaded += 1;
+        }
+        self.finish_copies(dev)
+    }
+
+    /// The device's per-expert pointer tables (gate, up, down; 0 for experts
+    /// not selected) for one layer's step, uploading what is missing. Call
+    /// only when the compute stream has finished earlier layers' expert
+    /// kernels (their scratch and evicted slots are reused here).
+    pub fn serve_layer<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        req: &LayerRequest<'_>,
+        bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
+    ) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
+        self.read_copy_time()?;
+        for &e in req.touched {
+            self.census.record(req.layer, e, 1);
+        }
+        let touched: Vec<SlabId> = req
+            .touched
+            .iter()
+            .flat_map(|&e| req.kinds.iter().map(move |&k| SlabId::new(req.layer, k, e)))
+            .collect();
+        let admitted: Vec<SlabId> = self.hot.step(&touched).into_iter().map(|a| a.slab).collect();
+        let c = self.hot.counters();
+        (self.stats.admissions, self.stats.evictions) = (c.admissions, c.evictions);
+        self.scratch_next = 0;
+        let n_exp = self.n_exp;
+        let mut table = vec![0u64; 3 * n_exp];
+        for (ki, &kind) in req.kinds.iter().enumerate() {
+            for &e in req.experts {
+                if e as usize >= n_exp {
+                    return Err(CudaBackendError::Other(format!("layer {}: expert {e} of {n_exp}", req.layer)));
+                }
+                let id = SlabId::new(req.layer, kind, e);
+                let ptr = match self.hot.slot_of(id) {
+                    Some(s) if admitted.contains(&id) => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
+                    Some(s) => {
+                        self.stats.hits += 1;
+                        self.slot_ptr(s as usize)?
+                    }
+                    None => {
+                        let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
+                        match (req.cold, self.registration(b).and_then(|r| r.device_addr(b))) {
+                            (ColdServe::ZeroCopy, Some(addr)) => {
+                                self.stats.zero_copy += 1;
+                                self.stats.zero_copy_bytes += b.len() as u64;
+                                addr
+                            }
+                            _ => {
+                                if self.scratch_next >= self.n_scratch {
+                                    return Err(CudaBackendError::Other(format!(
+                                        "layer {}: {} cold slabs in one step exceed the {} scratch slots; raise --vram-budget",
+                                        req.layer,
+                                        self.scratch_next + 1,
+                                        self.n_scratch
+                                    )));
+                                }
+                                let slot = self.n_hot + self.scratch_next;
+                                self.scratch_next += 1;
+                                self.upload(dev, slot, b)?
+                            }
+                        }
+                    }
+                };
+                table[ki * n_exp + e as usize] = ptr;
+            }
+        }
+        self.finish_copies(dev)?;
+        // The previous layer's table copy has finished: the compute stream was
+        // synchronised (routing ids came back) before this call.
+        for (ki, (h, d)) in self.table_host.iter_mut().zip(self.table_dev.iter_mut()).enumerate() {
+            h.as_mut_slice().copy_from_slice(&table[ki * n_exp..(ki + 1) * n_exp]);
+            d.upload_async(dev.compute(), h)?;
+        }
+        Ok(&self.table_dev)
+    }
+
+    /// Make the compute stream wait for the copies issued so far.
+    fn finish_copies(&mut self, dev: &CudaDevice) -> Result<(), CudaBackendError> {
+        if self.timing_pending {
+            self.copy_done.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
+            dev.compute().wait(&self.copy_done).map_err(pulsar_cuda::CudaError::from)?;
+        }
+        Ok(())
+    }
+
+    /// Account the last layer's copy-stream time (its copies are done: the
+    /// compute stream waited for them and has since been synchronised).
+    fn read_copy_time(&mut self) -> Result<(), CudaBackendError> {
+        if self.timing_pending {
+            self.copy_done.synchronize().map_err(pulsar_cuda::CudaError::from)?;
+            let ms = self.copy_start.elapsed_ms(&self.copy_done).map_err(pulsar_cuda::CudaError::from)?;
+            self.stats.upload_seconds += ms as f64 / 1e3;
+            self.timing_pending = false;
+        }
+        Ok(())
+    }
+
+    /// The experts this run selected, per (layer, expert).
+    pub fn census(&self) -> &Census {
+        &self.census
+    }
+
+    /// Flush pending timing (for reports after a run).
+    pub fn settle(&mut self) -> Result<(), CudaBackendError> {
+        self.read_copy_time()
     }
 }

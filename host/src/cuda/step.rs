@@ -98,9 +98,6 @@ impl<'m> CudaEngine<'m> {
 
     fn step(&mut self, tokens: &[u32], positions: &[u32], all: bool) -> R<Vec<Vec<f32>>> {
         let dev = &self.cm.dev;
-        if let Some(p) = &self.cm.experts {
-            p.lock().unwrap_or_else(|e| e.into_inner()).begin_step();
-        }
         let mut pos_buf = self.pools.u32.take(dev, positions.len()).map_err(err)?;
         pos_buf.upload(dev.compute(), positions).map_err(err)?;
         let mut step = CudaStep { model: self.model, cm: self.cm, kv: &mut self.kv, pools: &mut self.pools, tokens, positions, pos_buf: &pos_buf, all_rows: all, vals: Vec::new() };
@@ -163,6 +160,10 @@ impl<'a> CudaStep<'a> {
     fn push(&mut self, buf: DeviceBuf<f32>, rows: usize, cols: usize) -> R<Val> {
         self.vals.push(DVal { buf, rows, cols });
         Ok(Val(self.vals.len() as u32 - 1))
+    }
+
+    fn weight_index(&self, w: Wt) -> R<usize> {
+        self.weight(w).map(|_| w.0 as usize)
     }
 
     fn weight(&self, w: Wt) -> R<(&'a DevWeight, &'a crate::model::Weight)> {
@@ -295,50 +296,56 @@ impl<'a> CudaStep<'a> {
             scale: spec.weights_scale,
         };
         dev.route(&stream, &rs, &self.vals[logits.0 as usize].buf, None, rows, ne, &mut ids, &mut wts).map_err(err)?;
-        let mut h_ids = vec![0i32; rows * k];
-        let mut h_w = vec![0f32; rows * k];
-        ids.download(&stream, &mut h_ids).map_err(err)?;
-        wts.download(&stream, &mut h_w).map_err(err)?;
-        self.pools.i32.give(ids);
-        self.pools.f32.give(wts);
-        // The downloads synchronised the stream: earlier layers' expert
-        // kernels are done, so their pool slots may be reused from here on.
-        if let Some(p) = &cm.experts {
-            p.lock().unwrap_or_else(|e| e.into_inner()).begin_step();
-        }
-        // Per-(token, slot) expert pointers: resident tensors or pool slots.
+        let n_pairs = rows * k;
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
-        let mut ptrs: [Vec<u64>; 3] = [vec![0; rows * k], vec![0; rows * k], vec![0; rows * k]];
-        for (wi, &w) in ws.iter().enumerate() {
-            let (dw, mw) = self.weight(w)?;
-            let slab = mw.bytes / dw.dims.get(2).copied().unwrap_or(1).max(1);
-            for (p, &e) in h_ids.iter().enumerate() {
-                if e < 0 || e as usize >= ne {
+        let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
+        let mut pbufs = Vec::with_capacity(3);
+        for _ in 0..3 {
+            pbufs.push(self.pools.u64.take(dev, n_pairs).map_err(err)?);
+        }
+        let resident: Option<[&DeviceBuf<u64>; 3]> = match widx.map(|i| cm.expert_tables.get(&i)) {
+            [Some(g), Some(u), Some(d)] => Some([g, u, d]),
+            _ => None,
+        };
+        let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
+        match resident {
+            // Everything on the device: no host round trip.
+            Some(tables) => dev.moe_gather_ptrs(&stream, &ids, tables, [pg, pu, pd]).map_err(err)?,
+            None => {
+                let pool = cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;
+                let mut h_ids = vec![0i32; n_pairs];
+                // Synchronises the stream: earlier layers' expert kernels are
+                // done, so their scratch and evicted slots may be reused.
+                ids.download(&stream, &mut h_ids).map_err(err)?;
+                if let Some(&e) = h_ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
                     return Err(format!("moe layer {}: router chose expert {e} of {ne}", spec.layer));
                 }
-                ptrs[wi][p] = match &dw.raw {
-                    Some(raw) => raw.device_ptr_at(e as usize * slab as usize).map_err(err)?,
-                    None => {
-                        let t = self.model.tensor(mw);
-                        let range = self.model.file.expert_slab(t, e as u64).map_err(err)?;
-                        let bytes = self.model.file.bytes(&range).map_err(err)?;
-                        let pool = self.cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;
-                        pool.lock().unwrap_or_else(|e| e.into_inner()).get(dev, (mw.tensor, e as u32), bytes).map_err(err)?
-                    }
-                };
+                let touched: Vec<u32> = h_ids.iter().map(|&e| e as u32).collect();
+                let mut experts = touched.clone();
+                experts.sort_unstable();
+                experts.dedup();
+                let mut kinds = [pulsar_store::SlabKind::Gate; 3];
+                for (ki, &i) in widx.iter().enumerate() {
+                    let w = &self.model.weights[i];
+                    kinds[ki] = crate::cpu::moe::slab_kind(&w.name).ok_or_else(|| format!("{}: not an expert tensor", w.name))?;
+                }
+                let model = self.model;
+                let req = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, cold: if rows == 1 { cm.cold } else { super::ColdServe::Upload } };
+                let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+                let table = pool
+                    .serve_layer(dev, &req, &|ki, e| {
+                        let t = model.tensor(&model.weights[widx[ki]]);
+                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                        model.file.bytes(&range).map_err(err)
+                    })
+                    .map_err(err)?;
+                dev.moe_gather_ptrs(&stream, &ids, [&table[0], &table[1], &table[2]], [pg, pu, pd]).map_err(err)?;
             }
         }
         let (gdw, _) = self.weight(spec.gate_exps)?;
         let (ddw, _) = self.weight(spec.down_exps)?;
         let (gate_ty, down_ty) = (gdw.ty, ddw.ty);
         let ff = gdw.dims[1] as usize;
-        let n_pairs = rows * k;
-        let mut pbufs = Vec::with_capacity(3);
-        for p in &ptrs {
-            let mut b = self.pools.u64.take(dev, n_pairs).map_err(err)?;
-            b.upload(&stream, p).map_err(err)?;
-            pbufs.push(b);
-        }
         let quantized = |t: pulsar_gguf::GgmlType| matches!(ActFormat::for_weight(t), Some(ActFormat::Q8_0 | ActFormat::Q8K));
         if !quantized(gate_ty) || !quantized(down_ty) {
             return Err(format!("the CUDA MoE kernels take quantized experts; {gate_ty}/{down_ty} experts run with --device cpu"));
@@ -353,27 +360,18 @@ impl<'a> CudaStep<'a> {
         let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
         dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &xq, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out).map_err(err)?;
         // Weighted sum over slots, in slot order, as the CPU backend does.
-        let mut per_pair = vec![0f32; n_pairs * d_model];
-        out.download(&stream, &mut per_pair).map_err(err)?;
-        let mut y = vec![0f32; rows * d_model];
-        for r in 0..rows {
-            let o = &mut y[r * d_model..(r + 1) * d_model];
-            for s in 0..k {
-                let w = h_w[r * k + s];
-                let src = &per_pair[(r * k + s) * d_model..(r * k + s + 1) * d_model];
-                o.iter_mut().zip(src).for_each(|(a, &b)| *a += w * b);
-            }
-        }
-        let mut yb = self.new_val(rows, d_model)?;
-        yb.upload(&stream, &y).map_err(err)?;
+        let mut y = self.new_val(rows, d_model)?;
+        dev.moe_combine(&stream, &out, &wts, rows, k, &mut y).map_err(err)?;
         for b in pbufs {
             self.pools.u64.give(b);
         }
+        self.pools.i32.give(ids);
+        self.pools.f32.give(wts);
         self.pools.u8.give(xq);
         self.pools.u8.give(hq);
         self.pools.f32.give(h);
         self.pools.f32.give(out);
-        self.push(yb, rows, d_model)
+        self.push(y, rows, d_model)
     }
 }
 
