@@ -5,17 +5,21 @@
 #
 #   scripts/gpu-e2e.sh BIN_DIR [OUT_DIR] [STAGES]
 #
-# STAGES (default "selftest parity budget bench"):
+# STAGES (default "selftest parity gemma budget bench"):
 #   selftest  every CUDA kernel against its CPU twin (scripts/gpu-check.sh)
 #   parity    gemma3/qwen3moe fixtures: CUDA vs CPU teacher-forced logits and
 #             greedy tokens, decode consistency on CUDA
+#   gemma     gemma-3-270m Q4_K_M ($GEMMA, default $WORK/gemma.gguf): CUDA vs CPU
+#             teacher-forced logits, greedy tokens, decode consistency, bench
 #   budget    a synthetic qwen3moe larger than --vram-budget: same tokens as unbudgeted
 #   bench     the synthetic qwen3-235b-a22b --layers 48 q2_K model: resident and
-#             --vram-budget 16 (cold and warm)
+#             --vram-budget 16 (cold and warm; upload and zero-copy cold paths),
+#             skew 0 and 1 ($BENCH_SKEWS, default "0 1")
+#   q4k       the same geometry with q4_K experts at 24 layers
 set -uo pipefail
 B="$(cd "${1:?usage: scripts/gpu-e2e.sh BIN_DIR [OUT_DIR] [STAGES]}" && pwd)"
 O="${2:-${OUT:-/tmp/pulsar-gpu}}"
-STAGES="${3:-selftest parity budget bench}"
+STAGES="${3:-selftest parity gemma budget bench}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$O"
 H="$B/pulsar-host"
@@ -68,6 +72,27 @@ if has parity; then
   done
 fi
 
+if has gemma; then
+  say "## gemma-3-270m Q4_K_M"
+  g="${GEMMA:-$WORK/gemma.gguf}"
+  if [ -f "$g" ]; then
+    txt="The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+    "$H" run -m "$g" -p "$txt" --teacher-force --device cpu "${P[@]}" > "$WORK/g-cpu.jsonl" 2>>"$O/gemma.log"
+    "$H" run -m "$g" -p "$txt" --teacher-force --device cuda "${P[@]}" > "$WORK/g-cuda.jsonl" 2>>"$O/gemma.log"
+    say "| model | positions | top-1 agree | max abs diff | rel to max |"
+    say "|---|---|---|---|---|"
+    compare "gemma-3-270m" "$WORK/g-cpu.jsonl" "$WORK/g-cuda.jsonl"
+    a=$("$H" run -m "$g" -p "$txt" -n 32 --device cpu "${P[@]}" 2>>"$O/gemma.log")
+    b=$("$H" run -m "$g" -p "$txt" -n 32 --device cuda "${P[@]}" 2>>"$O/gemma.log")
+    [ "$a" = "$b" ] && say "greedy 32 tokens: identical: $(echo "$b" | tr '\n' ' ' | cut -c1-200)" || { say "greedy 32 tokens: DIFFERENT"; say "cpu: $a"; say "cuda: $b"; }
+    "$H" run -m "$g" -p "$txt" --decode-consistency 32 --device cuda "${P[@]}" 2>>"$O/gemma.log" | sed "s/^/gemma cuda /" | tee -a "$S"
+    "$H" bench -m "$g" -p 512 -n 128 -r 3 --device cuda "${P[@]}" > "$WORK/g-bench.txt" 2>>"$O/gemma.log"
+    tee -a "$S" < "$WORK/g-bench.txt"
+  else
+    say "no gemma model at $g"
+  fi
+fi
+
 if has budget; then
   say "## streaming under --vram-budget"
   m="$WORK/q30-l8.gguf"
@@ -80,23 +105,35 @@ if has budget; then
   done
 fi
 
+bench_model() { # skew type layers -> path (one big model at a time on a 64 GB disk)
+  local m="$WORK/q235-l$3-$2-s$1.gguf"
+  if [ ! -f "$m" ]; then
+    rm -f "$WORK"/q235-*.gguf
+    local t0; t0=$(date +%s)
+    "$H" synth --preset qwen3-235b-a22b --layers "$3" --expert-type "$2" --skew "$1" -o "$m" 2>>"$O/bench.log"
+    say "synth skew $1 $2 x$3: $(( $(date +%s) - t0 )) s for $(du -h "$m" | cut -f1)" >&2
+  fi
+  echo "$m"
+}
+bench_row() { # model label args...
+  local m="$1" label="$2"; shift 2
+  rm -f "$m.warm"
+  "$H" bench -m "$m" -p 512 -n 32 -r 2 --device cuda "$@" "${P[@]}" > "$WORK/bench.txt" 2>>"$O/bench.log"
+  say "### $label"
+  tee -a "$S" < "$WORK/bench.txt"
+}
 if has bench; then
   say "## bench"
-  # skew:configs ("-" = resident)
-  for plan in "0:- 16" "1:16"; do
-    skew=${plan%%:*}; cfgs=${plan#*:}
-    m="$WORK/q235-l48-q2k-s$skew.gguf"
-    rm -f "$WORK"/q235-l48-q2k-s*.gguf  # one 39 GB model at a time on a 64 GB disk
-    t0=$(date +%s)
-    "$H" synth --preset qwen3-235b-a22b --layers 48 --expert-type q2_K --skew "$skew" -o "$m" 2>>"$O/bench.log"
-    say "synth skew $skew: $(( $(date +%s) - t0 )) s for $(du -h "$m" | cut -f1)"
-    for c in $cfgs; do
-      if [ "$c" = "-" ]; then cfg=""; else cfg="--vram-budget $c"; fi
-      # shellcheck disable=SC2086
-      "$H" bench -m "$m" -p 512 -n 32 -r 2 --device cuda $cfg "${P[@]}" > "$WORK/bench.txt" 2>>"$O/bench.log"
-      say "### cuda skew $skew ${cfg:-resident}"
-      tee -a "$S" < "$WORK/bench.txt"
-    done
+  for skew in ${BENCH_SKEWS:-0 1}; do
+    m=$(bench_model "$skew" q2_K 48)
+    [ "$skew" = 0 ] && bench_row "$m" "q2_K skew $skew resident"
+    bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path upload" --vram-budget 16 --cold-path upload
+    bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path zerocopy" --vram-budget 16 --cold-path zerocopy
   done
+fi
+if has q4k; then
+  m=$(bench_model 1 q4_K 24)
+  bench_row "$m" "q4_K x24 skew 1 resident"
+  bench_row "$m" "q4_K x24 skew 1 --vram-budget 8" --vram-budget 8
 fi
 say "done $(date -u +%FT%TZ)"

@@ -42,13 +42,25 @@ pub fn tier_hit_rates(s: &pulsar_store::StoreStats) -> serde_json::Value {
 /// Experts served by an [`ExpertStore`].
 pub struct StoreExperts {
     pub store: ExpertStore,
+    /// A budgeted host cache over the disk (else the file mappings).
+    pub cached: bool,
 }
 
 impl StoreExperts {
     /// A store with a host cache of `host_budget` bytes over the model's files.
     pub fn open(model: &Model, host_budget: u64) -> anyhow::Result<StoreExperts> {
+        Self::open_with(model, host_budget, None)
+    }
+
+    /// As [`StoreExperts::open`], the cache's memory from `alloc` (page-locked
+    /// memory for a GPU backend).
+    pub fn open_with(model: &Model, host_budget: u64, alloc: Option<Arc<dyn pulsar_store::HostAllocator>>) -> anyhow::Result<StoreExperts> {
         let cat = Arc::new(catalog(model)?);
-        Ok(StoreExperts { store: ExpertStore::open(cat, StoreConfig::new(host_budget))? })
+        let mut cfg = StoreConfig::new(host_budget);
+        if let Some(a) = alloc {
+            cfg.allocator = a;
+        }
+        Ok(StoreExperts { store: ExpertStore::open(cat, cfg)?, cached: true })
     }
 
     /// Everything resident: slabs straight from memory maps of the files (the
@@ -63,7 +75,7 @@ impl StoreExperts {
             let m = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
             shards.push(Arc::new(m));
         }
-        Ok(StoreExperts { store: ExpertStore::mapped(cat, shards)? })
+        Ok(StoreExperts { store: ExpertStore::mapped(cat, shards)?, cached: false })
     }
 
     /// Save this run's census into the model's `.warm` sidecar (merged with
@@ -134,6 +146,11 @@ impl ExpertSource for StoreExperts {
 /// everything resident (mapped) when they fit in available memory and no
 /// budget is given; else a host cache of `host_cache` GiB (or the default budget).
 pub fn experts_for(model: &Model, host_cache: Option<f64>) -> anyhow::Result<Option<StoreExperts>> {
+    experts_for_with(model, host_cache, None)
+}
+
+/// As [`experts_for`], a budgeted cache's memory from `alloc`.
+pub fn experts_for_with(model: &Model, host_cache: Option<f64>, alloc: Option<Arc<dyn pulsar_store::HostAllocator>>) -> anyhow::Result<Option<StoreExperts>> {
     let expert_bytes = model.memory_plan().expert_bytes;
     if expert_bytes == 0 {
         return Ok(None);
@@ -152,7 +169,7 @@ pub fn experts_for(model: &Model, host_cache: Option<f64>) -> anyhow::Result<Opt
     Ok(Some(match budget {
         Some(b) => {
             tracing::info!("expert store: host cache of {:.2} GiB over {:.2} GiB of experts", b as f64 / (1u64 << 30) as f64, expert_bytes as f64 / (1u64 << 30) as f64);
-            StoreExperts::open(model, b)?
+            StoreExperts::open_with(model, b, alloc)?
         }
         None => StoreExperts::mapped(model)?,
     }))

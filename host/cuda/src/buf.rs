@@ -178,7 +178,9 @@ unsafe impl<T: Pod> Send for PinnedBuf<T> {}
 unsafe impl<T: Pod> Sync for PinnedBuf<T> {}
 
 impl<T: Pod> PinnedBuf<T> {
-    pub(crate) fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
+    /// `len` zeroed values of page-locked memory in `ctx` (usable from any
+    /// thread; freed on drop).
+    pub fn alloc(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .filter(|b| *b < isize::MAX as usize)

@@ -8,6 +8,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -198,6 +199,7 @@ fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 
 struct Bench<'a> {
     model: &'a Model,
+    store: Option<&'a StoreExperts>,
     cpu: &'a CpuBackend,
     cuda: Option<&'a CudaModel>,
     args: &'a Args,
@@ -206,7 +208,7 @@ struct Bench<'a> {
 impl Bench<'_> {
     fn session<'s>(&'s self, source: &'s dyn ExpertSource, n_ctx: usize) -> anyhow::Result<Box<dyn Session + 's>> {
         let mut s: Box<dyn Session + 's> = match self.cuda {
-            Some(cm) => Box::new(CudaEngine::new(self.model, cm, n_ctx)?),
+            Some(cm) => Box::new(CudaEngine::new(self.model, cm, n_ctx)?.with_store(self.store)),
             None => Box::new(Engine::new(self.model, self.cpu, source, n_ctx)),
         };
         s.set_ubatch(self.args.ubatch);
@@ -289,9 +291,11 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     };
     let ordinal = device.as_ref().map(|d| d.ordinal());
     let mut device = device;
+    let pinned = device.as_ref().map(|d| crate::cuda::PinnedAllocator::new(d.context().clone()));
+    let ranges = pinned.as_ref().map(|p| p.ranges());
     let store = match (mem.expert_bytes, budget) {
         (0, _) => None,
-        (_, Some(b)) => Some(StoreExperts::open(&model, b)?),
+        (_, Some(b)) => Some(StoreExperts::open_with(&model, b, pinned.map(|p| Arc::new(p) as Arc<dyn pulsar_store::HostAllocator>))?),
         (_, None) => Some(StoreExperts::mapped(&model)?),
     };
     let source: &dyn ExpertSource = match &store {
@@ -315,18 +319,22 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
                     zero_copy: a.cold_path.zero_copy(),
                     no_pin: a.no_pin,
                 };
-                Some(CudaModel::load(dev, &model, &opts)?)
+                let cm = CudaModel::load(dev, &model, &opts)?;
+                if let Some(r) = &ranges {
+                    cm.set_host_pinned(r.clone());
+                }
+                Some(cm)
             }
             None => None,
         };
-        let bench = Bench { model: &model, cpu: &cpu, cuda: cuda_model.as_ref(), args: &a };
+        let bench = Bench { model: &model, store: store.as_ref(), cpu: &cpu, cuda: cuda_model.as_ref(), args: &a };
         let pp = (a.n_prompt > 0).then(|| bench.pp(source)).transpose()?;
         let before = store.as_ref().map(|s| s.store.stats());
         let pool_before = cuda_model.as_ref().and_then(|c| c.pool_stats());
         let tg = (a.n_gen > 0).then(|| bench.tg(source)).transpose()?;
         let tokens = (a.n_gen * a.repeats) as f64;
         let mut tg_traffic = match (&store, &before, &cuda_model) {
-            (Some(s), Some(b), None) => traffic(b, &s.store.stats(), tokens),
+            (Some(s), Some(b), _) => traffic(b, &s.store.stats(), tokens),
             _ => Traffic::default(),
         };
         if let (Some(b), Some(after)) = (pool_before, cuda_model.as_ref().and_then(|c| c.pool_stats())) {
@@ -342,14 +350,21 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         }
         // Seconds per token the links need for this traffic, at their measured rates.
         let link_bytes = tg_traffic.vram_upload_bytes_per_token + tg_traffic.vram_zero_copy_bytes_per_token;
-        let floor = if link_bytes > 0.0 {
-            links.h2d_pinned_gbps.map(|g| g * 1e9 / link_bytes)
-        } else {
-            links.disk_read_gbps.filter(|_| tg_traffic.disk_bytes_per_token > 0.0).map(|g| {
-                let s = tg_traffic.disk_bytes_per_token / (g * 1e9) + tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
-                1.0 / s
-            })
-        };
+        // Each link's share of a token at its measured rate, summed (no overlap assumed).
+        let mut secs = 0.0;
+        let mut known = false;
+        if let (true, Some(g)) = (link_bytes > 0.0, links.h2d_pinned_gbps) {
+            secs += link_bytes / (g * 1e9);
+            known = true;
+        }
+        if let (true, Some(g)) = (tg_traffic.disk_bytes_per_token > 0.0, links.disk_read_gbps) {
+            secs += tg_traffic.disk_bytes_per_token / (g * 1e9);
+            if cuda_model.is_none() {
+                secs += tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
+            }
+            known = true;
+        }
+        let floor = (known && secs > 0.0).then(|| 1.0 / secs);
         if let Some(cm) = &cuda_model {
             if let Err(e) = cm.save_census(&a.model, &model) {
                 tracing::warn!("could not save the census: {e:#}");

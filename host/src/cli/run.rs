@@ -178,12 +178,16 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
-    let store = crate::experts::experts_for(&model, a.host_cache)?;
+    let device = open_device(a.device)?;
+    // On a GPU the host cache is page-locked, so its slabs upload by DMA.
+    let pinned = device.as_ref().map(|d| crate::cuda::PinnedAllocator::new(d.context().clone()));
+    let ranges = pinned.as_ref().map(|p| p.ranges());
+    let alloc = pinned.map(|p| std::sync::Arc::new(p) as std::sync::Arc<dyn pulsar_store::HostAllocator>);
+    let store = crate::experts::experts_for_with(&model, a.host_cache, alloc)?;
     let source: &dyn ExpertSource = match &store {
         Some(s) => s,
         None => &MappedExperts,
     };
-    let device = open_device(a.device)?;
     let cuda_model = match device {
         Some(dev) => {
             let budget = a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64);
@@ -196,6 +200,9 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
                 no_pin: a.no_pin,
             };
             let cm = CudaModel::load(dev, &model, &opts)?;
+            if let Some(r) = ranges {
+                cm.set_host_pinned(r);
+            }
             tracing::info!(
                 "{} ({}): {:.2} GiB resident, experts {} in {:.2} s",
                 cm.dev.name(),
@@ -212,7 +219,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let mut cuda_engine;
     let engine: &mut dyn Session = match &cuda_model {
         Some(cm) => {
-            cuda_engine = CudaEngine::new(&model, cm, n_ctx)?;
+            cuda_engine = CudaEngine::new(&model, cm, n_ctx)?.with_store(store.as_ref());
             &mut cuda_engine
         }
         None => {

@@ -13,6 +13,7 @@
 //! the kernels (zero-copy). Activations come from a pool reused across steps,
 //! so after the first step a decode allocates nothing.
 
+mod pinned;
 mod pool;
 mod step;
 
@@ -25,6 +26,7 @@ use pulsar_plugin_api::Role;
 
 use crate::model::Model;
 
+pub use pinned::{PinnedAllocator, PinnedRanges};
 pub use pool::{ColdServe, ExpertPool, LayerRequest, PoolStats};
 pub use step::CudaEngine;
 
@@ -197,6 +199,13 @@ impl CudaModel {
         };
         let cold = if opts.zero_copy { ColdServe::ZeroCopy } else { ColdServe::Upload };
         Ok(CudaModel { dev, weights, expert_tables, experts, cold, resident_bytes: resident })
+    }
+
+    /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.
+    pub fn set_host_pinned(&self, r: PinnedRanges) {
+        if let Some(p) = &self.experts {
+            p.lock().unwrap_or_else(|e| e.into_inner()).set_host_pinned(r);
+        }
     }
 
     pub fn pool_stats(&self) -> Option<PoolStats> {

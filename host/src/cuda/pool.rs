@@ -6,6 +6,8 @@ use cudarc::driver::CudaEvent;
 use pulsar_cuda::{CudaDevice, DeviceBuf, HostRegistration, PinnedBuf, Pod};
 use pulsar_store::{Catalog, Census, HotSet, HotSetConfig, SlabId, SlabKind};
 
+use super::pinned::PinnedRanges;
+
 use super::CudaBackendError;
 
 /// Device buffers by length, handed out during a step and returned after it.
@@ -89,6 +91,10 @@ pub struct ExpertPool {
     n_exp: usize,
     /// This run's expert selections, for the census sidecar.
     census: Census,
+    /// The current layer's admissions (sorted), between plan and fill.
+    admitted: Vec<SlabId>,
+    /// Page-locked host-cache allocations (the store's pinned allocator).
+    host_pinned: Option<PinnedRanges>,
     pub stats: PoolStats,
 }
 
@@ -130,6 +136,8 @@ impl ExpertPool {
             table_dev: [dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?],
             n_exp,
             census: Census::new(),
+            admitted: Vec::new(),
+            host_pinned: None,
             stats: PoolStats { slots: n_slots, hot_slots: n_hot, slot_bytes, ..Default::default() },
         })
     }
@@ -147,6 +155,15 @@ impl ExpertPool {
         self.pinned.iter().find(|r| r.contains(bytes))
     }
 
+    /// Copies may also come from these page-locked host-cache allocations.
+    pub fn set_host_pinned(&mut self, r: PinnedRanges) {
+        self.host_pinned = Some(r);
+    }
+
+    fn is_pinned(&self, bytes: &[u8]) -> bool {
+        self.registration(bytes).is_some() || self.host_pinned.as_ref().is_some_and(|r| r.contains(bytes))
+    }
+
     fn slot_ptr(&self, slot: usize) -> Result<u64, CudaBackendError> {
         Ok(self.slots.device_ptr_at(slot * self.slot_bytes)?)
     }
@@ -156,7 +173,7 @@ impl ExpertPool {
             return Err(CudaBackendError::Other(format!("expert slab of {} bytes exceeds the slot size {}", bytes.len(), self.slot_bytes)));
         }
         let ptr = self.slot_ptr(slot)?;
-        if self.registration(bytes).is_some() {
+        if self.is_pinned(bytes) {
             if !self.timing_pending {
                 self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
                 self.timing_pending = true;
@@ -196,16 +213,10 @@ impl ExpertPool {
         self.finish_copies(dev)
     }
 
-    /// The device's per-expert pointer tables (gate, up, down; 0 for experts
-    /// not selected) for one layer's step, uploading what is missing. Call
-    /// only when the compute stream has finished earlier layers' expert
-    /// kernels (their scratch and evicted slots are reused here).
-    pub fn serve_layer<'b>(
-        &mut self,
-        dev: &CudaDevice,
-        req: &LayerRequest<'_>,
-        bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
-    ) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
+    /// Phase one of a layer's step: record the touches (heat, census), take
+    /// the hot set's admissions, and return the experts whose bytes the fill
+    /// needs (admitted or cold slabs; hot-set hits need none), ascending.
+    pub fn plan_layer(&mut self, req: &LayerRequest<'_>) -> Result<Vec<u32>, CudaBackendError> {
         self.read_copy_time()?;
         for &e in req.touched {
             self.census.record(req.layer, e, 1);
@@ -215,9 +226,34 @@ impl ExpertPool {
             .iter()
             .flat_map(|&e| req.kinds.iter().map(move |&k| SlabId::new(req.layer, k, e)))
             .collect();
-        let admitted: Vec<SlabId> = self.hot.step(&touched).into_iter().map(|a| a.slab).collect();
+        self.admitted = self.hot.step(&touched).into_iter().map(|a| a.slab).collect();
+        self.admitted.sort_unstable();
         let c = self.hot.counters();
         (self.stats.admissions, self.stats.evictions) = (c.admissions, c.evictions);
+        let mut need: Vec<u32> = req
+            .experts
+            .iter()
+            .copied()
+            .filter(|&e| req.kinds.iter().any(|&k| {
+                let id = SlabId::new(req.layer, k, e);
+                self.hot.slot_of(id).is_none() || self.admitted.binary_search(&id).is_ok()
+            }))
+            .collect();
+        need.dedup();
+        Ok(need)
+    }
+
+    /// Phase two: the device's per-expert pointer tables (gate, up, down; 0
+    /// for experts not selected), uploading what [`ExpertPool::plan_layer`]
+    /// said is needed from `bytes(kind index, expert)`. Call only when the
+    /// compute stream has finished earlier layers' expert kernels (their
+    /// scratch and evicted slots are reused here).
+    pub fn fill_layer<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        req: &LayerRequest<'_>,
+        bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
+    ) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
         self.scratch_next = 0;
         let n_exp = self.n_exp;
         let mut table = vec![0u64; 3 * n_exp];
@@ -228,7 +264,7 @@ impl ExpertPool {
                 }
                 let id = SlabId::new(req.layer, kind, e);
                 let ptr = match self.hot.slot_of(id) {
-                    Some(s) if admitted.contains(&id) => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
+                    Some(s) if self.admitted.binary_search(&id).is_ok() => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
                     Some(s) => {
                         self.stats.hits += 1;
                         self.slot_ptr(s as usize)?
@@ -268,6 +304,20 @@ impl ExpertPool {
             d.upload_async(dev.compute(), h)?;
         }
         Ok(&self.table_dev)
+    }
+
+    /// The tables the last fill wrote.
+    pub fn tables(&self) -> &[DeviceBuf<u64>; 3] {
+        &self.table_dev
+    }
+
+    /// Block until this layer's copies have left host memory (before the
+    /// host bytes they read from may be released).
+    pub fn wait_copies(&self) -> Result<(), CudaBackendError> {
+        if self.timing_pending {
+            self.copy_done.synchronize().map_err(pulsar_cuda::CudaError::from)?;
+        }
+        Ok(())
     }
 
     /// Make the compute stream wait for the copies issued so far.

@@ -13,6 +13,7 @@ use super::pool::BufPool;
 use super::{CudaBackendError, CudaKv, CudaModel, DevWeight};
 use crate::cpu::act_of;
 use crate::engine::EngineError;
+use crate::experts::StoreExperts;
 use crate::model::Model;
 
 type R<T> = Result<T, String>;
@@ -44,12 +45,21 @@ pub struct CudaEngine<'m> {
     pub n_past: usize,
     pub ubatch: usize,
     pub history: Vec<u32>,
+    /// Streamed experts come through this store's host cache (else the mapping).
+    store: Option<&'m StoreExperts>,
     pools: Pools,
 }
 
 impl<'m> CudaEngine<'m> {
     pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
-        Ok(CudaEngine { model, cm, kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), pools: Pools::default() })
+        Ok(CudaEngine { model, cm, kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), store: None, pools: Pools::default() })
+    }
+
+    /// Serve streamed experts through `store` when it has a budgeted host
+    /// cache (a mapped store gives the same bytes as the file mapping).
+    pub fn with_store(mut self, store: Option<&'m StoreExperts>) -> Self {
+        self.store = store.filter(|s| s.cached);
+        self
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -100,7 +110,7 @@ impl<'m> CudaEngine<'m> {
         let dev = &self.cm.dev;
         let mut pos_buf = self.pools.u32.take(dev, positions.len()).map_err(err)?;
         pos_buf.upload(dev.compute(), positions).map_err(err)?;
-        let mut step = CudaStep { model: self.model, cm: self.cm, kv: &mut self.kv, pools: &mut self.pools, tokens, positions, pos_buf: &pos_buf, all_rows: all, vals: Vec::new() };
+        let mut step = CudaStep { model: self.model, cm: self.cm, store: self.store, kv: &mut self.kv, pools: &mut self.pools, tokens, positions, pos_buf: &pos_buf, all_rows: all, vals: Vec::new(), qcache: Vec::new() };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
         let result = match r {
             Ok(v) => step.download(v),
@@ -115,6 +125,7 @@ impl<'m> CudaEngine<'m> {
 struct CudaStep<'a> {
     model: &'a Model,
     cm: &'a CudaModel,
+    store: Option<&'a StoreExperts>,
     kv: &'a mut CudaKv,
     pools: &'a mut Pools,
     tokens: &'a [u32],
@@ -122,6 +133,8 @@ struct CudaStep<'a> {
     pos_buf: &'a DeviceBuf<u32>,
     all_rows: bool,
     vals: Vec<DVal>,
+    /// Quantized activations made this step, by (value, format).
+    qcache: Vec<(Val, ActFormat, DeviceBuf<u8>)>,
 }
 
 fn res(r: R<Val>) -> OpResult {
@@ -135,6 +148,9 @@ impl<'a> CudaStep<'a> {
     fn finish(&mut self) {
         for v in self.vals.drain(..) {
             self.pools.f32.give(v.buf);
+        }
+        for (_, _, q) in self.qcache.drain(..) {
+            self.pools.u8.give(q);
         }
     }
 
@@ -192,20 +208,32 @@ impl<'a> CudaStep<'a> {
                 self.cm.dev.gemm_float(&stream, ty, w, n_out, n_in, xb, rows, &mut y).map_err(err)?;
             }
             Some(fmt) => {
-                let qlen = pulsar_cuda::act_bytes(fmt, rows, cols).map_err(err)?;
-                let mut q = self.pools.u8.take(&self.cm.dev, qlen).map_err(err)?;
-                let xb = &self.vals[x.0 as usize].buf;
-                self.cm.dev.quantize_act(&stream, fmt, xb, rows, cols, &mut q).map_err(err)?;
+                let qi = self.quantized(x, fmt)?;
+                let q = &self.qcache[qi].2;
                 if rows == 1 {
-                    self.cm.dev.gemv_with(&stream, GemvKernel::Direct, ty, w, n_out, n_in, &q, &mut y).map_err(err)?;
+                    self.cm.dev.gemv_with(&stream, GemvKernel::Direct, ty, w, n_out, n_in, q, &mut y).map_err(err)?;
                 } else {
-                    self.cm.dev.gemm_with(&stream, GemmKernel::Dp4a, ty, w, n_out, n_in, &q, rows, &mut y).map_err(err)?;
+                    self.cm.dev.gemm_with(&stream, GemmKernel::Dp4a, ty, w, n_out, n_in, q, rows, &mut y).map_err(err)?;
                 }
-                self.pools.u8.give(q);
             }
             None => return Err(format!("no CUDA product for weight type {ty}")),
         }
         Ok((y, rows))
+    }
+
+    /// `x` quantized for `fmt`, once per step: values never change after they
+    /// are made, so q, k and v projections (and the experts) share one.
+    fn quantized(&mut self, x: Val, fmt: ActFormat) -> R<usize> {
+        if let Some(i) = self.qcache.iter().position(|(v, f, _)| *v == x && *f == fmt) {
+            return Ok(i);
+        }
+        let (rows, cols) = self.dims(x)?;
+        let qlen = pulsar_cuda::act_bytes(fmt, rows, cols).map_err(err)?;
+        let mut q = self.pools.u8.take(&self.cm.dev, qlen).map_err(err)?;
+        let stream = self.cm.dev.compute().clone();
+        self.cm.dev.quantize_act(&stream, fmt, &self.vals[x.0 as usize].buf, rows, cols, &mut q).map_err(err)?;
+        self.qcache.push((x, fmt, q));
+        Ok(self.qcache.len() - 1)
     }
 
     fn linear_w(&mut self, w: Wt, x: Val) -> R<Val> {
@@ -332,13 +360,32 @@ impl<'a> CudaStep<'a> {
                 let model = self.model;
                 let req = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, cold: if rows == 1 { cm.cold } else { super::ColdServe::Upload } };
                 let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
-                let table = pool
-                    .serve_layer(dev, &req, &|ki, e| {
-                        let t = model.tensor(&model.weights[widx[ki]]);
-                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
-                        model.file.bytes(&range).map_err(err)
-                    })
-                    .map_err(err)?;
+                let need = pool.plan_layer(&req).map_err(err)?;
+                let table = match self.store.filter(|_| !need.is_empty()) {
+                    // Tier 3/4: what VRAM lacks comes through the host cache
+                    // (page-locked) over the disk; the guard keeps those bytes
+                    // alive until the copies have left them.
+                    Some(st) => {
+                        let sel: Vec<pulsar_store::Selection> =
+                            h_ids.iter().enumerate().map(|(p, &e)| pulsar_store::Selection { token: (p / k) as u32, slot: (p % k) as u32, expert: e as u32 }).collect();
+                        let guard = st.store.resolve_with(spec.layer, &sel, &|e| need.binary_search(&e).is_ok()).map_err(err)?;
+                        pool.fill_layer(dev, &req, &|ki, e| {
+                            let id = pulsar_store::SlabId::new(spec.layer, kinds[ki], e);
+                            guard.slab(id).ok_or_else(|| format!("{id}: not resolved by the store"))
+                        })
+                        .map_err(err)?;
+                        pool.wait_copies().map_err(err)?;
+                        drop(guard);
+                        pool.tables()
+                    }
+                    None => pool
+                        .fill_layer(dev, &req, &|ki, e| {
+                            let t = model.tensor(&model.weights[widx[ki]]);
+                            let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                            model.file.bytes(&range).map_err(err)
+                        })
+                        .map_err(err)?,
+                };
                 dev.moe_gather_ptrs(&stream, &ids, [&table[0], &table[1], &table[2]], [pg, pu, pd]).map_err(err)?;
             }
         }
@@ -352,13 +399,12 @@ impl<'a> CudaStep<'a> {
         }
         let gfmt = ActFormat::for_weight(gate_ty).ok_or_else(|| format!("no CUDA expert kernel for {gate_ty}"))?;
         let dfmt = ActFormat::for_weight(down_ty).ok_or_else(|| format!("no CUDA expert kernel for {down_ty}"))?;
-        let mut xq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, rows, d_model).map_err(err)?).map_err(err)?;
-        dev.quantize_act(&stream, gfmt, &self.vals[x.0 as usize].buf, rows, d_model, &mut xq).map_err(err)?;
+        let xqi = self.quantized(x, gfmt)?;
         let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
         let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
         let mut out = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
         let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
-        dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &xq, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out).map_err(err)?;
+        dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out).map_err(err)?;
         // Weighted sum over slots, in slot order, as the CPU backend does.
         let mut y = self.new_val(rows, d_model)?;
         dev.moe_combine(&stream, &out, &wts, rows, k, &mut y).map_err(err)?;
@@ -367,7 +413,6 @@ impl<'a> CudaStep<'a> {
         }
         self.pools.i32.give(ids);
         self.pools.f32.give(wts);
-        self.pools.u8.give(xq);
         self.pools.u8.give(hq);
         self.pools.f32.give(h);
         self.pools.f32.give(out);
