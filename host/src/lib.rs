@@ -4,6 +4,7 @@
 
 pub mod chat;
 pub mod cli;
+pub mod cold;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

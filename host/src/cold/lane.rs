@@ -1,0 +1,476 @@
+//! The CPU lane: routed-expert FFNs computed on the CPU from host-cache bytes
+//! while the GPU serves the rest of the step.
+//!
+//! It calls exactly what the CPU backend's MoE op calls (activation row
+//! quantized by `Activations`, one `Kernels::dot` per output value,
+//! `ops::glu_rows`), so an expert gives the same bits on either. Each output
+//! value is one dot on one thread, so tiling and thread count never change
+//! the result.
+
+use pulsar_gguf::GgmlType;
+use pulsar_kernels::ops::{self, Activation};
+use pulsar_kernels::quant::row_bytes;
+use pulsar_kernels::{ActFormat, ActRow, Activations, Kernels, QuantError};
+use rayon::prelude::*;
+use rayon::ThreadPool;
+
+/// Fewest weight bytes one task walks: below this, scheduling costs more than it spreads.
+const MIN_TASK_BYTES: usize = 32 * 1024;
+/// Tasks per thread, so uneven rows still balance.
+const TASKS_PER_THREAD: usize = 4;
+
+/// One weight slab: raw GGUF bytes, rows laid end to end.
+#[derive(Clone, Copy, Debug)]
+pub struct Slab<'a> {
+    pub ty: GgmlType,
+    pub bytes: &'a [u8],
+}
+
+/// The gate and up projections of an expert, `[ff, d_model]` each.
+#[derive(Clone, Copy, Debug)]
+pub enum GateUp<'a> {
+    Split { gate: Slab<'a>, up: Slab<'a> },
+    /// One `[2 * ff, d_model]` slab: the first `ff` rows are gate.
+    Fused(Slab<'a>),
+}
+
+/// One (token row, expert) of a job.
+#[derive(Clone, Copy, Debug)]
+pub struct LanePair<'a> {
+    /// For error messages only.
+    pub expert: u32,
+    /// The token's input row, `d_model` values.
+    pub x: &'a [f32],
+    pub gate_up: GateUp<'a>,
+    /// `[d_model, ff]`.
+    pub down: Slab<'a>,
+}
+
+/// Work for one call of [`CpuLane::run`]: every pair shares the FFN shape.
+#[derive(Clone, Debug)]
+pub struct LaneJob<'a> {
+    pub d_model: usize,
+    pub ff: usize,
+    pub act: Activation,
+    pub pairs: Vec<LanePair<'a>>,
+}
+
+impl LaneJob<'_> {
+    /// Weight bytes the job reads (each pair's slabs once).
+    pub fn weight_bytes(&self) -> u64 {
+        self.pairs
+            .iter()
+            .map(|p| {
+                let gu = match p.gate_up {
+                    GateUp::Split { gate, up } => gate.bytes.len() + up.bytes.len(),
+                    GateUp::Fused(s) => s.bytes.len(),
+                };
+                (gu + p.down.bytes.len()) as u64
+            })
+            .sum()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaneError {
+    #[error("cpu lane: cannot start {threads} threads: {source}")]
+    Pool {
+        threads: usize,
+        #[source]
+        source: rayon::ThreadPoolBuildError,
+    },
+    #[error("cpu lane job: d_model {d_model} and ff {ff} must both be non-zero")]
+    EmptyShape { d_model: usize, ff: usize },
+    #[error("cpu lane pair {pair} (expert {expert}): x has {got} values, d_model is {d_model}")]
+    InputWidth { pair: usize, expert: u32, got: usize, d_model: usize },
+    #[error("cpu lane pair {pair} (expert {expert}): {slab} slab type {ty} has no CPU dot")]
+    Unsupported { pair: usize, expert: u32, slab: &'static str, ty: GgmlType },
+    #[error("cpu lane pair {pair} (expert {expert}): {slab} slab type {ty}: rows of {cols} values are not whole {block}-value blocks")]
+    NotWholeBlocks { pair: usize, expert: u32, slab: &'static str, ty: GgmlType, cols: usize, block: u64 },
+    #[error("cpu lane pair {pair} (expert {expert}): {slab} slab is {got} bytes, but {ty} [{rows} x {cols}] is {expected}")]
+    SlabSize {
+        pair: usize,
+        expert: u32,
+        slab: &'static str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        expected: u128,
+        got: usize,
+    },
+    #[error("cpu lane pair {pair} (expert {expert}): {slab}: {source}")]
+    Kernel {
+        pair: usize,
+        expert: u32,
+        slab: &'static str,
+        #[source]
+        source: QuantError,
+    },
+}
+
+/// A checked view of `rows` rows of a slab, starting at row `first`.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    ty: GgmlType,
+    bytes: &'a [u8],
+    first: usize,
+    row_bytes: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn row(&self, r: usize) -> &'a [u8] {
+        let at = (self.first + r) * self.row_bytes;
+        &self.bytes[at..at + self.row_bytes]
+    }
+}
+
+/// One pair after validation.
+struct Checked<'a> {
+    gate: Rows<'a>,
+    up: Rows<'a>,
+    down: Rows<'a>,
+}
+
+struct Ctx {
+    pair: usize,
+    expert: u32,
+}
+
+impl Ctx {
+    fn kernel(&self, slab: &'static str) -> impl Fn(QuantError) -> LaneError + '_ {
+        move |source| LaneError::Kernel { pair: self.pair, expert: self.expert, slab, source }
+    }
+
+    /// `slab` as `rows` (whole slab `total_rows`) rows of `cols` values of its type.
+    fn rows<'a>(&self, name: &'static str, s: Slab<'a>, total_rows: usize, cols: usize) -> Result<Rows<'a>, LaneError> {
+        let (pair, expert, ty) = (self.pair, self.expert, s.ty);
+        if ActFormat::for_weight(ty).is_none() {
+            return Err(LaneError::Unsupported { pair, expert, slab: name, ty });
+        }
+        let rb = row_bytes(ty, cols).map_err(|_| LaneError::NotWholeBlocks {
+            pair,
+            expert,
+            slab: name,
+            ty,
+            cols,
+            block: ty.block_elems(),
+        })?;
+        let expected = total_rows as u128 * rb as u128;
+        if s.bytes.len() as u128 != expected {
+            return Err(LaneError::SlabSize { pair, expert, slab: name, ty, rows: total_rows, cols, expected, got: s.bytes.len() });
+        }
+        Ok(Rows { ty, bytes: s.bytes, first: 0, row_bytes: rb })
+    }
+
+    fn check<'a>(&self, p: &LanePair<'a>, d_model: usize, ff: usize) -> Result<Checked<'a>, LaneError> {
+        if p.x.len() != d_model {
+            return Err(LaneError::InputWidth { pair: self.pair, expert: self.expert, got: p.x.len(), d_model });
+        }
+        let (gate, up) = match p.gate_up {
+            GateUp::Split { gate, up } => (self.rows("gate", gate, ff, d_model)?, self.rows("up", up, ff, d_model)?),
+            GateUp::Fused(s) => {
+                let both = self.rows("gate_up", s, ff.saturating_mul(2), d_model)?;
+                (both, Rows { first: ff, ..both })
+            }
+        };
+        let down = self.rows("down", p.down, d_model, ff)?;
+        Ok(Checked { gate, up, down })
+    }
+}
+
+/// `x` quantized for `ty` weights; `None` when `have` already is in that format.
+fn acts_for(ty: GgmlType, x: &[f32], have: Option<&Activations>) -> Result<Option<Activations>, QuantError> {
+    match have {
+        Some(a) if Some(a.format()) == ActFormat::for_weight(ty) => Ok(None),
+        _ => Activations::for_weight(ty, x, x.len()).map(Some),
+    }
+}
+
+fn row0(a: &Activations) -> Result<ActRow<'_>, QuantError> {
+    a.row(0).ok_or(QuantError::LengthMismatch { what: "activation rows", expected: 1, got: 0 })
+}
+
+/// Rows per task for `rows`-row matrices of `row_bytes` each, over `n_mats` of them.
+fn chunk_rows(rows: usize, row_bytes: usize, n_mats: usize, threads: usize) -> usize {
+    let by_balance = (rows * n_mats).div_ceil(TASKS_PER_THREAD * threads.max(1));
+    let by_size = MIN_TASK_BYTES.div_ceil(row_bytes.max(1));
+    by_balance.max(by_size).clamp(1, rows.max(1))
+}
+
+/// The CPU lane: its own threads, so it never queues behind the host's other work.
+pub struct CpuLane {
+    kernels: Kernels,
+    pool: ThreadPool,
+    threads: usize,
+}
+
+impl CpuLane {
+    /// A lane of `threads` threads (at least one) at the best SIMD level.
+    pub fn new(threads: usize) -> Result<CpuLane, LaneError> {
+        CpuLane::with_kernels(Kernels::detect(), threads)
+    }
+
+    /// A lane at a given SIMD level (tests pin it to the backend's).
+    pub fn with_kernels(kernels: Kernels, threads: usize) -> Result<CpuLane, LaneError> {
+        let threads = threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("pulsar-lane-{i}"))
+            .build()
+            .map_err(|source| LaneError::Pool { threads, source })?;
+        Ok(CpuLane { kernels, pool, threads })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// `down · (act(gate · x) * (up · x))` for every pair: `[pairs, d_model]`, in job order.
+    pub fn run(&self, job: &LaneJob<'_>) -> Result<Vec<f32>, LaneError> {
+        let (d, ff, n) = (job.d_model, job.ff, job.pairs.len());
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if d == 0 || ff == 0 {
+            return Err(LaneError::EmptyShape { d_model: d, ff });
+        }
+        // Validate everything before allocating or starting threads.
+        let ctxs: Vec<Ctx> = job.pairs.iter().enumerate().map(|(pair, p)| Ctx { pair, expert: p.expert }).collect();
+        let checked = job.pairs.iter().zip(&ctxs).map(|(p, c)| c.check(p, d, ff)).collect::<Result<Vec<_>, _>>()?;
+
+        // Phase 1: h = act(gate x) * (up x), tasks over (pair, ff rows).
+        let mut xs = Vec::with_capacity(n);
+        for ((p, c), k) in job.pairs.iter().zip(&ctxs).zip(&checked) {
+            let xg = Activations::for_weight(k.gate.ty, p.x, d).map_err(c.kernel("gate"))?;
+            let xu = acts_for(k.up.ty, p.x, Some(&xg)).map_err(c.kernel("up"))?;
+            xs.push((xg, xu));
+        }
+        let mut h = vec![0f32; n * ff];
+        let gu_bytes = checked[0].gate.row_bytes + checked[0].up.row_bytes;
+        let c1 = chunk_rows(ff, gu_bytes, n, self.threads);
+        let tasks: Vec<(usize, usize, &mut [f32])> = h
+            .chunks_mut(ff)
+            .enumerate()
+            .flat_map(|(p, hp)| hp.chunks_mut(c1).enumerate().map(move |(i, s)| (p, i * c1, s)))
+            .collect();
+        self.pool.install(|| {
+            tasks.into_par_iter().try_for_each(|(p, r0, out)| {
+                let (k, c, (xg, xu)) = (&checked[p], &ctxs[p], &xs[p]);
+                let gx = row0(xg).map_err(c.kernel("gate"))?;
+                let ux = row0(xu.as_ref().unwrap_or(xg)).map_err(c.kernel("up"))?;
+                let mut up = vec![0f32; out.len()];
+                for (i, (g, u)) in out.iter_mut().zip(up.iter_mut()).enumerate() {
+                    *g = self.kernels.dot(k.gate.ty, k.gate.row(r0 + i), gx).map_err(c.kernel("gate"))?;
+                    *u = self.kernels.dot(k.up.ty, k.up.row(r0 + i), ux).map_err(c.kernel("up"))?;
+                }
+                // Elementwise, so a chunk gives the same bits as the whole row.
+                ops::glu_rows(out, &up, job.act);
+                Ok::<(), LaneError>(())
+            })
+        })?;
+
+        // Phase 2: out = down h, tasks over (pair, d_model rows).
+        let hs = h
+            .chunks(ff)
+            .zip(&checked)
+            .zip(&ctxs)
+            .map(|((hp, k), c)| Activations::for_weight(k.down.ty, hp, ff).map_err(c.kernel("down")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = vec![0f32; n * d];
+        let c2 = chunk_rows(d, checked[0].down.row_bytes, n, self.threads);
+        let tasks: Vec<(usize, usize, &mut [f32])> = out
+            .chunks_mut(d)
+            .enumerate()
+            .flat_map(|(p, op)| op.chunks_mut(c2).enumerate().map(move |(i, s)| (p, i * c2, s)))
+            .collect();
+        self.pool.install(|| {
+            tasks.into_par_iter().try_for_each(|(p, r0, dst)| {
+                let (k, c) = (&checked[p], &ctxs[p]);
+                let hx = row0(&hs[p]).map_err(c.kernel("down"))?;
+                for (i, y) in dst.iter_mut().enumerate() {
+                    *y = self.kernels.dot(k.down.ty, k.down.row(r0 + i), hx).map_err(c.kernel("down"))?;
+                }
+                Ok::<(), LaneError>(())
+            })
+        })?;
+        Ok(out)
+    }
+}
+
+/// A `[rows, cols]` slab of random valid blocks whose values have RMS near
+/// `rms` (finite, so benchmarks and tests see realistic magnitudes).
+pub fn random_slab(ty: GgmlType, rows: usize, cols: usize, seed: u64, rms: f32) -> Result<Vec<u8>, QuantError> {
+    use pulsar_kernels::quant::{random_blocks, random_blocks_scaled};
+    row_bytes(ty, cols)?; // whole blocks per row
+    let be = ty.block_elems() as usize;
+    let n_blocks = rows * (cols / be);
+    // Values are linear in the scale: measure the spread at 1 and rescale.
+    let probe = 16;
+    let Ok(b) = random_blocks_scaled(ty, probe, 0x5eed, 1.0) else {
+        return random_blocks(ty, n_blocks, seed);
+    };
+    let mut y = vec![0f32; probe * be];
+    pulsar_kernels::dequantize(ty, &b, &mut y)?;
+    let got = (y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / y.len() as f64).sqrt() as f32;
+    let scale = if got > 0.0 && got.is_finite() { rms / got } else { 1.0 };
+    random_blocks_scaled(ty, n_blocks, seed, scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuBackend;
+    use pulsar_kernels::quant::random_values;
+    use pulsar_kernels::WeightMatrix;
+
+    const D: usize = 512;
+    const FF: usize = 256;
+
+    struct Expert {
+        gate: Vec<u8>,
+        up: Vec<u8>,
+        down: Vec<u8>,
+    }
+
+    fn expert(ty: GgmlType, seed: u64) -> Expert {
+        Expert {
+            gate: random_slab(ty, FF, D, seed, 0.05).unwrap(),
+            up: random_slab(ty, FF, D, seed + 1, 0.05).unwrap(),
+            down: random_slab(ty, D, FF, seed + 2, 0.05).unwrap(),
+        }
+    }
+
+    /// The CPU backend's expert FFN (cpu/moe.rs): matmuls over all rows routed to the expert.
+    fn reference(cpu: &CpuBackend, ty: GgmlType, e: &Expert, x: &[f32], act: Activation) -> Vec<f32> {
+        let mm = |bytes: &[u8], n_out: usize, n_in: usize, x: &[f32]| {
+            let wm = WeightMatrix::new(ty, bytes, n_out, n_in).unwrap();
+            let a = Activations::for_weight(ty, x, n_in).unwrap();
+            let mut y = vec![0f32; x.len() / n_in * n_out];
+            cpu.kernels.matmul(&cpu.pool, &wm, &a, &mut y).unwrap();
+            y
+        };
+        let mut h = mm(&e.gate, FF, D, x);
+        let up = mm(&e.up, FF, D, x);
+        ops::glu_rows(&mut h, &up, act);
+        mm(&e.down, D, FF, &h)
+    }
+
+    fn split<'a>(ty: GgmlType, e: &'a Expert, x: &'a [f32], id: u32) -> LanePair<'a> {
+        LanePair {
+            expert: id,
+            x,
+            gate_up: GateUp::Split { gate: Slab { ty, bytes: &e.gate }, up: Slab { ty, bytes: &e.up } },
+            down: Slab { ty, bytes: &e.down },
+        }
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn equals_the_cpu_backend_bit_for_bit() {
+        let cpu = CpuBackend::new(2).unwrap();
+        let lane = CpuLane::with_kernels(cpu.kernels, 3).unwrap();
+        let xs = random_values(2 * D, 7);
+        for (i, ty) in [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q2_K, GgmlType::IQ2_XXS].into_iter().enumerate() {
+            let (e0, e1) = (expert(ty, 100 * i as u64), expert(ty, 100 * i as u64 + 50));
+            let act = if i % 2 == 0 { Activation::Silu } else { Activation::GeluTanh };
+            // Both tokens through e0 in one batch (as the backend groups them), token 1 through e1.
+            let r0 = reference(&cpu, ty, &e0, &xs, act);
+            let r1 = reference(&cpu, ty, &e1, &xs[D..], act);
+            let (x0, x1) = (&xs[..D], &xs[D..]);
+            let job = LaneJob { d_model: D, ff: FF, act, pairs: vec![split(ty, &e0, x0, 0), split(ty, &e1, x1, 1), split(ty, &e0, x1, 0)] };
+            let out = lane.run(&job).unwrap();
+            assert!(out.iter().all(|v| v.is_finite()), "{ty}: non-finite output");
+            assert!(out.iter().any(|v| *v != 0.0), "{ty}: all zero");
+            assert!(same_bits(&out[..D], &r0[..D]), "{ty}: token 0 expert 0");
+            assert!(same_bits(&out[D..2 * D], &r1), "{ty}: token 1 expert 1");
+            assert!(same_bits(&out[2 * D..], &r0[D..]), "{ty}: token 1 expert 0");
+        }
+    }
+
+    #[test]
+    fn fused_gate_up_and_mixed_types() {
+        let lane = CpuLane::new(2).unwrap();
+        let x = random_values(D, 3);
+        let e = expert(GgmlType::Q4_K, 9);
+        let plain = lane.run(&LaneJob { d_model: D, ff: FF, act: Activation::Silu, pairs: vec![split(GgmlType::Q4_K, &e, &x, 4)] }).unwrap();
+        let fused_bytes = [e.gate.as_slice(), e.up.as_slice()].concat();
+        let fused = LanePair {
+            expert: 4,
+            x: &x,
+            gate_up: GateUp::Fused(Slab { ty: GgmlType::Q4_K, bytes: &fused_bytes }),
+            down: Slab { ty: GgmlType::Q4_K, bytes: &e.down },
+        };
+        let job = LaneJob { d_model: D, ff: FF, act: Activation::Silu, pairs: vec![fused] };
+        assert!(same_bits(&lane.run(&job).unwrap(), &plain));
+        // Gate and down in formats with different activation formats.
+        let (g8, d6) = (random_slab(GgmlType::Q8_0, FF, D, 1, 0.05).unwrap(), random_slab(GgmlType::Q6_K, D, FF, 2, 0.05).unwrap());
+        let mixed = LanePair {
+            expert: 5,
+            x: &x,
+            gate_up: GateUp::Split { gate: Slab { ty: GgmlType::Q8_0, bytes: &g8 }, up: Slab { ty: GgmlType::Q4_K, bytes: &e.up } },
+            down: Slab { ty: GgmlType::Q6_K, bytes: &d6 },
+        };
+        let out = lane.run(&LaneJob { pairs: vec![mixed], ..job }).unwrap();
+        assert!(out.len() == D && out.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn bad_input_is_an_error() {
+        let lane = CpuLane::new(2).unwrap();
+        let ty = GgmlType::Q4_K;
+        let e = expert(ty, 1);
+        let x = random_values(D, 1);
+        let job = |p| LaneJob { d_model: D, ff: FF, act: Activation::Silu, pairs: vec![split(ty, &e, &x, 0), p] };
+
+        let short = &e.up[..e.up.len() - 1];
+        let mut p = split(ty, &e, &x, 7);
+        p.gate_up = GateUp::Split { gate: Slab { ty, bytes: &e.gate }, up: Slab { ty, bytes: short } };
+        let err = lane.run(&job(p)).unwrap_err();
+        assert!(matches!(err, LaneError::SlabSize { pair: 1, expert: 7, slab: "up", .. }), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains("up slab") && msg.contains(&short.len().to_string()) && msg.contains("q4_K"), "{msg}");
+
+        let mut p = split(ty, &e, &x, 7);
+        p.down = Slab { ty: GgmlType::Q8_0, bytes: &e.down };
+        assert!(matches!(lane.run(&job(p)).unwrap_err(), LaneError::SlabSize { slab: "down", .. }));
+
+        let mut p = split(ty, &e, &x, 7);
+        p.gate_up = GateUp::Fused(Slab { ty, bytes: &e.gate });
+        assert!(matches!(lane.run(&job(p)).unwrap_err(), LaneError::SlabSize { slab: "gate_up", .. }));
+
+        let mut p = split(ty, &e, &x, 7);
+        p.down = Slab { ty: GgmlType::IQ1_S, bytes: &e.down };
+        assert!(matches!(lane.run(&job(p)).unwrap_err(), LaneError::Unsupported { slab: "down", .. }));
+
+        let p = split(ty, &e, &x[..D - 1], 7);
+        assert!(matches!(lane.run(&job(p)).unwrap_err(), LaneError::InputWidth { got: 511, .. }));
+
+        // ff not a whole number of q4_K blocks for down's rows.
+        let bad = LaneJob { d_model: D, ff: 100, act: Activation::Silu, pairs: vec![split(ty, &e, &x, 0)] };
+        assert!(lane.run(&bad).is_err());
+        let zero = LaneJob { d_model: D, ff: 0, ..bad.clone() };
+        assert!(matches!(lane.run(&zero).unwrap_err(), LaneError::EmptyShape { .. }));
+        assert!(lane.run(&LaneJob { pairs: vec![], ..bad }).unwrap().is_empty());
+    }
+
+    #[test]
+    fn random_slab_is_finite_and_scaled() {
+        for ty in [GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::F16] {
+            let b = random_slab(ty, 4, 256, 1, 0.05).unwrap();
+            let mut y = vec![0f32; 4 * 256];
+            pulsar_kernels::dequantize(ty, &b, &mut y).unwrap();
+            assert!(y.iter().all(|v| v.is_finite()));
+            let rms = (y.iter().map(|v| v * v).sum::<f32>() / y.len() as f32).sqrt();
+            if ty != GgmlType::F16 {
+                assert!(rms > 0.02 && rms < 0.1, "{ty}: rms {rms}");
+            }
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! The cold path: serving the routed experts of a step that are not in VRAM.
+//!
+//! On a GPU too small for the model, each MoE layer's step has cold experts,
+//! and each one takes one of three paths:
+//!
+//! - **Upload**: copy its bytes host -> device over PCIe, then the GPU computes;
+//! - **ZeroCopy**: the GPU kernel reads the pinned host-cache bytes in place
+//!   over PCIe (so only host-cache hits qualify, not disk misses);
+//! - **Cpu**: the CPU lane ([`CpuLane`]) computes its FFN from the host-cache
+//!   bytes while the GPU does the rest; its output rows are uploaded and
+//!   summed with the others on the GPU in the fixed selection order, so the
+//!   result does not depend on which path served which expert.
+//!
+//! Upload and ZeroCopy share one link, so they spend one time budget; the CPU
+//! lane runs beside it. Per step, [`split`] assigns the paths from a
+//! [`CostModel`] of measured rates (link numbers from the CUDA side, CPU lane
+//! numbers from [`measure_cpu_lane`]) so the link and the lane finish
+//! together; `--cold-path` ([`ColdPolicy`]) can force one path instead.
+
+pub mod cost;
+pub mod lane;
+pub mod split;
+
+pub use cost::{measure_cpu_lane, CostModel};
+pub use lane::{random_slab, CpuLane, GateUp, LaneError, LaneJob, LanePair, Slab};
+pub use split::{lane_seconds, split, ColdExpert, ColdPath, ColdPolicy, ParseColdPolicyError};
