@@ -20,7 +20,7 @@ pub enum ColdPath {
     /// Copy the bytes host -> device, then compute from VRAM.
     Upload,
     /// The GPU kernel reads the pinned host bytes in place over PCIe.
-    #[value(name = "zerocopy")]
+    #[value(name = "zerocopy", alias = "zero-copy")]
     ZeroCopy,
     /// The CPU lane computes the expert from host memory.
     Cpu,
@@ -64,6 +64,8 @@ impl FromStr for ColdPolicy {
         if t.eq_ignore_ascii_case("auto") {
             return Ok(ColdPolicy::Auto);
         }
+        // "zero-copy" too: the spelling `crate::cuda::ColdPath` accepts.
+        let t = if t.eq_ignore_ascii_case("zero-copy") { "zerocopy" } else { t };
         ColdPath::ALL
             .into_iter()
             .find(|p| p.name().eq_ignore_ascii_case(t))
@@ -221,6 +223,7 @@ mod tests {
         assert_eq!("auto".parse::<ColdPolicy>().unwrap(), ColdPolicy::Auto);
         assert_eq!("Upload".parse::<ColdPolicy>().unwrap(), ColdPolicy::Force(ColdPath::Upload));
         assert_eq!(" zerocopy ".parse::<ColdPolicy>().unwrap(), ColdPolicy::Force(ColdPath::ZeroCopy));
+        assert_eq!("zero-copy".parse::<ColdPolicy>().unwrap(), ColdPolicy::Force(ColdPath::ZeroCopy));
         assert_eq!("cpu".parse::<ColdPolicy>().unwrap(), ColdPolicy::Force(ColdPath::Cpu));
         let err = "gpu".parse::<ColdPolicy>().unwrap_err().to_string();
         assert!(err.contains("\"gpu\"") && err.contains("auto, upload, zerocopy or cpu"), "{err}");
@@ -229,6 +232,7 @@ mod tests {
         }
         use clap::ValueEnum;
         assert_eq!(ColdPath::from_str("zerocopy", false).unwrap(), ColdPath::ZeroCopy);
+        assert_eq!(ColdPath::from_str("zero-copy", false).unwrap(), ColdPath::ZeroCopy);
     }
 
     #[test]
