@@ -12,8 +12,16 @@
 //! Decay is lazy: instead of scaling every heat each step, the increment
 //! grows by `2^(1/half_life)` per step, and everything is renormalised when
 //! it gets large. Comparisons are unaffected.
+//!
+//! A step costs time in the slabs it touches, not in the pool's size (a
+//! 16 GB card holds thousands of slots and a decode token makes one step per
+//! MoE layer): free slots are a stack, and the coldest resident comes from a
+//! lazy min-heap. Stored heats only grow between renormalisations, so an
+//! entry's key is never above its slab's heat; a popped entry whose key is
+//! current is the true minimum, and a stale one is re-keyed and pushed back.
 
-use std::collections::{HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -62,6 +70,12 @@ pub struct HotSet {
     inc: f64,
     growth: f64,
     counters: HotSetCounters,
+    /// Free slots, highest first (so the lowest is used first).
+    free: Vec<u32>,
+    /// (heat bits, slot) of residents; keys are positive floats' bits, which order like the floats.
+    cold: BinaryHeap<Reverse<(u64, u32)>>,
+    /// The key of each slot's one live heap entry (others are stale).
+    key: Vec<u64>,
 }
 
 const RENORMALISE_AT: f64 = 1e100;
@@ -77,6 +91,9 @@ impl HotSet {
             inc: 1.0,
             growth: 2f64.powf(1.0 / half),
             counters: HotSetCounters::default(),
+            free: (0..cfg.slots as u32).rev().collect(),
+            cold: BinaryHeap::new(),
+            key: vec![u64::MAX; cfg.slots],
         }
     }
 
@@ -124,49 +141,77 @@ impl HotSet {
             }
         }
         candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        // Evictable residents, coldest first.
-        let mut cold: Vec<(f64, u32)> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(s, r)| r.filter(|id| !in_step.contains(id)).map(|id| (self.heat[&id], s as u32)))
-            .collect();
-        cold.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
-        let mut free: Vec<u32> = self.slots.iter().enumerate().filter(|(_, r)| r.is_none()).map(|(s, _)| s as u32).rev().collect();
         let mut out = Vec::new();
+        // Residents touched in this step, set aside while looking for a victim.
+        let mut aside = Vec::new();
         for (h, id) in candidates {
-            let (slot, evicted) = if let Some(s) = free.pop() {
+            let (slot, evicted) = if let Some(s) = self.free.pop() {
                 (s, None)
             } else {
-                match cold.last() {
-                    Some(&(ch, s)) if h > ch * (1.0 + self.cfg.admit_margin) => {
-                        cold.pop();
-                        (s, self.slots[s as usize])
+                match self.coldest(&in_step, &mut aside) {
+                    Some((ch, s)) if h > ch * (1.0 + self.cfg.admit_margin) => (s, self.slots[s as usize]),
+                    Some((ch, s)) => {
+                        self.cold.push(Reverse((ch.to_bits(), s)));
+                        break; // later candidates are colder still
                     }
-                    _ => break, // later candidates are colder still
+                    None => break,
                 }
             };
             self.place(id, slot, evicted, &mut out);
         }
+        self.cold.extend(aside);
         self.advance();
         out
+    }
+
+    /// The coldest resident not in `in_step`, popped from the heap (the
+    /// caller pushes it back if it is not evicted).
+    fn coldest(&mut self, in_step: &HashSet<SlabId>, aside: &mut Vec<Reverse<(u64, u32)>>) -> Option<(f64, u32)> {
+        while let Some(Reverse((bits, s))) = self.cold.pop() {
+            if self.key[s as usize] != bits {
+                continue; // superseded entry
+            }
+            let Some(id) = self.slots[s as usize] else { continue };
+            let cur = self.heat[&id];
+            if cur.to_bits() != bits {
+                self.key[s as usize] = cur.to_bits();
+                self.cold.push(Reverse((cur.to_bits(), s)));
+                continue;
+            }
+            if in_step.contains(&id) {
+                aside.push(Reverse((bits, s)));
+                continue;
+            }
+            return Some((cur, s));
+        }
+        None
+    }
+
+    fn rebuild_heap(&mut self) {
+        self.cold.clear();
+        for (s, r) in self.slots.iter().enumerate() {
+            if let Some(id) = r {
+                let b = self.heat[id].to_bits();
+                self.key[s] = b;
+                self.cold.push(Reverse((b, s as u32)));
+            }
+        }
     }
 
     /// Fill free slots with the hottest whole triples of `census`, seeding
     /// their heat from the counts. Never evicts.
     pub fn warm_load(&mut self, catalog: &Catalog, census: &Census) -> Vec<Admission> {
-        let mut free: Vec<u32> = self.slots.iter().enumerate().filter(|(_, r)| r.is_none()).map(|(s, _)| s as u32).rev().collect();
         let mut out = Vec::new();
         for (layer, expert, count) in census.hottest() {
             let Some(t) = catalog.triple(layer, expert) else { continue };
             let slabs: Vec<SlabId> = t.slabs().filter(|id| !self.resident.contains_key(id)).collect();
-            if slabs.len() > free.len() {
+            if slabs.len() > self.free.len() {
                 continue; // whole triples only; a smaller (fused) one may still fit
             }
             for id in slabs {
                 let h = self.heat.entry(id).or_insert(0.0);
                 *h = h.max(count as f64 * self.inc);
-                let slot = free.pop().expect("checked above");
+                let slot = self.free.pop().expect("checked above");
                 self.place(id, slot, None, &mut out);
             }
         }
@@ -180,11 +225,17 @@ impl HotSet {
         }
         self.slots[slot as usize] = Some(id);
         self.resident.insert(id, slot);
+        let b = self.heat.get(&id).copied().unwrap_or(0.0).to_bits();
+        self.key[slot as usize] = b;
+        self.cold.push(Reverse((b, slot)));
         self.counters.admissions += 1;
         out.push(Admission { slab: id, slot, evicted });
     }
 
     fn advance(&mut self) {
+        if self.cold.len() > 4 * self.slots.len() + 64 {
+            self.rebuild_heap(); // drop superseded entries
+        }
         self.inc *= self.growth;
         if self.inc > RENORMALISE_AT {
             let k = self.inc;
@@ -194,6 +245,7 @@ impl HotSet {
             // Forget what has decayed to nothing, so the table stays small.
             self.heat.retain(|id, h| *h > 1e-12 || self.resident.contains_key(id));
             self.inc = 1.0;
+            self.rebuild_heap();
         }
     }
 }
@@ -279,5 +331,67 @@ mod tests {
         // Seeded heat protects them from a one-off touch.
         assert!(h.step(&[SlabId::new(0, SlabKind::Gate, 1)]).len() == 1, "the free slot is used");
         assert!(h.step(&[SlabId::new(0, SlabKind::Up, 1)]).is_empty());
+    }
+
+    /// The admission rule written the slow, obvious way (sort every resident
+    /// each step): the heap-based step must decide exactly the same.
+    fn reference_step(h: &mut HotSet, touched: &[SlabId]) -> Vec<Admission> {
+        let mut in_step = HashSet::new();
+        let mut distinct = Vec::new();
+        for &id in touched {
+            *h.heat.entry(id).or_insert(0.0) += h.inc;
+            if in_step.insert(id) {
+                distinct.push(id);
+            }
+        }
+        let mut cand: Vec<(f64, SlabId)> = distinct.iter().filter(|id| !h.resident.contains_key(id)).map(|&id| (h.heat[&id], id)).collect();
+        cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut cold: Vec<(f64, u32)> =
+            h.slots.iter().enumerate().filter_map(|(s, r)| r.filter(|id| !in_step.contains(id)).map(|id| (h.heat[&id], s as u32))).collect();
+        cold.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
+        let mut free: Vec<u32> = h.slots.iter().enumerate().filter(|(_, r)| r.is_none()).map(|(s, _)| s as u32).rev().collect();
+        let mut out = Vec::new();
+        for (heat, id) in cand {
+            let (slot, evicted) = if let Some(s) = free.pop() {
+                (s, None)
+            } else {
+                match cold.last() {
+                    Some(&(ch, s)) if heat > ch * (1.0 + h.cfg.admit_margin) => {
+                        cold.pop();
+                        (s, h.slots[s as usize])
+                    }
+                    _ => break,
+                }
+            };
+            if let Some(old) = evicted {
+                h.resident.remove(&old);
+            }
+            h.slots[slot as usize] = Some(id);
+            h.resident.insert(id, slot);
+            out.push(Admission { slab: id, slot, evicted });
+        }
+        h.inc *= h.growth;
+        out
+    }
+
+    #[test]
+    fn heap_step_decides_like_the_reference() {
+        let mut rng = 0x9e3779b97f4a7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for slots in [1usize, 3, 16] {
+            let cfg = HotSetConfig { slots, half_life_steps: 8.0, admit_margin: 0.25 };
+            let (mut fast, mut slow) = (HotSet::new(cfg), HotSet::new(cfg));
+            for _ in 0..2000 {
+                // Zipf-ish: small ids far more often, some repeats in a step.
+                let n = 1 + (next() % 6) as usize;
+                let t: Vec<SlabId> = (0..n).map(|_| id(((next() % 64) as f64).powf(1.5) as u32 % 40)).collect();
+                assert_eq!(fast.step(&t), reference_step(&mut slow, &t));
+            }
+        }
     }
 }
