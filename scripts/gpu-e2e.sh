@@ -118,7 +118,8 @@ bench_model() { # skew type layers -> path (one big model at a time on a 64 GB d
 bench_row() { # model label args...
   local m="$1" label="$2"; shift 2
   rm -f "$m.warm"
-  "$H" bench -m "$m" -p 512 -n 32 -r 2 --device cuda "$@" "${P[@]}" > "$WORK/bench.txt" 2>>"$O/bench.log"
+  # shellcheck disable=SC2086
+  "$H" bench -m "$m" ${PNR:--p 512 -n 32 -r 2} --device cuda "$@" "${P[@]}" > "$WORK/bench.txt" 2>>"$O/bench.log"
   say "### $label"
   tee -a "$S" < "$WORK/bench.txt"
 }
@@ -129,6 +130,8 @@ if has bench; then
     [ "$skew" = 0 ] && bench_row "$m" "q2_K skew $skew resident"
     bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path upload" --vram-budget 16 --cold-path upload
     bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path zerocopy" --vram-budget 16 --cold-path zerocopy
+    # The disk tier carries real traffic: fewer tokens (it reads at ~1 GB/s).
+    PNR="-p 64 -n 16 -r 1" bench_row "$m" "q2_K skew $skew --vram-budget 16 --host-cache 8" --vram-budget 16 --host-cache 8
   done
 fi
 if has q4k; then

@@ -181,3 +181,65 @@ extern "C" __global__ void moe_combine(const float* out, const float* w, int n_t
     }
     y[(size_t)t * d_model + c] = acc;
 }
+
+// moe_up_<f32|f16|bf16> / moe_down_<...> — the same pairs and null-pointer
+// skipping as the quantized entries above, for float expert weights on f32
+// activations: moe_up writes H[p] = act(gate x_t) * (up x_t) with x_t token t's
+// f32 row; moe_down writes OUT[p] = down · H[p] straight from the f32 H (no
+// quantization step). Each lane's strided sum, then warp_sum, is the loop of
+// gemv_float.cu's fgemv, so an expert gives the values of the dense float GEMV.
+// Twin: Kernels::matvec (ActFormat::F32) + ops::glu_rows + matvec.
+
+// T: 0 = f32, 1 = f16, 2 = bf16 (as gemv_float.cu).
+template <int T> __device__ __forceinline__ float moe_ldw(const u8* w, size_t i) {
+    if (T == 0) return ((const float*)w)[i];
+    if (T == 1) return h2f(((const u16*)w)[i]);
+    return bf2f(((const u16*)w)[i]);
+}
+
+// This lane's share of w · x over `cols` values (fgemv's order).
+template <int T> __device__ __forceinline__ float moe_frow_partial(const u8* w, const float* x, int cols) {
+    float acc = 0.0f;
+    for (int i = threadIdx.x & 31; i < cols; i += 32) acc += moe_ldw<T>(w, i) * x[i];
+    return acc;
+}
+
+template <int T>
+__device__ __forceinline__ void moe_up_float(const u64* gate_ptrs, const u64* up_ptrs, const float* X, float* H,
+                                             int ff, int cols, int n_slot, int act) {
+    int p = blockIdx.y;
+    int row = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    u64 gp = gate_ptrs[p], upp = up_ptrs[p];
+    if (gp == 0 || upp == 0 || row >= ff) return;
+    const float* x = X + (size_t)(p / n_slot) * cols;
+    size_t off = (size_t)row * cols * (T == 0 ? 4 : 2);
+    float g = warp_sum(moe_frow_partial<T>((const u8*)gp + off, x, cols));
+    float u = warp_sum(moe_frow_partial<T>((const u8*)upp + off, x, cols));
+    if ((threadIdx.x & 31) == 0) H[(size_t)p * ff + row] = __fmul_rn(act_f(act, g), u);
+}
+
+template <int T>
+__device__ __forceinline__ void moe_down_float(const u64* down_ptrs, const float* H, float* OUT, int d_model, int ff) {
+    int p = blockIdx.y;
+    int row = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    u64 dp = down_ptrs[p];
+    if (dp == 0 || row >= d_model) return;
+    size_t off = (size_t)row * ff * (T == 0 ? 4 : 2);
+    float y = warp_sum(moe_frow_partial<T>((const u8*)dp + off, H + (size_t)p * ff, ff));
+    if ((threadIdx.x & 31) == 0) OUT[(size_t)p * d_model + row] = y;
+}
+
+#define MOE_FENTRY(NAME, T)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_up_##NAME(                           \
+        const u64* gate_ptrs, const u64* up_ptrs, const float* X, float* H, int ff, int cols, int n_slot, \
+        int act) {                                                                                        \
+        moe_up_float<T>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act);                                 \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                          \
+        moe_down_##NAME(const u64* down_ptrs, const float* H, float* OUT, int d_model, int ff) {          \
+        moe_down_float<T>(down_ptrs, H, OUT, d_model, ff);                                                \
+    }
+
+MOE_FENTRY(f32, 0)
+MOE_FENTRY(f16, 1)
+MOE_FENTRY(bf16, 2)

@@ -195,7 +195,8 @@ const EMBED: &[&str] = &[
 ];
 
 // route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i, then
-// the pointer gather and the slot combine.
+// the pointer gather and the slot combine, then the float experts (FLOAT_TYPES
+// order): moe_up_<fmt> at MOE_FLOAT + 2i, moe_down_<fmt> at MOE_FLOAT + 2i + 1.
 const MOE: &[&str] = &[
     "route_topk",
     "moe_up_q8_0",
@@ -226,9 +227,16 @@ const MOE: &[&str] = &[
     "moe_down_iq3_xxs",
     "moe_gather_ptrs",
     "moe_combine",
+    "moe_up_f32",
+    "moe_down_f32",
+    "moe_up_f16",
+    "moe_down_f16",
+    "moe_up_bf16",
+    "moe_down_bf16",
 ];
 pub(crate) const MOE_GATHER_PTRS: usize = 27;
 pub(crate) const MOE_COMBINE: usize = 28;
+pub(crate) const MOE_FLOAT: usize = 29;
 
 #[cfg(test)]
 mod tests {
@@ -250,6 +258,8 @@ mod tests {
             let n = ty.name().to_ascii_lowercase();
             assert_eq!(GEMV_FLOAT[2 * i], format!("gemv_{n}"));
             assert_eq!(EMBED[i], format!("embed_{n}"));
+            assert_eq!(MOE[MOE_FLOAT + 2 * i], format!("moe_up_{n}"));
+            assert_eq!(MOE[MOE_FLOAT + 2 * i + 1], format!("moe_down_{n}"));
         }
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_0], "quantize_q8_0");
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_K], "quantize_q8_k");
@@ -284,7 +294,7 @@ mod tests {
                 "FGEMV_ENTRY" => &["gemv_", "gemm_"],
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],
-                "MOE_ENTRY" => &["moe_up_", "moe_down_"],
+                "MOE_ENTRY" | "MOE_FENTRY" => &["moe_up_", "moe_down_"],
                 _ => &[],
             };
             prefixes.iter().any(|p| format!("{p}{name}") == entry)

@@ -13,7 +13,10 @@ use pulsar_kernels::ActFormat;
 use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
-use crate::kernels::{float_index, quant_index, Family, MOE_COMBINE, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K};
+use crate::kernels::{
+    float_index, quant_index, Family, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
+    QUANTIZE_Q8_K,
+};
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
 macro_rules! params {
@@ -1004,6 +1007,77 @@ impl CudaDevice {
                 &mut params![dp, hqp, op, dm, ffi, tab],
             )
         }
+    }
+
+    /// [`moe_ffn`](Self::moe_ffn) for float experts: gate, up and down all of
+    /// `ty` (F32, F16 or BF16), `x` the tokens' f32 rows (`[n_tok, d_model]`).
+    /// `h[p] = act(gate_p x_t) * (up_p x_t)` (`[n_pairs, ff]`), then
+    /// `out[p] = down_p h[p]` (`[n_pairs, d_model]`) with no quantization in
+    /// between; null pairs are skipped. Each dot sums as [`gemm_float`](Self::gemm_float)'s GEMV.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn_float(
+        &self,
+        stream: &CudaStream,
+        ty: GgmlType,
+        pairs: &MoePairs<'_>,
+        x: &DeviceBuf<f32>,
+        d_model: usize,
+        ff: usize,
+        act: Activation,
+        h: &mut DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_ffn_float";
+        let fi = float_index(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
+        let n_pairs = pairs.n_tok * pairs.n_slot;
+        want(OP, "gate pointers", pairs.gate.len(), n_pairs)?;
+        want(OP, "up pointers", pairs.up.len(), n_pairs)?;
+        want(OP, "down pointers", pairs.down.len(), n_pairs)?;
+        want(OP, "x", x.len(), pairs.n_tok * d_model)?;
+        want(OP, "h", h.len(), n_pairs * ff)?;
+        want(OP, "out", out.len(), n_pairs * d_model)?;
+        // Non-empty shapes (the pointers themselves are the caller's contract).
+        weight_bytes(ty, ff, d_model)?;
+        weight_bytes(ty, d_model, ff)?;
+        if n_pairs > 65535 {
+            return Err(shape(
+                OP,
+                format!("{n_pairs} pairs in one launch (at most 65535)"),
+            ));
+        }
+        let a = act_code(act)?;
+        let (ffi, dm, ns) = (
+            to_i32(OP, "ff", ff)?,
+            to_i32(OP, "d_model", d_model)?,
+            to_i32(OP, "n_slot", pairs.n_slot)?,
+        );
+        let (gp, upp, dp) = (
+            pairs.gate.device_ptr(),
+            pairs.up.device_ptr(),
+            pairs.down.device_ptr(),
+        );
+        let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
+        let f = self.func(Family::Moe, MOE_FLOAT + 2 * fi)?;
+        let grid = (ff.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_pairs as u32, 1);
+        // SAFETY: parameters as MOE_FENTRY moe_up; sizes checked.
+        unsafe {
+            self.launch(
+                f,
+                grid,
+                128,
+                0,
+                stream,
+                &mut params![gp, upp, xp, hp, ffi, dm, ns, a],
+            )?
+        };
+        let f = self.func(Family::Moe, MOE_FLOAT + 2 * fi + 1)?;
+        let grid = (
+            d_model.div_ceil(GEMV_ROWS_PER_BLOCK) as u32,
+            n_pairs as u32,
+            1,
+        );
+        // SAFETY: parameters as MOE_FENTRY moe_down; sizes checked.
+        unsafe { self.launch(f, grid, 128, 0, stream, &mut params![dp, hp, op, dm, ffi]) }
     }
 
     /// Per-(token, slot) slab pointers from per-expert tables (`[n_exp]`

@@ -417,6 +417,18 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             moe_case(dev, &pool, &k, gu, dn, next()),
         );
     }
+    for (ty, act) in [
+        (GgmlType::F32, Activation::Silu),
+        (GgmlType::F16, Activation::GeluTanh),
+        (GgmlType::BF16, Activation::Silu),
+    ] {
+        t.push(
+            "moe_ffn_float (null slots skipped)",
+            &fmt_name(ty),
+            "3 tok x 4 slot, d520 ff333".into(),
+            moe_float_case(dev, &pool, &k, ty, act, next()),
+        );
+    }
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -1054,6 +1066,94 @@ fn moe_case(
             op: "moe_ffn",
             what: format!(
                 "out max rel err {:.3e}; h max rel err {:.3e}; {hq_off} bytes of hq differ from the CPU quantization of the GPU's h; skipped rows untouched: {untouched}",
+                c.rel, hc.rel
+            ),
+        });
+    }
+    Ok(c)
+}
+
+/// `moe_case` for float experts: no quantization of x or h, so both are
+/// compared at the float GEMV's tolerance.
+fn moe_float_case(
+    dev: &CudaDevice,
+    pool: &rayon::ThreadPool,
+    k: &Kernels,
+    ty: GgmlType,
+    act: Activation,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
+    // Neither width a multiple of 32 (lane tails) nor ff of 4 (block tails).
+    let (d_model, ff, n_tok, n_slot, n_exp) = (520usize, 333usize, 3usize, 4usize, 5usize);
+    let mats = |rows: usize, cols: usize, off: u64| -> Result<Vec<Vec<u8>>, CudaError> {
+        (0..n_exp)
+            .map(|e| Ok(random_blocks(ty, rows * cols, seed + off + e as u64)?))
+            .collect()
+    };
+    let (gates, ups, downs) = (mats(ff, d_model, 0)?, mats(ff, d_model, 100)?, mats(d_model, ff, 200)?);
+    let x = random_values(n_tok * d_model, seed ^ 7);
+    // Pair (t, s) uses expert (t + 2 s) % n_exp; pairs 5 and 10 are "not mine".
+    let expert = |p: usize| ((p / n_slot) + 2 * (p % n_slot)) % n_exp;
+    let skipped = |p: usize| p == 5 || p == 10;
+    let upload_all = |m: &[Vec<u8>]| -> Result<Vec<DeviceBuf<u8>>, CudaError> {
+        m.iter().map(|b| dev.upload(b)).collect()
+    };
+    let (gd, ud, dd) = (upload_all(&gates)?, upload_all(&ups)?, upload_all(&downs)?);
+    let n_pairs = n_tok * n_slot;
+    let ptrs = |bufs: &[DeviceBuf<u8>]| -> Vec<u64> {
+        (0..n_pairs)
+            .map(|p| if skipped(p) { 0 } else { bufs[expert(p)].device_ptr() })
+            .collect()
+    };
+    let (gp, up, dp) = (
+        dev.upload(&ptrs(&gd))?,
+        dev.upload(&ptrs(&ud))?,
+        dev.upload(&ptrs(&dd))?,
+    );
+    let pairs = MoePairs {
+        gate: &gp,
+        up: &up,
+        down: &dp,
+        n_tok,
+        n_slot,
+    };
+    let xd = dev.upload(&x)?;
+    let mut h = poisoned::<f32>(dev, n_pairs * ff)?;
+    let mut out = poisoned::<f32>(dev, n_pairs * d_model)?;
+    dev.moe_ffn_float(dev.compute(), ty, &pairs, &xd, d_model, ff, act, &mut h, &mut out)?;
+    let (got, h_gpu) = (dev.download(&out)?, dev.download(&h)?);
+
+    let (mut cpu, mut gpu, mut h_cpu_all, mut h_gpu_all) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut untouched = true;
+    for p in 0..n_pairs {
+        let row = &got[p * d_model..(p + 1) * d_model];
+        let hg = &h_gpu[p * ff..(p + 1) * ff];
+        if skipped(p) {
+            untouched &= row.iter().chain(hg).all(|v| v.to_bits() == u32::MAX);
+            continue;
+        }
+        let (t, e) = (p / n_slot, expert(p));
+        let xt = Activations::for_weight(ty, &x[t * d_model..(t + 1) * d_model], d_model)?;
+        let (mut g, mut u) = (vec![0f32; ff], vec![0f32; ff]);
+        k.matvec(pool, &WeightMatrix::new(ty, &gates[e], ff, d_model)?, &xt, &mut g)?;
+        k.matvec(pool, &WeightMatrix::new(ty, &ups[e], ff, d_model)?, &xt, &mut u)?;
+        ops::glu_rows(&mut g, &u, act);
+        let mut y = vec![0f32; d_model];
+        let ht = Activations::for_weight(ty, &g, ff)?;
+        k.matvec(pool, &WeightMatrix::new(ty, &downs[e], d_model, ff)?, &ht, &mut y)?;
+        h_cpu_all.extend_from_slice(&g);
+        h_gpu_all.extend_from_slice(hg);
+        cpu.extend(y);
+        gpu.extend_from_slice(row);
+    }
+    let hc = compare(&h_gpu_all, &h_cpu_all, 1e-5);
+    let mut c = compare(&gpu, &cpu, 1e-5);
+    c.pass &= hc.pass && untouched;
+    if !c.pass {
+        return Err(CudaError::Shape {
+            op: "moe_ffn_float",
+            what: format!(
+                "out max rel err {:.3e}; h max rel err {:.3e}; skipped rows untouched: {untouched}",
                 c.rel, hc.rel
             ),
         });

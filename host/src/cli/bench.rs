@@ -317,7 +317,8 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
                     kv_bytes: CudaKv::bytes_for(&model, n_ctx),
                     census: if name == "warm" { crate::cuda::warm_census(&a.model, &model) } else { None },
                     zero_copy: a.cold_path.zero_copy(),
-                    no_pin: a.no_pin,
+                    // A budgeted host cache is the source: pinning the whole mapping would defeat it.
+                    no_pin: a.no_pin || store.as_ref().is_some_and(|s| s.cached),
                 };
                 let cm = CudaModel::load(dev, &model, &opts)?;
                 if let Some(r) = &ranges {

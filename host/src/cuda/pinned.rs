@@ -54,8 +54,10 @@ impl HostAllocator for PinnedAllocator {
         if !align.is_power_of_two() {
             return Err(fail());
         }
-        // Over-allocate so any alignment can be met inside the page-locked block.
-        let extra = align.saturating_sub(pulsar_store::page_size());
+        // Over-allocate so any alignment can be met inside the page-locked
+        // block: the driver sub-allocates small requests, which need not
+        // start on a page.
+        let extra = align.max(pulsar_store::page_size());
         let mut buf = PinnedBuf::<u8>::alloc(&self.ctx, len.max(1) + extra).map_err(|e| {
             tracing::warn!("page-locked host allocation of {len} bytes failed: {e}");
             fail()
