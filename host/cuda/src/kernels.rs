@@ -69,7 +69,7 @@ impl Family {
             Family::GemvQuant => GEMV_QUANT,
             Family::GemvFloat => GEMV_FLOAT,
             Family::NormRope => &["rms_norm", "rope"],
-            Family::Act => &["glu", "add_f32", "mul_f32", "scale_f32"],
+            Family::Act => &["glu", "add_f32", "mul_f32", "scale_f32", "gather_rows_u8", "scatter_rows_f32"],
             Family::Embed => EMBED,
             Family::Attention => &["attn_partial_f32", "attn_partial_f16", "attn_combine"],
             Family::Moe => MOE,
@@ -234,6 +234,8 @@ const MOE: &[&str] = &[
     "moe_up_bf16",
     "moe_down_bf16",
 ];
+pub(crate) const ACT_GATHER_ROWS: usize = 4;
+pub(crate) const ACT_SCATTER_ROWS: usize = 5;
 pub(crate) const MOE_GATHER_PTRS: usize = 27;
 pub(crate) const MOE_COMBINE: usize = 28;
 pub(crate) const MOE_FLOAT: usize = 29;

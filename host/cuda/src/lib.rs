@@ -22,6 +22,6 @@ pub mod ops;
 
 pub use ops::{
     act_bytes, attention_workspace_len, weight_bytes, Gating, GemmKernel, GemvKernel, KvElem,
-    MoePairs, RouterSpec,
+    ExpertRun, GroupedScratch, MoePairs, RouterSpec,
 };
 pub mod selftest;

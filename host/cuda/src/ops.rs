@@ -14,7 +14,7 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
-    float_index, quant_index, Family, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
+    float_index, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
     QUANTIZE_Q8_K,
 };
 
@@ -115,6 +115,30 @@ impl KvElem for u16 {
 /// The per-(token, slot) expert pointers of one MoE launch: device addresses
 /// of each pair's gate, up and down matrices, 0 for a pair this launch skips.
 /// Pair `p = t * n_slot + s`.
+/// One expert's share of a grouped MoE product: the device addresses of its
+/// gate, up and down matrices (the caller's contract, as for [`MoePairs`])
+/// and its run of rows in the expert-sorted order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertRun {
+    pub gate: u64,
+    pub up: u64,
+    pub down: u64,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// Work buffers of [`CudaDevice::moe_ffn_grouped`] for `n` sorted rows:
+/// `xs` the gathered activations, `hg`/`hu`/`h` `[n, ff]`, `hq` `h`
+/// quantized, `outs` `[n, d_model]`.
+pub struct GroupedScratch<'a> {
+    pub xs: &'a mut DeviceBuf<u8>,
+    pub hg: &'a mut DeviceBuf<f32>,
+    pub hu: &'a mut DeviceBuf<f32>,
+    pub h: &'a mut DeviceBuf<f32>,
+    pub hq: &'a mut DeviceBuf<u8>,
+    pub outs: &'a mut DeviceBuf<f32>,
+}
+
 pub struct MoePairs<'a> {
     pub gate: &'a DeviceBuf<u64>,
     pub up: &'a DeviceBuf<u64>,
@@ -1078,6 +1102,95 @@ impl CudaDevice {
         );
         // SAFETY: parameters as MOE_FENTRY moe_down; sizes checked.
         unsafe { self.launch(f, grid, 128, 0, stream, &mut params![dp, hp, op, dm, ffi]) }
+    }
+
+    /// The routed-expert FFN of a prefill chunk, one expert at a time: the
+    /// rows routed to an expert (sorted row i is token `tok_of[i]`, pair
+    /// `pair_of[i]`) are gathered, multiplied by its matrices with the dp4a
+    /// GEMM (each weight row read once per tile of tokens, not once per
+    /// pair), and scattered back to pair order in `out` (`[n_pairs,
+    /// d_model]`); rows outside every run are left untouched. Same sums in
+    /// the same order as [`CudaDevice::moe_ffn`] on the same pairs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn_grouped(
+        &self,
+        stream: &CudaStream,
+        gate_up_ty: GgmlType,
+        down_ty: GgmlType,
+        runs: &[ExpertRun],
+        tok_of: &DeviceBuf<i32>,
+        pair_of: &DeviceBuf<i32>,
+        x: &DeviceBuf<u8>,
+        n_tok: usize,
+        d_model: usize,
+        ff: usize,
+        act: Activation,
+        s: &mut GroupedScratch<'_>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_ffn_grouped";
+        let gi = quant_index(gate_up_ty).ok_or(CudaError::Unsupported { op: OP, ty: gate_up_ty })?;
+        let di = quant_index(down_ty).ok_or(CudaError::Unsupported { op: OP, ty: down_ty })?;
+        let gfmt = ActFormat::for_weight(gate_up_ty).ok_or(CudaError::Unsupported { op: OP, ty: gate_up_ty })?;
+        let dfmt = ActFormat::for_weight(down_ty).ok_or(CudaError::Unsupported { op: OP, ty: down_ty })?;
+        let n = tok_of.len();
+        want(OP, "pair indices", pair_of.len(), n)?;
+        let xrow = act_bytes(gfmt, 1, d_model)?;
+        want(OP, "x bytes", x.len(), n_tok * xrow)?;
+        want(OP, "gathered x", s.xs.len(), n * xrow)?;
+        for (what, b) in [("hg", &*s.hg), ("hu", &*s.hu), ("h", &*s.h)] {
+            want(OP, what, b.len(), n * ff)?;
+        }
+        want(OP, "hq", s.hq.len(), act_bytes(dfmt, n, ff)?)?;
+        want(OP, "outs", s.outs.len(), n * d_model)?;
+        if out.len() % d_model.max(1) != 0 {
+            return Err(shape(OP, format!("out of {} values is not whole rows of {d_model}", out.len())));
+        }
+        weight_bytes(gate_up_ty, ff, d_model)?;
+        weight_bytes(down_ty, d_model, ff)?;
+        let mut end = 0;
+        for r in runs {
+            if r.start < end || r.start + r.len > n || r.len > MAX_GEMM_TOKENS {
+                return Err(shape(OP, format!("run {}..{} of {n} rows (runs ascending, at most {MAX_GEMM_TOKENS} rows)", r.start, r.start + r.len)));
+            }
+            end = r.start + r.len;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (ni, xr, dm) = (to_i32(OP, "rows", n)?, to_i32(OP, "x row", xrow)?, to_i32(OP, "d_model", d_model)?);
+        to_i32(OP, "ff", ff)?;
+        let f = self.func(Family::Act, ACT_GATHER_ROWS)?;
+        let (src, idx, dst) = (x.device_ptr(), tok_of.device_ptr(), s.xs.device_ptr());
+        // SAFETY: (src, idx, n, row_bytes, dst) as gather_rows_u8; tok_of's
+        // values index `x`'s rows (the caller's contract, like the pointers).
+        unsafe { self.launch(f, (n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, xr, dst])? };
+        let tab = self.iq_tables().device_ptr();
+        let gemm = |fi: usize, w: u64, xp: u64, yp: u64, rows: usize, cols: usize, len: usize| -> Result<(), CudaError> {
+            let f = self.func(Family::GemvQuant, 4 * fi + 1)?;
+            let grid = (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, len.div_ceil(GEMM_TOKENS) as u32, 1);
+            let (r, c, nt) = (rows as i32, cols as i32, len as i32);
+            // SAFETY: (W, X, Y, rows, cols, n_tok, tab) as GEMV_ENTRY; X and Y
+            // lie inside the checked scratch; W is the caller's expert matrix.
+            unsafe { self.launch(f, grid, 128, 0, stream, &mut params![w, xp, yp, r, c, nt, tab]) }
+        };
+        let hqrow = act_bytes(dfmt, 1, ff)?;
+        for r in runs.iter().filter(|r| r.len > 0) {
+            let xp = s.xs.device_ptr() + (r.start * xrow) as u64;
+            gemm(gi, r.gate, xp, s.hg.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
+            gemm(gi, r.up, xp, s.hu.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
+        }
+        self.glu(stream, s.hg, s.hu, s.h, act)?;
+        self.quantize_act(stream, dfmt, s.h, n, ff, s.hq)?;
+        for r in runs.iter().filter(|r| r.len > 0) {
+            let hp = s.hq.device_ptr() + (r.start * hqrow) as u64;
+            gemm(di, r.down, hp, s.outs.device_ptr() + (r.start * d_model * 4) as u64, d_model, ff, r.len)?;
+        }
+        let f = self.func(Family::Act, ACT_SCATTER_ROWS)?;
+        let (src, idx, dst) = (s.outs.device_ptr(), pair_of.device_ptr(), out.device_ptr());
+        // SAFETY: (src, idx, n, cols, dst) as scatter_rows_f32; pair_of's
+        // values index `out`'s rows (the caller's contract).
+        unsafe { self.launch(f, (n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, dm, dst]) }
     }
 
     /// Per-(token, slot) slab pointers from per-expert tables (`[n_exp]`

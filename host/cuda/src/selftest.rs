@@ -416,6 +416,12 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             "3 tok x 4 slot, d512 ff512".into(),
             moe_case(dev, &pool, &k, gu, dn, next()),
         );
+        t.push(
+            "moe_ffn_grouped == moe_ffn (bits)",
+            &f,
+            "6 tok x 4 slot, d512 ff512".into(),
+            grouped_case(dev, gu, dn, next()),
+        );
     }
     for (ty, act) in [
         (GgmlType::F32, Activation::Silu),
@@ -932,6 +938,61 @@ fn route_case(
     Ok(c)
 }
 
+/// The prefill form (expert by expert, gathered rows, dp4a GEMM) must give
+/// exactly the decode form's (pair by pair GEMV) bits: decode after prefill
+/// equals one long prefill.
+fn grouped_case(dev: &CudaDevice, gu: GgmlType, dn: GgmlType, seed: u64) -> Result<Cmp, CudaError> {
+    let (d_model, ff, n_tok, n_slot, n_exp) = (512usize, 512usize, 6usize, 4usize, 5usize);
+    let nb = |ty: GgmlType, r: usize, c: usize| r * c / ty.block_elems() as usize;
+    let mut bufs = Vec::new();
+    for e in 0..n_exp as u64 {
+        bufs.push([
+            dev.upload(&random_blocks(gu, nb(gu, ff, d_model), seed + e)?)?,
+            dev.upload(&random_blocks(gu, nb(gu, ff, d_model), seed + 100 + e)?)?,
+            dev.upload(&random_blocks(dn, nb(dn, d_model, ff), seed + 200 + e)?)?,
+        ]);
+    }
+    let n_pairs = n_tok * n_slot;
+    // Expert 4 is never chosen; expert 0 often.
+    let expert = |p: usize| if p % 3 == 0 { 0 } else { (p * 7 / 3) % 4 };
+    let gfmt = ActFormat::for_weight(gu).ok_or(CudaError::Unsupported { op: "moe", ty: gu })?;
+    let dfmt = ActFormat::for_weight(dn).ok_or(CudaError::Unsupported { op: "moe", ty: dn })?;
+    let x = random_values(n_tok * d_model, seed ^ 7);
+    let xd = dev.upload(Activations::for_weight(gu, &x, d_model)?.as_bytes())?;
+    let ptrs = |k: usize| -> Vec<u64> { (0..n_pairs).map(|p| bufs[expert(p)][k].device_ptr()).collect() };
+    let (gp, up, dp) = (dev.upload(&ptrs(0))?, dev.upload(&ptrs(1))?, dev.upload(&ptrs(2))?);
+    let pairs = MoePairs { gate: &gp, up: &up, down: &dp, n_tok, n_slot };
+    let mut h = poisoned::<f32>(dev, n_pairs * ff)?;
+    let mut hq = poisoned::<u8>(dev, crate::ops::act_bytes(dfmt, n_pairs, ff)?)?;
+    let mut want = poisoned::<f32>(dev, n_pairs * d_model)?;
+    dev.moe_ffn(dev.compute(), gu, dn, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut want)?;
+    let mut order: Vec<usize> = (0..n_pairs).collect();
+    order.sort_by_key(|&p| expert(p));
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < n_pairs {
+        let e = expert(order[i]);
+        let j = i + order[i..].iter().take_while(|&&p| expert(p) == e).count();
+        let b = &bufs[e];
+        runs.push(crate::ops::ExpertRun { gate: b[0].device_ptr(), up: b[1].device_ptr(), down: b[2].device_ptr(), start: i, len: j - i });
+        i = j;
+    }
+    let tok_of = dev.upload(&order.iter().map(|&p| (p / n_slot) as i32).collect::<Vec<_>>())?;
+    let pair_of = dev.upload(&order.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
+    let mut xs = poisoned::<u8>(dev, crate::ops::act_bytes(gfmt, n_pairs, d_model)?)?;
+    let (mut hg, mut hu, mut hh) = (poisoned::<f32>(dev, n_pairs * ff)?, poisoned::<f32>(dev, n_pairs * ff)?, poisoned::<f32>(dev, n_pairs * ff)?);
+    let mut hq2 = poisoned::<u8>(dev, crate::ops::act_bytes(dfmt, n_pairs, ff)?)?;
+    let mut outs = poisoned::<f32>(dev, n_pairs * d_model)?;
+    let mut got = poisoned::<f32>(dev, n_pairs * d_model)?;
+    let mut sc = crate::ops::GroupedScratch { xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut hh, hq: &mut hq2, outs: &mut outs };
+    dev.moe_ffn_grouped(dev.compute(), gu, dn, &runs, &tok_of, &pair_of, &xd, n_tok, d_model, ff, Activation::Silu, &mut sc, &mut got)?;
+    let (a, b) = (dev.download(&got)?, dev.download(&want)?);
+    let diff = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    let mut c = compare(&a, &b, 0.0);
+    c.pass = diff == 0;
+    Ok(c)
+}
+
 fn moe_case(
     dev: &CudaDevice,
     pool: &rayon::ThreadPool,
@@ -1090,7 +1151,11 @@ fn moe_float_case(
             .map(|e| Ok(random_blocks(ty, rows * cols, seed + off + e as u64)?))
             .collect()
     };
-    let (gates, ups, downs) = (mats(ff, d_model, 0)?, mats(ff, d_model, 100)?, mats(d_model, ff, 200)?);
+    let (gates, ups, downs) = (
+        mats(ff, d_model, 0)?,
+        mats(ff, d_model, 100)?,
+        mats(d_model, ff, 200)?,
+    );
     let x = random_values(n_tok * d_model, seed ^ 7);
     // Pair (t, s) uses expert (t + 2 s) % n_exp; pairs 5 and 10 are "not mine".
     let expert = |p: usize| ((p / n_slot) + 2 * (p % n_slot)) % n_exp;
@@ -1102,7 +1167,13 @@ fn moe_float_case(
     let n_pairs = n_tok * n_slot;
     let ptrs = |bufs: &[DeviceBuf<u8>]| -> Vec<u64> {
         (0..n_pairs)
-            .map(|p| if skipped(p) { 0 } else { bufs[expert(p)].device_ptr() })
+            .map(|p| {
+                if skipped(p) {
+                    0
+                } else {
+                    bufs[expert(p)].device_ptr()
+                }
+            })
             .collect()
     };
     let (gp, up, dp) = (
@@ -1120,10 +1191,21 @@ fn moe_float_case(
     let xd = dev.upload(&x)?;
     let mut h = poisoned::<f32>(dev, n_pairs * ff)?;
     let mut out = poisoned::<f32>(dev, n_pairs * d_model)?;
-    dev.moe_ffn_float(dev.compute(), ty, &pairs, &xd, d_model, ff, act, &mut h, &mut out)?;
+    dev.moe_ffn_float(
+        dev.compute(),
+        ty,
+        &pairs,
+        &xd,
+        d_model,
+        ff,
+        act,
+        &mut h,
+        &mut out,
+    )?;
     let (got, h_gpu) = (dev.download(&out)?, dev.download(&h)?);
 
-    let (mut cpu, mut gpu, mut h_cpu_all, mut h_gpu_all) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut cpu, mut gpu, mut h_cpu_all, mut h_gpu_all) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut untouched = true;
     for p in 0..n_pairs {
         let row = &got[p * d_model..(p + 1) * d_model];
@@ -1135,12 +1217,27 @@ fn moe_float_case(
         let (t, e) = (p / n_slot, expert(p));
         let xt = Activations::for_weight(ty, &x[t * d_model..(t + 1) * d_model], d_model)?;
         let (mut g, mut u) = (vec![0f32; ff], vec![0f32; ff]);
-        k.matvec(pool, &WeightMatrix::new(ty, &gates[e], ff, d_model)?, &xt, &mut g)?;
-        k.matvec(pool, &WeightMatrix::new(ty, &ups[e], ff, d_model)?, &xt, &mut u)?;
+        k.matvec(
+            pool,
+            &WeightMatrix::new(ty, &gates[e], ff, d_model)?,
+            &xt,
+            &mut g,
+        )?;
+        k.matvec(
+            pool,
+            &WeightMatrix::new(ty, &ups[e], ff, d_model)?,
+            &xt,
+            &mut u,
+        )?;
         ops::glu_rows(&mut g, &u, act);
         let mut y = vec![0f32; d_model];
         let ht = Activations::for_weight(ty, &g, ff)?;
-        k.matvec(pool, &WeightMatrix::new(ty, &downs[e], d_model, ff)?, &ht, &mut y)?;
+        k.matvec(
+            pool,
+            &WeightMatrix::new(ty, &downs[e], d_model, ff)?,
+            &ht,
+            &mut y,
+        )?;
         h_cpu_all.extend_from_slice(&g);
         h_gpu_all.extend_from_slice(hg);
         cpu.extend(y);

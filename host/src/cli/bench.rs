@@ -51,9 +51,12 @@ pub struct Args {
     /// cpu, cuda, cuda:N, or auto.
     #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
     pub device: DeviceChoice,
-    /// How cold experts are served on the GPU (upload, zerocopy, auto).
+    /// How cold experts are served on the GPU in decode (auto, upload, zerocopy, cpu).
     #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
-    pub cold_path: crate::cuda::ColdPath,
+    pub cold_path: crate::cold::ColdPolicy,
+    /// CPU lane threads for cold experts on a GPU run (default: every core; 0: none).
+    #[arg(long, value_name = "N")]
+    pub cpu_lane_threads: Option<usize>,
     /// Never page-lock the model file in host memory.
     #[arg(long)]
     pub no_pin: bool,
@@ -316,7 +319,8 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
                     vram_budget: a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64),
                     kv_bytes: CudaKv::bytes_for(&model, n_ctx),
                     census: if name == "warm" { crate::cuda::warm_census(&a.model, &model) } else { None },
-                    zero_copy: a.cold_path.zero_copy(),
+                    cold: a.cold_path,
+                    lane_threads: a.cpu_lane_threads,
                     // A budgeted host cache is the source: pinning the whole mapping would defeat it.
                     no_pin: a.no_pin || store.as_ref().is_some_and(|s| s.cached),
                 };

@@ -83,11 +83,15 @@ pub struct Args {
     /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
     #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB")]
     pub vram_budget: Option<f64>,
-    /// How cold experts (not in VRAM) are served on the GPU: upload them,
-    /// let the kernels read them in place from page-locked memory (zerocopy),
-    /// or auto (zero-copy for decode when the model could be page-locked).
+    /// How cold experts (not in VRAM) are served on the GPU in decode: upload
+    /// them, let the kernels read them in place from page-locked memory
+    /// (zerocopy), compute them on the CPU (cpu), or auto (split between the
+    /// link and the CPU lane by the cost measured at load).
     #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
-    pub cold_path: crate::cuda::ColdPath,
+    pub cold_path: crate::cold::ColdPolicy,
+    /// CPU lane threads for cold experts on a GPU run (default: every core; 0: none).
+    #[arg(long, value_name = "N")]
+    pub cpu_lane_threads: Option<usize>,
     /// Never page-lock the model file in host memory (uploads go pageable).
     #[arg(long)]
     pub no_pin: bool,
@@ -196,7 +200,8 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
                 vram_budget: budget,
                 kv_bytes: CudaKv::bytes_for(&model, n_ctx),
                 census: crate::cuda::warm_census(&model_path, &model),
-                zero_copy: a.cold_path.zero_copy(),
+                cold: a.cold_path,
+                    lane_threads: a.cpu_lane_threads,
                 // A budgeted host cache is the source: pinning the whole mapping would defeat it.
                 no_pin: a.no_pin || store.as_ref().is_some_and(|s| s.cached),
             };

@@ -27,7 +27,7 @@ use pulsar_plugin_api::Role;
 use crate::model::Model;
 
 pub use pinned::{PinnedAllocator, PinnedRanges};
-pub use pool::{ColdServe, ExpertPool, LayerRequest, PoolStats};
+pub use pool::{ExpertPool, LayerPlan, LayerRequest, PoolStats};
 pub use step::CudaEngine;
 
 #[derive(Debug, thiserror::Error)]
@@ -57,37 +57,13 @@ pub struct CudaModel {
     pub expert_tables: HashMap<usize, DeviceBuf<u64>>,
     /// Some: routed experts stream through this pool.
     pub experts: Option<Mutex<ExpertPool>>,
-    /// How cold slabs are served in decode steps.
-    pub cold: ColdServe,
+    /// How cold slabs are served in decode steps (`--cold-path`).
+    pub cold: crate::cold::ColdPolicy,
+    /// The CPU lane for cold experts (streaming runs with lane threads).
+    pub lane: Option<crate::cold::CpuLane>,
+    /// Measured rates the cold-path split reads.
+    pub cost: crate::cold::CostModel,
     pub resident_bytes: u64,
-}
-
-/// The `--cold-path` choice for the GPU: how experts not in VRAM are served.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ColdPath {
-    /// Zero-copy for decode where the model could be page-locked, uploads otherwise.
-    #[default]
-    Auto,
-    Upload,
-    ZeroCopy,
-}
-
-impl ColdPath {
-    pub fn zero_copy(self) -> bool {
-        !matches!(self, ColdPath::Upload)
-    }
-}
-
-impl std::str::FromStr for ColdPath {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(ColdPath::Auto),
-            "upload" => Ok(ColdPath::Upload),
-            "zerocopy" | "zero-copy" => Ok(ColdPath::ZeroCopy),
-            _ => Err(format!("unknown cold path `{s}` (auto, upload, zerocopy)")),
-        }
-    }
 }
 
 /// How [`CudaModel::load`] places a model.
@@ -99,8 +75,10 @@ pub struct LoadOptions {
     /// Expert popularity from earlier runs (or a built-in hotlist): the hot
     /// set is warm-loaded with its hottest triples.
     pub census: Option<pulsar_store::Census>,
-    /// Serve decode's cold slabs in place from page-locked memory (else upload).
-    pub zero_copy: bool,
+    /// How decode's cold experts are served (auto splits by measured cost).
+    pub cold: crate::cold::ColdPolicy,
+    /// CPU lane threads (None: every core; 0: no CPU lane).
+    pub lane_threads: Option<usize>,
     /// Never page-lock the file mapping (uploads then go pageable).
     pub no_pin: bool,
 }
@@ -197,8 +175,11 @@ impl CudaModel {
         } else {
             None
         };
-        let cold = if opts.zero_copy { ColdServe::ZeroCopy } else { ColdServe::Upload };
-        Ok(CudaModel { dev, weights, expert_tables, experts, cold, resident_bytes: resident })
+        let (lane, cost) = match &experts {
+            Some(_) => cold_lane(&dev, model, opts)?,
+            None => (None, crate::cold::CostModel::default()),
+        };
+        Ok(CudaModel { dev, weights, expert_tables, experts, cold: opts.cold, lane, cost, resident_bytes: resident })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.
@@ -236,6 +217,45 @@ impl CudaModel {
         pulsar_store::save_sidecar(&path, &model.file.fingerprint(), &census)?;
         Ok(Some(path))
     }
+}
+
+/// The CPU lane and the cost model the cold-path split reads: pinned
+/// host-to-device rate measured here, the lane's dot rate per expert format
+/// measured on the lane itself.
+fn cold_lane(dev: &CudaDevice, model: &Model, opts: &LoadOptions) -> Result<(Option<crate::cold::CpuLane>, crate::cold::CostModel), CudaBackendError> {
+    use crate::cold::{ColdPath, ColdPolicy};
+    let threads = opts.lane_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let wants_lane = threads > 0 && matches!(opts.cold, ColdPolicy::Auto | ColdPolicy::Force(ColdPath::Cpu));
+    let mut types: Vec<GgmlType> = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).map(|w| w.ty).collect();
+    types.sort_by_key(|t| t.name());
+    types.dedup();
+    let t = std::time::Instant::now();
+    let (lane, mut cost) = if wants_lane {
+        let lane = crate::cold::CpuLane::new(threads).map_err(|e| CudaBackendError::Other(e.to_string()))?;
+        let mut cost = crate::cold::CostModel::default();
+        cost.measure_cpu(&lane, &types, std::time::Duration::from_millis(150 * types.len() as u64));
+        (Some(lane), cost)
+    } else {
+        (None, crate::cold::CostModel::default())
+    };
+    cost.h2d_pinned_gbs = measure_h2d(dev).ok();
+    tracing::info!("cold path ({:?}), measured in {:.2} s:\n{}", opts.cold, t.elapsed().as_secs_f64(), cost.summary());
+    Ok((lane, cost))
+}
+
+/// Pinned host-to-device copy rate on the copy stream: 64 MiB, three times.
+pub fn measure_h2d(dev: &CudaDevice) -> Result<f64, CudaBackendError> {
+    let n = 16 << 20;
+    let src = dev.alloc_pinned::<u32>(n)?;
+    let mut dst = dev.alloc::<u32>(n)?;
+    dst.upload_async(dev.copy(), &src)?;
+    dev.copy().synchronize().map_err(pulsar_cuda::CudaError::from)?;
+    let t = std::time::Instant::now();
+    for _ in 0..3 {
+        dst.upload_async(dev.copy(), &src)?;
+    }
+    dev.copy().synchronize().map_err(pulsar_cuda::CudaError::from)?;
+    Ok(3.0 * (4 * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
 /// Expert weights by (layer, slab kind): the index into `model.weights`.

@@ -47,6 +47,9 @@ pub struct PoolStats {
     /// Cold slabs the kernels read in place from page-locked host memory.
     pub zero_copy: u64,
     pub zero_copy_bytes: u64,
+    /// Cold slabs the CPU lane computed with (host bytes, no upload).
+    pub cpu_lane: u64,
+    pub cpu_lane_bytes: u64,
     pub uploaded_bytes: u64,
     /// Of those, bytes copied from page-locked memory on the copy stream.
     pub pinned_bytes: u64,
@@ -56,16 +59,6 @@ pub struct PoolStats {
     pub evictions: u64,
     /// Slabs put in place before the first step from the census or hotlist.
     pub warm_loaded: u64,
-}
-
-/// Where one layer's cold (not hot-set) slabs are served from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ColdServe {
-    /// Uploaded into a scratch slot for this layer.
-    Upload,
-    /// Read in place by the kernels from page-locked host memory (needs a
-    /// registered host range; falls back to upload where the bytes are not).
-    ZeroCopy,
 }
 
 /// Tier 2 on the device: a fixed pool of expert-slab slots in VRAM. Hot slots
@@ -95,6 +88,8 @@ pub struct ExpertPool {
     admitted: Vec<SlabId>,
     /// Page-locked host-cache allocations (the store's pinned allocator).
     host_pinned: Option<PinnedRanges>,
+    /// Staging for the CPU lane's output rows.
+    lane_stage: Option<PinnedBuf<f32>>,
     pub stats: PoolStats,
 }
 
@@ -107,7 +102,21 @@ pub struct LayerRequest<'a> {
     pub experts: &'a [u32],
     /// Every (token, slot) selection's expert, for heat (repeats count).
     pub touched: &'a [u32],
-    pub cold: ColdServe,
+    /// Cold experts (ascending) read in place from page-locked host memory
+    /// (falls back to upload where their bytes are not page-locked).
+    pub zero_copy: &'a [u32],
+    /// Cold experts (ascending) the CPU lane serves: null pointers here.
+    pub cpu: &'a [u32],
+}
+
+/// What a layer's step needs, from [`ExpertPool::plan_layer`].
+#[derive(Debug, Default)]
+pub struct LayerPlan {
+    /// Experts whose bytes the fill reads (admitted or cold slabs), ascending.
+    pub need: Vec<u32>,
+    /// Of those, experts with no slab in the hot set nor admitted: these may
+    /// take any cold path.
+    pub cold: Vec<u32>,
 }
 
 impl ExpertPool {
@@ -138,6 +147,7 @@ impl ExpertPool {
             census: Census::new(),
             admitted: Vec::new(),
             host_pinned: None,
+            lane_stage: None,
             stats: PoolStats { slots: n_slots, hot_slots: n_hot, slot_bytes, ..Default::default() },
         })
     }
@@ -216,7 +226,7 @@ impl ExpertPool {
     /// Phase one of a layer's step: record the touches (heat, census), take
     /// the hot set's admissions, and return the experts whose bytes the fill
     /// needs (admitted or cold slabs; hot-set hits need none), ascending.
-    pub fn plan_layer(&mut self, req: &LayerRequest<'_>) -> Result<Vec<u32>, CudaBackendError> {
+    pub fn plan_layer(&mut self, req: &LayerRequest<'_>) -> Result<LayerPlan, CudaBackendError> {
         self.read_copy_time()?;
         for &e in req.touched {
             self.census.record(req.layer, e, 1);
@@ -230,17 +240,23 @@ impl ExpertPool {
         self.admitted.sort_unstable();
         let c = self.hot.counters();
         (self.stats.admissions, self.stats.evictions) = (c.admissions, c.evictions);
-        let mut need: Vec<u32> = req
-            .experts
-            .iter()
-            .copied()
-            .filter(|&e| req.kinds.iter().any(|&k| {
+        let mut plan = LayerPlan::default();
+        for &e in req.experts {
+            let (mut any, mut all) = (false, true);
+            for &k in &req.kinds {
                 let id = SlabId::new(req.layer, k, e);
-                self.hot.slot_of(id).is_none() || self.admitted.binary_search(&id).is_ok()
-            }))
-            .collect();
-        need.dedup();
-        Ok(need)
+                let cold = self.hot.slot_of(id).is_none();
+                any |= cold || self.admitted.binary_search(&id).is_ok();
+                all &= cold;
+            }
+            if any {
+                plan.need.push(e);
+            }
+            if all {
+                plan.cold.push(e);
+            }
+        }
+        Ok(plan)
     }
 
     /// Phase two: the device's per-expert pointer tables (gate, up, down; 0
@@ -263,6 +279,10 @@ impl ExpertPool {
                     return Err(CudaBackendError::Other(format!("layer {}: expert {e} of {n_exp}", req.layer)));
                 }
                 let id = SlabId::new(req.layer, kind, e);
+                if req.cpu.binary_search(&e).is_ok() && self.hot.slot_of(id).is_none() {
+                    self.stats.cpu_lane += 1;
+                    continue; // served by the CPU lane: a null pointer
+                }
                 let ptr = match self.hot.slot_of(id) {
                     Some(s) if self.admitted.binary_search(&id).is_ok() => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
                     Some(s) => {
@@ -271,8 +291,9 @@ impl ExpertPool {
                     }
                     None => {
                         let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
-                        match (req.cold, self.registration(b).and_then(|r| r.device_addr(b))) {
-                            (ColdServe::ZeroCopy, Some(addr)) => {
+                        let zc = req.zero_copy.binary_search(&e).is_ok();
+                        match (zc, self.registration(b).and_then(|r| r.device_addr(b))) {
+                            (true, Some(addr)) => {
                                 self.stats.zero_copy += 1;
                                 self.stats.zero_copy_bytes += b.len() as u64;
                                 addr
@@ -304,6 +325,38 @@ impl ExpertPool {
             d.upload_async(dev.compute(), h)?;
         }
         Ok(&self.table_dev)
+    }
+
+    /// Copy the CPU lane's output rows (`y`: `[rows.len(), d_model]`) into
+    /// rows `rows` of `out` on the compute stream, through a page-locked
+    /// staging buffer (reused at the next layer, after its routing sync).
+    pub fn upload_lane_rows(&mut self, dev: &CudaDevice, y: &[f32], rows: &[usize], d_model: usize, out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
+        if self.lane_stage.as_ref().is_none_or(|b| b.len() < y.len()) {
+            self.lane_stage = Some(dev.alloc_pinned::<f32>(y.len().max(1 << 16))?);
+        }
+        let stage = self.lane_stage.as_mut().expect("allocated above");
+        stage.as_mut_slice()[..y.len()].copy_from_slice(y);
+        let bytes: &[u8] = {
+            let s = &stage.as_slice()[..y.len()];
+            // SAFETY: f32 has no padding; the view covers exactly `s`.
+            unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
+        };
+        for (i, &r) in rows.iter().enumerate() {
+            let dst = out.device_ptr_at(r * d_model)?;
+            if (r + 1) * d_model > out.len() {
+                return Err(CudaBackendError::Other(format!("lane row {r} outside the expert output")));
+            }
+            let src = &bytes[i * d_model * 4..(i + 1) * d_model * 4];
+            // SAFETY: `dst` has d_model floats (checked); the staging buffer is
+            // page-locked and not rewritten before the next layer's sync.
+            unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, src) }?;
+        }
+        Ok(())
+    }
+
+    /// The host copies of the tables the last fill wrote.
+    pub fn host_tables(&self) -> [&[u64]; 3] {
+        [self.table_host[0].as_slice(), self.table_host[1].as_slice(), self.table_host[2].as_slice()]
     }
 
     /// The tables the last fill wrote.

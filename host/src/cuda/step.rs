@@ -304,6 +304,65 @@ impl<'a> CudaStep<'a> {
         self.push(out, n, nh * dv)
     }
 
+    /// The CPU lane's share of a decode step: the FFN of `experts` for the
+    /// pairs routed to them, on the host bytes (the store's guard, else the
+    /// mapping), uploaded into those pairs' rows of `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_lane(
+        &mut self,
+        spec: &MoeSpec,
+        x: Val,
+        h_ids: &[i32],
+        experts: &[u32],
+        kinds: [pulsar_store::SlabKind; 3],
+        widx: [usize; 3],
+        guard: Option<&pulsar_store::StepGuard<'_>>,
+        out: &mut DeviceBuf<f32>,
+    ) -> R<()> {
+        let cm = self.cm;
+        let lane = cm.lane.as_ref().ok_or("no CPU lane")?;
+        let stream = cm.dev.compute().clone();
+        let (rows, d_model) = self.dims(x)?;
+        let mut xh = vec![0f32; rows * d_model];
+        self.vals[x.0 as usize].buf.download(&stream, &mut xh).map_err(err)?;
+        let model = self.model;
+        let slab = |ki: usize, e: u32| -> R<crate::cold::Slab<'_>> {
+            let w = &model.weights[widx[ki]];
+            let bytes = match guard {
+                Some(g) => g.slab(pulsar_store::SlabId::new(spec.layer, kinds[ki], e)).ok_or_else(|| format!("layer {} expert {e}: not resolved", spec.layer))?,
+                None => {
+                    let range = model.file.expert_slab(model.tensor(w), e as u64).map_err(err)?;
+                    model.file.bytes(&range).map_err(err)?
+                }
+            };
+            Ok(crate::cold::Slab { ty: w.ty, bytes })
+        };
+        let k = spec.top_k as usize;
+        let ff = cm.weights[widx[0]].dims[1] as usize;
+        let mut pairs = Vec::new();
+        let mut rows_of = Vec::new();
+        for (p, &e) in h_ids.iter().enumerate() {
+            let e = e as u32;
+            if experts.binary_search(&e).is_err() {
+                continue;
+            }
+            let t = p / k;
+            pairs.push(crate::cold::LanePair {
+                expert: e,
+                x: &xh[t * d_model..(t + 1) * d_model],
+                gate_up: crate::cold::GateUp::Split { gate: slab(0, e)?, up: slab(1, e)? },
+                down: slab(2, e)?,
+            });
+            rows_of.push(p);
+        }
+        let job = crate::cold::LaneJob { d_model, ff, act: act_of(spec.act), pairs };
+        let lane_bytes = job.weight_bytes();
+        let y = lane.run(&job).map_err(err)?;
+        let mut pool = cm.experts.as_ref().ok_or("no expert pool")?.lock().unwrap_or_else(|e| e.into_inner());
+        pool.stats.cpu_lane_bytes += lane_bytes;
+        pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out).map_err(err)
+    }
+
     fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
         let cm: &'a CudaModel = self.cm;
         let dev = &cm.dev;
@@ -327,21 +386,63 @@ impl<'a> CudaStep<'a> {
         let n_pairs = rows * k;
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
         let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
-        let mut pbufs = Vec::with_capacity(3);
-        for _ in 0..3 {
-            pbufs.push(self.pools.u64.take(dev, n_pairs).map_err(err)?);
+        let (gdw, _) = self.weight(spec.gate_exps)?;
+        let (ddw, _) = self.weight(spec.down_exps)?;
+        let (gate_ty, down_ty) = (gdw.ty, ddw.ty);
+        let ff = gdw.dims[1] as usize;
+        let fmt_of = |t: pulsar_gguf::GgmlType| ActFormat::for_weight(t).ok_or_else(|| format!("no CUDA expert kernel for {t}"));
+        let (gfmt, dfmt) = (fmt_of(gate_ty)?, fmt_of(down_ty)?);
+        // Float experts: f32 activations, one format for all three matrices.
+        let float = gfmt == ActFormat::F32;
+        if float != (dfmt == ActFormat::F32) || (float && gate_ty != down_ty) {
+            return Err(format!("moe layer {}: CUDA expert kernels need one float format or two quantized ones, not {gate_ty}/{down_ty}", spec.layer));
         }
+        // Prefill chunks of quantized experts go expert by expert (each weight
+        // read once per tile of its tokens); decode goes pair by pair.
+        let grouped = rows > 1 && !float;
         let resident: Option<[&DeviceBuf<u64>; 3]> = match widx.map(|i| cm.expert_tables.get(&i)) {
             [Some(g), Some(u), Some(d)] => Some([g, u, d]),
             _ => None,
         };
+        let mut pbufs = Vec::with_capacity(3);
+        for _ in 0..3 {
+            pbufs.push(self.pools.u64.take(dev, n_pairs).map_err(err)?);
+        }
+        // Host copies, when the host takes part: routing ids, and each
+        // selected expert's (gate, up, down) device addresses.
+        let mut h_ids: Vec<i32> = Vec::new();
+        let mut host_ptrs: Vec<[u64; 3]> = Vec::new();
+        // The store's step (streamed experts through the host cache): alive
+        // until the uploads and the CPU lane have read its bytes.
+        let mut guard: Option<pulsar_store::StepGuard<'a>> = None;
+        // Cold experts the CPU lane computes this step, and the slab kinds.
+        let mut lane_experts: Vec<u32> = Vec::new();
+        let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
-            // Everything on the device: no host round trip.
-            Some(tables) => dev.moe_gather_ptrs(&stream, &ids, tables, [pg, pu, pd]).map_err(err)?,
+            Some(tables) => {
+                if grouped {
+                    h_ids = vec![0i32; n_pairs];
+                    ids.download(&stream, &mut h_ids).map_err(err)?;
+                    host_ptrs = (0..ne)
+                        .map(|e| -> R<[u64; 3]> {
+                            let mut p = [0u64; 3];
+                            for (ki, &i) in widx.iter().enumerate() {
+                                let (dw, mw) = (&cm.weights[i], &self.model.weights[i]);
+                                let slab = (mw.bytes / dw.dims.get(2).copied().unwrap_or(1).max(1)) as usize;
+                                p[ki] = dw.raw.as_ref().ok_or("resident expert without bytes")?.device_ptr_at(e * slab).map_err(err)?;
+                            }
+                            Ok(p)
+                        })
+                        .collect::<R<_>>()?;
+                } else {
+                    // Everything on the device: no host round trip.
+                    dev.moe_gather_ptrs(&stream, &ids, tables, [pg, pu, pd]).map_err(err)?;
+                }
+            }
             None => {
                 let pool = cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;
-                let mut h_ids = vec![0i32; n_pairs];
+                h_ids = vec![0i32; n_pairs];
                 // Synchronises the stream: earlier layers' expert kernels are
                 // done, so their scratch and evicted slots may be reused.
                 ids.download(&stream, &mut h_ids).map_err(err)?;
@@ -358,53 +459,142 @@ impl<'a> CudaStep<'a> {
                     kinds[ki] = crate::cpu::moe::slab_kind(&w.name).ok_or_else(|| format!("{}: not an expert tensor", w.name))?;
                 }
                 let model = self.model;
-                let req = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, cold: if rows == 1 { cm.cold } else { super::ColdServe::Upload } };
+                let req0 = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, zero_copy: &[], cpu: &[] };
                 let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
-                let need = pool.plan_layer(&req).map_err(err)?;
-                let table = match self.store.filter(|_| !need.is_empty()) {
+                let plan = pool.plan_layer(&req0).map_err(err)?;
+                // Decode: split the cold experts between the link (upload or
+                // zero-copy) and the CPU lane by measured cost. Prefill
+                // uploads: its grouped products want the weights in VRAM.
+                let (mut zero_copy, mut cpu) = (Vec::new(), Vec::new());
+                if !grouped && !plan.cold.is_empty() {
+                    let cold: Vec<crate::cold::ColdExpert> = plan
+                        .cold
+                        .iter()
+                        .map(|&e| {
+                            let bytes = widx.iter().map(|&i| self.model.weights[i].bytes / ne as u64).sum();
+                            crate::cold::ColdExpert { expert: e, bytes, ty: gate_ty, in_host_memory: true }
+                        })
+                        .collect();
+                    let policy = if cm.lane.is_none() && cm.cold == crate::cold::ColdPolicy::Force(crate::cold::ColdPath::Cpu) { crate::cold::ColdPolicy::Force(crate::cold::ColdPath::Upload) } else { cm.cold };
+                    let paths = crate::cold::split(&cold, &cm.cost, policy);
+                    for (c, p) in cold.iter().zip(paths) {
+                        match p {
+                            crate::cold::ColdPath::ZeroCopy => zero_copy.push(c.expert),
+                            crate::cold::ColdPath::Cpu if cm.lane.is_some() => cpu.push(c.expert),
+                            _ => {}
+                        }
+                    }
+                    zero_copy.sort_unstable();
+                    cpu.sort_unstable();
+                }
+                let req = super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, ..req0 };
+                let need = &plan.need;
+                match self.store.filter(|_| !need.is_empty()) {
                     // Tier 3/4: what VRAM lacks comes through the host cache
                     // (page-locked) over the disk; the guard keeps those bytes
-                    // alive until the copies have left them.
+                    // alive until the copies and the CPU lane are done with them.
                     Some(st) => {
                         let sel: Vec<pulsar_store::Selection> =
                             h_ids.iter().enumerate().map(|(p, &e)| pulsar_store::Selection { token: (p / k) as u32, slot: (p % k) as u32, expert: e as u32 }).collect();
-                        let guard = st.store.resolve_with(spec.layer, &sel, &|e| need.binary_search(&e).is_ok()).map_err(err)?;
+                        let g = guard.insert(st.store.resolve_with(spec.layer, &sel, &|e| need.binary_search(&e).is_ok()).map_err(err)?);
                         pool.fill_layer(dev, &req, &|ki, e| {
                             let id = pulsar_store::SlabId::new(spec.layer, kinds[ki], e);
-                            guard.slab(id).ok_or_else(|| format!("{id}: not resolved by the store"))
+                            g.slab(id).ok_or_else(|| format!("{id}: not resolved by the store"))
                         })
                         .map_err(err)?;
-                        pool.wait_copies().map_err(err)?;
-                        drop(guard);
-                        pool.tables()
                     }
-                    None => pool
-                        .fill_layer(dev, &req, &|ki, e| {
+                    None => {
+                        pool.fill_layer(dev, &req, &|ki, e| {
                             let t = model.tensor(&model.weights[widx[ki]]);
                             let range = model.file.expert_slab(t, e as u64).map_err(err)?;
                             model.file.bytes(&range).map_err(err)
                         })
-                        .map_err(err)?,
-                };
-                dev.moe_gather_ptrs(&stream, &ids, [&table[0], &table[1], &table[2]], [pg, pu, pd]).map_err(err)?;
+                        .map_err(err)?;
+                    }
+                }
+                lane_experts = cpu;
+                layer_kinds = kinds;
+                if grouped {
+                    let t = pool.host_tables();
+                    host_ptrs = (0..ne).map(|e| [t[0][e], t[1][e], t[2][e]]).collect();
+                } else {
+                    let table = pool.tables();
+                    dev.moe_gather_ptrs(&stream, &ids, [&table[0], &table[1], &table[2]], [pg, pu, pd]).map_err(err)?;
+                }
             }
         }
-        let (gdw, _) = self.weight(spec.gate_exps)?;
-        let (ddw, _) = self.weight(spec.down_exps)?;
-        let (gate_ty, down_ty) = (gdw.ty, ddw.ty);
-        let ff = gdw.dims[1] as usize;
-        let quantized = |t: pulsar_gguf::GgmlType| matches!(ActFormat::for_weight(t), Some(ActFormat::Q8_0 | ActFormat::Q8K));
-        if !quantized(gate_ty) || !quantized(down_ty) {
-            return Err(format!("the CUDA MoE kernels take quantized experts; {gate_ty}/{down_ty} experts run with --device cpu"));
-        }
-        let gfmt = ActFormat::for_weight(gate_ty).ok_or_else(|| format!("no CUDA expert kernel for {gate_ty}"))?;
-        let dfmt = ActFormat::for_weight(down_ty).ok_or_else(|| format!("no CUDA expert kernel for {down_ty}"))?;
-        let xqi = self.quantized(x, gfmt)?;
-        let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
-        let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
         let mut out = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
-        let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
-        dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out).map_err(err)?;
+        if float {
+            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
+            let r = dev.moe_ffn_float(&stream, gate_ty, &pairs, &self.vals[x.0 as usize].buf, d_model, ff, act_of(spec.act), &mut h, &mut out);
+            self.pools.f32.give(h);
+            r.map_err(err)?;
+            if !lane_experts.is_empty() {
+                self.run_lane(spec, x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
+            }
+        } else if grouped {
+            let xqi = self.quantized(x, gfmt)?;
+            // Pairs sorted by expert (stable: pair order within an expert).
+            let mut order: Vec<usize> = (0..n_pairs).collect();
+            order.sort_by_key(|&p| h_ids[p]);
+            let tok_of: Vec<i32> = order.iter().map(|&p| (p / k) as i32).collect();
+            let pair_of: Vec<i32> = order.iter().map(|&p| p as i32).collect();
+            let mut runs = Vec::new();
+            let mut i = 0;
+            while i < n_pairs {
+                let e = h_ids[order[i]] as usize;
+                let mut j = i;
+                while j < n_pairs && h_ids[order[j]] as usize == e {
+                    j += 1;
+                }
+                let p = host_ptrs.get(e).copied().ok_or_else(|| format!("moe layer {}: router chose expert {e} of {ne}", spec.layer))?;
+                if p.iter().all(|&a| a != 0) {
+                    runs.push(pulsar_cuda::ExpertRun { gate: p[0], up: p[1], down: p[2], start: i, len: j - i });
+                }
+                i = j;
+            }
+            let mut tb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
+            let mut pb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
+            tb.upload(&stream, &tok_of).map_err(err)?;
+            pb.upload(&stream, &pair_of).map_err(err)?;
+            let mut xs = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, n_pairs, d_model).map_err(err)?).map_err(err)?;
+            let mut hg = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hu = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
+            let mut outs = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
+            let mut scratch = pulsar_cuda::GroupedScratch { xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
+            let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out);
+            self.pools.i32.give(tb);
+            self.pools.i32.give(pb);
+            self.pools.u8.give(xs);
+            self.pools.u8.give(hq);
+            for b in [hg, hu, h, outs] {
+                self.pools.f32.give(b);
+            }
+            r.map_err(err)?;
+        } else {
+            let xqi = self.quantized(x, gfmt)?;
+            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
+            let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
+            let r = dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out);
+            self.pools.u8.give(hq);
+            self.pools.f32.give(h);
+            r.map_err(err)?;
+            if !lane_experts.is_empty() {
+                // The GPU works on its experts meanwhile; the lane's rows land
+                // in `out` before the combine, which sums in slot order as ever.
+                self.run_lane(spec, x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
+            }
+        }
+        if let Some(g) = guard.take() {
+            if let Some(p) = &cm.experts {
+                p.lock().unwrap_or_else(|e| e.into_inner()).wait_copies().map_err(err)?;
+            }
+            drop(g);
+        }
         // Weighted sum over slots, in slot order, as the CPU backend does.
         let mut y = self.new_val(rows, d_model)?;
         dev.moe_combine(&stream, &out, &wts, rows, k, &mut y).map_err(err)?;
@@ -413,8 +603,6 @@ impl<'a> CudaStep<'a> {
         }
         self.pools.i32.give(ids);
         self.pools.f32.give(wts);
-        self.pools.u8.give(hq);
-        self.pools.f32.give(h);
         self.pools.f32.give(out);
         self.push(y, rows, d_model)
     }
