@@ -98,11 +98,15 @@ if has budget; then
   m="$WORK/q30-l8.gguf"
   [ -f "$m" ] || "$H" synth --preset qwen3-30b-a3b --layers 8 --expert-type q4_K -o "$m" 2>>"$O/budget.log"
   ls -la "$m" | tee -a "$S"
-  for cfg in "--device cpu" "--device cuda" "--device cuda --vram-budget 1.2"; do
+  for cfg in "--device cpu" "--device cuda" "--device cuda --vram-budget 1.2 --cold-path upload" \
+             "--device cuda --vram-budget 1.2 --cold-path zerocopy" "--device cuda --vram-budget 1.2 --cold-path cpu" \
+             "--device cuda --vram-budget 1.2" "--device cuda --vram-budget 1.2 --host-cache 1"; do
+    rm -f "$m.warm"
     # shellcheck disable=SC2086
-    out=$("$H" run -m "$m" -p "The quick brown fox" -n 16 $cfg --stats "${P[@]}" 2>"$WORK/err.txt" | od -An -tx1 | md5sum)
+    out=$("$H" run -m "$m" -p "The quick brown fox" -n 24 --ignore-eos $cfg --stats "${P[@]}" 2>"$WORK/err.txt" | od -An -tx1 | md5sum)
     say "$cfg: text md5 $out; $(grep -E 'tok/s|vram expert pool|error' "$WORK/err.txt" | tr '\n' ' ')"
   done
+  "$H" run -m "$m" -p "The quick brown fox" --decode-consistency 16 --device cuda --vram-budget 1.2 "${P[@]}" 2>>"$O/budget.log" | sed "s/^/budget cuda /" | tee -a "$S"
 fi
 
 bench_model() { # skew type layers -> path (one big model at a time on a 64 GB disk)
@@ -128,8 +132,9 @@ if has bench; then
   for skew in ${BENCH_SKEWS:-0 1}; do
     m=$(bench_model "$skew" q2_K 48)
     [ "$skew" = 0 ] && bench_row "$m" "q2_K skew $skew resident"
-    bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path upload" --vram-budget 16 --cold-path upload
-    bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path zerocopy" --vram-budget 16 --cold-path zerocopy
+    for path in upload zerocopy cpu auto; do
+      bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path $path" --vram-budget 16 --cold-path "$path"
+    done
     # The disk tier carries real traffic: fewer tokens (it reads at ~1 GB/s).
     PNR="-p 64 -n 16 -r 1" bench_row "$m" "q2_K skew $skew --vram-budget 16 --host-cache 8" --vram-budget 16 --host-cache 8
   done

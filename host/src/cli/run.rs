@@ -95,6 +95,9 @@ pub struct Args {
     /// Never page-lock the model file in host memory (uploads go pageable).
     #[arg(long)]
     pub no_pin: bool,
+    /// Keep generating past end-of-turn tokens (for measurements and checks).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 
@@ -324,7 +327,7 @@ fn generate(
     let mut generated = 0;
     let stops = stop_ids(model, tok);
     while generated < a.n_predict {
-        if stops.contains(&next) {
+        if !a.ignore_eos && stops.contains(&next) {
             break;
         }
         write!(out, "{}", dec.push(next))?;
