@@ -131,12 +131,12 @@ if has bench; then
   say "## bench"
   for skew in ${BENCH_SKEWS:-0 1}; do
     m=$(bench_model "$skew" q2_K 48)
-    [ "$skew" = 0 ] && bench_row "$m" "q2_K skew $skew resident"
-    for path in upload zerocopy cpu auto; do
+    [ "$skew" = 0 ] || [ -n "${BENCH_RESIDENT:-}" ] && bench_row "$m" "q2_K skew $skew resident"
+    for path in ${BENCH_PATHS:-upload zerocopy cpu auto}; do
       bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path $path" --vram-budget 16 --cold-path "$path"
     done
     # The disk tier carries real traffic: fewer tokens (it reads at ~1 GB/s).
-    PNR="-p 64 -n 16 -r 1" bench_row "$m" "q2_K skew $skew --vram-budget 16 --host-cache 8" --vram-budget 16 --host-cache 8
+    [ -n "${BENCH_NO_DISK:-}" ] || PNR="-p 64 -n 16 -r 1" bench_row "$m" "q2_K skew $skew --vram-budget 16 --host-cache 8" --vram-budget 16 --host-cache 8
   done
 fi
 if has q4k; then

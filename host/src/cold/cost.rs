@@ -100,6 +100,17 @@ impl CostModel {
         }
     }
 
+    /// Fold one observed CPU-lane rate (GB/s of weight bytes, from a real
+    /// step) into the estimate for `ty`: an exponential moving average that
+    /// follows within a few steps, starting from the microbenchmark.
+    pub fn observe_cpu(&mut self, ty: GgmlType, gbs: f64) {
+        if !(gbs.is_finite() && gbs > 0.0) {
+            return;
+        }
+        let e = self.cpu_dot_gbs.entry(ty.name().to_string()).or_insert(gbs);
+        *e = 0.8 * *e + 0.2 * gbs;
+    }
+
     /// One line per link and per CPU format, for `--print-config`.
     pub fn summary(&self) -> String {
         let show = |g: Option<f64>| rate(g).map_or("unmeasured".to_string(), |g| format!("{g:.1} GB/s"));
@@ -234,5 +245,21 @@ mod tests {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let types = [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q2_K, GgmlType::IQ2_XXS];
         println!("{}", measure_cpu_lane(&types, threads, Duration::from_secs(2)).unwrap());
+    }
+
+    #[test]
+    fn observed_rates_pull_the_estimate() {
+        let mut m = CostModel::default();
+        m.cpu_dot_gbs.insert("q2_K".into(), 30.0);
+        for _ in 0..40 {
+            m.observe_cpu(GgmlType::Q2_K, 10.0);
+        }
+        let g = m.cpu_gbs(GgmlType::Q2_K).unwrap();
+        assert!((g - 10.0).abs() < 0.1, "{g}");
+        m.observe_cpu(GgmlType::Q2_K, f64::NAN);
+        m.observe_cpu(GgmlType::Q2_K, 0.0);
+        assert_eq!(m.cpu_gbs(GgmlType::Q2_K), Some(g));
+        m.observe_cpu(GgmlType::Q4_K, 5.0);
+        assert_eq!(m.cpu_gbs(GgmlType::Q4_K), Some(5.0));
     }
 }

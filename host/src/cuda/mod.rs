@@ -61,8 +61,10 @@ pub struct CudaModel {
     pub cold: crate::cold::ColdPolicy,
     /// The CPU lane for cold experts (streaming runs with lane threads).
     pub lane: Option<crate::cold::CpuLane>,
-    /// Measured rates the cold-path split reads.
-    pub cost: crate::cold::CostModel,
+    /// Measured rates the cold-path split reads; the CPU lane's rate is
+    /// refined from its real steps (a microbenchmark on synthetic experts
+    /// overstates what a sub-millisecond share of one layer achieves).
+    pub cost: Mutex<crate::cold::CostModel>,
     pub resident_bytes: u64,
 }
 
@@ -77,7 +79,7 @@ pub struct LoadOptions {
     pub census: Option<pulsar_store::Census>,
     /// How decode's cold experts are served (auto splits by measured cost).
     pub cold: crate::cold::ColdPolicy,
-    /// CPU lane threads (None: every core; 0: no CPU lane).
+    /// CPU lane threads (None: half the cores; 0: no CPU lane).
     pub lane_threads: Option<usize>,
     /// Never page-lock the file mapping (uploads then go pageable).
     pub no_pin: bool,
@@ -179,7 +181,7 @@ impl CudaModel {
             Some(_) => cold_lane(&dev, model, opts)?,
             None => (None, crate::cold::CostModel::default()),
         };
-        Ok(CudaModel { dev, weights, expert_tables, experts, cold: opts.cold, lane, cost, resident_bytes: resident })
+        Ok(CudaModel { dev, weights, expert_tables, experts, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.
@@ -224,7 +226,10 @@ impl CudaModel {
 /// measured on the lane itself.
 fn cold_lane(dev: &CudaDevice, model: &Model, opts: &LoadOptions) -> Result<(Option<crate::cold::CpuLane>, crate::cold::CostModel), CudaBackendError> {
     use crate::cold::{ColdPath, ColdPolicy};
-    let threads = opts.lane_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // Half the cores by default: on the H200 host 4-8 lane threads beat 16,
+    // whose fork-join cost on one layer's few experts outweighs the extra
+    // bandwidth (docs/perf.md).
+    let threads = opts.lane_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)));
     let wants_lane = threads > 0 && matches!(opts.cold, ColdPolicy::Auto | ColdPolicy::Force(ColdPath::Cpu));
     let mut types: Vec<GgmlType> = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).map(|w| w.ty).collect();
     types.sort_by_key(|t| t.name());

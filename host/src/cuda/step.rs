@@ -321,6 +321,7 @@ impl<'a> CudaStep<'a> {
     ) -> R<()> {
         let cm = self.cm;
         let lane = cm.lane.as_ref().ok_or("no CPU lane")?;
+        let t0 = std::time::Instant::now();
         let stream = cm.dev.compute().clone();
         let (rows, d_model) = self.dims(x)?;
         let mut xh = vec![0f32; rows * d_model];
@@ -360,7 +361,15 @@ impl<'a> CudaStep<'a> {
         let y = lane.run(&job).map_err(err)?;
         let mut pool = cm.experts.as_ref().ok_or("no expert pool")?.lock().unwrap_or_else(|e| e.into_inner());
         pool.stats.cpu_lane_bytes += lane_bytes;
-        pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out).map_err(err)
+        pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out).map_err(err)?;
+        // What the lane really achieved on this step, overheads included,
+        // folded into the rate the next split reads.
+        let secs = t0.elapsed().as_secs_f64();
+        if secs > 0.0 && lane_bytes > 0 {
+            let ty = model.weights[widx[0]].ty;
+            cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(ty, lane_bytes as f64 / secs / 1e9);
+        }
+        Ok(())
     }
 
     fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
@@ -476,7 +485,7 @@ impl<'a> CudaStep<'a> {
                         })
                         .collect();
                     let policy = if cm.lane.is_none() && cm.cold == crate::cold::ColdPolicy::Force(crate::cold::ColdPath::Cpu) { crate::cold::ColdPolicy::Force(crate::cold::ColdPath::Upload) } else { cm.cold };
-                    let paths = crate::cold::split(&cold, &cm.cost, policy);
+                    let paths = crate::cold::split(&cold, &cm.cost.lock().unwrap_or_else(|e| e.into_inner()), policy);
                     for (c, p) in cold.iter().zip(paths) {
                         match p {
                             crate::cold::ColdPath::ZeroCopy => zero_copy.push(c.expert),
