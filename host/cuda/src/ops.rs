@@ -147,6 +147,21 @@ pub struct MoePairs<'a> {
     pub n_slot: usize,
 }
 
+/// The pair count of an expert-FFN launch, its pointer tables and `h`
+/// (`[n_pairs, ff]`) / `out` (`[n_pairs, d_model]`) lengths checked.
+fn check_pairs(op: &'static str, pairs: &MoePairs<'_>, h_len: usize, ff: usize, out_len: usize, d_model: usize) -> Result<usize, CudaError> {
+    let n_pairs = pairs.n_tok * pairs.n_slot;
+    want(op, "gate pointers", pairs.gate.len(), n_pairs)?;
+    want(op, "up pointers", pairs.up.len(), n_pairs)?;
+    want(op, "down pointers", pairs.down.len(), n_pairs)?;
+    want(op, "h", h_len, n_pairs * ff)?;
+    want(op, "out", out_len, n_pairs * d_model)?;
+    if n_pairs > 65535 {
+        return Err(shape(op, format!("{n_pairs} pairs in one launch (at most 65535)")));
+    }
+    Ok(n_pairs)
+}
+
 fn act_code(a: Activation) -> Result<i32, CudaError> {
     match a {
         Activation::Silu => Ok(0),
@@ -965,27 +980,16 @@ impl CudaDevice {
             op: OP,
             ty: down_ty,
         })?;
-        let n_pairs = pairs.n_tok * pairs.n_slot;
-        want(OP, "gate pointers", pairs.gate.len(), n_pairs)?;
-        want(OP, "up pointers", pairs.up.len(), n_pairs)?;
-        want(OP, "down pointers", pairs.down.len(), n_pairs)?;
+        let n_pairs = check_pairs(OP, pairs, h.len(), ff, out.len(), d_model)?;
         want(
             OP,
             "x bytes",
             x.len(),
             act_bytes(gfmt, pairs.n_tok, d_model)?,
         )?;
-        want(OP, "h", h.len(), n_pairs * ff)?;
-        want(OP, "out", out.len(), n_pairs * d_model)?;
         // Weight shapes must be whole blocks (the pointers themselves are the caller's contract).
         weight_bytes(gate_up_ty, ff, d_model)?;
         weight_bytes(down_ty, d_model, ff)?;
-        if n_pairs > 65535 {
-            return Err(shape(
-                OP,
-                format!("{n_pairs} pairs in one launch (at most 65535)"),
-            ));
-        }
         let a = act_code(act)?;
         let (ffi, dm, ns) = (
             to_i32(OP, "ff", ff)?,
@@ -1053,22 +1057,11 @@ impl CudaDevice {
     ) -> Result<(), CudaError> {
         const OP: &str = "moe_ffn_float";
         let fi = float_index(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
-        let n_pairs = pairs.n_tok * pairs.n_slot;
-        want(OP, "gate pointers", pairs.gate.len(), n_pairs)?;
-        want(OP, "up pointers", pairs.up.len(), n_pairs)?;
-        want(OP, "down pointers", pairs.down.len(), n_pairs)?;
+        let n_pairs = check_pairs(OP, pairs, h.len(), ff, out.len(), d_model)?;
         want(OP, "x", x.len(), pairs.n_tok * d_model)?;
-        want(OP, "h", h.len(), n_pairs * ff)?;
-        want(OP, "out", out.len(), n_pairs * d_model)?;
         // Non-empty shapes (the pointers themselves are the caller's contract).
         weight_bytes(ty, ff, d_model)?;
         weight_bytes(ty, d_model, ff)?;
-        if n_pairs > 65535 {
-            return Err(shape(
-                OP,
-                format!("{n_pairs} pairs in one launch (at most 65535)"),
-            ));
-        }
         let a = act_code(act)?;
         let (ffi, dm, ns) = (
             to_i32(OP, "ff", ff)?,

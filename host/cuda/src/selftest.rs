@@ -993,6 +993,36 @@ fn grouped_case(dev: &CudaDevice, gu: GgmlType, dn: GgmlType, seed: u64) -> Resu
     Ok(c)
 }
 
+/// The moe test cases' routing: pair (t, s) uses expert (t + 2 s) % n_exp.
+fn pair_expert(n_slot: usize, n_exp: usize) -> impl Fn(usize) -> usize {
+    move |p| ((p / n_slot) + 2 * (p % n_slot)) % n_exp
+}
+
+/// Pairs 5 and 10 are "not mine": null pointers the kernels must skip.
+fn pair_skipped(p: usize) -> bool {
+    p == 5 || p == 10
+}
+
+/// Upload each expert's gate, up and down bytes, and per-pair pointer tables
+/// over them (null where [`pair_skipped`]). The buffers are returned so they
+/// outlive the tables.
+#[allow(clippy::type_complexity)]
+fn pair_tables(
+    dev: &CudaDevice,
+    mats: [&[Vec<u8>]; 3],
+    n_pairs: usize,
+    expert: &dyn Fn(usize) -> usize,
+) -> Result<([Vec<DeviceBuf<u8>>; 3], [DeviceBuf<u64>; 3]), CudaError> {
+    let up = |m: &[Vec<u8>]| -> Result<Vec<DeviceBuf<u8>>, CudaError> { m.iter().map(|b| dev.upload(b)).collect() };
+    let bufs = [up(mats[0])?, up(mats[1])?, up(mats[2])?];
+    let table = |b: &[DeviceBuf<u8>]| -> Result<DeviceBuf<u64>, CudaError> {
+        let p: Vec<u64> = (0..n_pairs).map(|p| if pair_skipped(p) { 0 } else { b[expert(p)].device_ptr() }).collect();
+        dev.upload(&p)
+    };
+    let tables = [table(&bufs[0])?, table(&bufs[1])?, table(&bufs[2])?];
+    Ok((bufs, tables))
+}
+
 fn moe_case(
     dev: &CudaDevice,
     pool: &rayon::ThreadPool,
@@ -1014,38 +1044,9 @@ fn moe_case(
         .collect::<Result<_, _>>()?;
     let x = random_values(n_tok * d_model, seed ^ 7);
     let xa = Activations::for_weight(gu, &x, d_model)?;
-    // Pair (t, s) uses expert (t + 2 s) % n_exp; pairs 5 and 10 are "not mine".
-    let expert = |p: usize| ((p / n_slot) + 2 * (p % n_slot)) % n_exp;
-    let skipped = |p: usize| p == 5 || p == 10;
-    let gd: Vec<DeviceBuf<u8>> = gates
-        .iter()
-        .map(|b| dev.upload(b))
-        .collect::<Result<_, _>>()?;
-    let ud: Vec<DeviceBuf<u8>> = ups
-        .iter()
-        .map(|b| dev.upload(b))
-        .collect::<Result<_, _>>()?;
-    let dd: Vec<DeviceBuf<u8>> = downs
-        .iter()
-        .map(|b| dev.upload(b))
-        .collect::<Result<_, _>>()?;
+    let (expert, skipped) = (pair_expert(n_slot, n_exp), pair_skipped);
     let n_pairs = n_tok * n_slot;
-    let ptrs = |bufs: &[DeviceBuf<u8>]| -> Vec<u64> {
-        (0..n_pairs)
-            .map(|p| {
-                if skipped(p) {
-                    0
-                } else {
-                    bufs[expert(p)].device_ptr()
-                }
-            })
-            .collect()
-    };
-    let (gp, up, dp) = (
-        dev.upload(&ptrs(&gd))?,
-        dev.upload(&ptrs(&ud))?,
-        dev.upload(&ptrs(&dd))?,
-    );
+    let (_experts, [gp, up, dp]) = pair_tables(dev, [&gates, &ups, &downs], n_pairs, &expert)?;
     let pairs = MoePairs {
         gate: &gp,
         up: &up,
@@ -1157,30 +1158,9 @@ fn moe_float_case(
         mats(d_model, ff, 200)?,
     );
     let x = random_values(n_tok * d_model, seed ^ 7);
-    // Pair (t, s) uses expert (t + 2 s) % n_exp; pairs 5 and 10 are "not mine".
-    let expert = |p: usize| ((p / n_slot) + 2 * (p % n_slot)) % n_exp;
-    let skipped = |p: usize| p == 5 || p == 10;
-    let upload_all = |m: &[Vec<u8>]| -> Result<Vec<DeviceBuf<u8>>, CudaError> {
-        m.iter().map(|b| dev.upload(b)).collect()
-    };
-    let (gd, ud, dd) = (upload_all(&gates)?, upload_all(&ups)?, upload_all(&downs)?);
+    let (expert, skipped) = (pair_expert(n_slot, n_exp), pair_skipped);
     let n_pairs = n_tok * n_slot;
-    let ptrs = |bufs: &[DeviceBuf<u8>]| -> Vec<u64> {
-        (0..n_pairs)
-            .map(|p| {
-                if skipped(p) {
-                    0
-                } else {
-                    bufs[expert(p)].device_ptr()
-                }
-            })
-            .collect()
-    };
-    let (gp, up, dp) = (
-        dev.upload(&ptrs(&gd))?,
-        dev.upload(&ptrs(&ud))?,
-        dev.upload(&ptrs(&dd))?,
-    );
+    let (_experts, [gp, up, dp]) = pair_tables(dev, [&gates, &ups, &downs], n_pairs, &expert)?;
     let pairs = MoePairs {
         gate: &gp,
         up: &up,

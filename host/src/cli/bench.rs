@@ -17,7 +17,7 @@ use super::Ctx;
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
 use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
-use crate::session::{open_device, DeviceChoice, Session};
+use crate::session::{open_device, Session};
 use crate::experts::StoreExperts;
 use crate::model::Model;
 use crate::sample::Rng;
@@ -39,27 +39,14 @@ pub struct Args {
     /// Host RAM for the expert cache, GiB (default: experts resident when they fit).
     #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB")]
     pub host_cache: Option<f64>,
-    /// VRAM budget in GiB (GPU backends; the CPU backend ignores it).
-    #[arg(long, value_name = "GB")]
-    pub vram_budget: Option<f64>,
     /// Largest prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub ubatch: usize,
     /// Emit one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// cpu, cuda, cuda:N, or auto.
-    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
-    pub device: DeviceChoice,
-    /// How cold experts are served on the GPU in decode (auto, upload, zerocopy, cpu).
-    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
-    pub cold_path: crate::cold::ColdPolicy,
-    /// CPU lane threads for cold experts on a GPU run (default: every core; 0: none).
-    #[arg(long, value_name = "N")]
-    pub cpu_lane_threads: Option<usize>,
-    /// Never page-lock the model file in host memory.
-    #[arg(long)]
-    pub no_pin: bool,
+    #[command(flatten)]
+    pub gpu: super::GpuArgs,
 }
 
 #[derive(Serialize, Clone, Debug, PartialEq)]
@@ -286,7 +273,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         host_copy_gbps: host_copy_gbps(),
         h2d_pinned_gbps: None,
     };
-    let device = open_device(a.device)?;
+    let device = open_device(a.gpu.device)?;
     let n_ctx = a.n_prompt.max(a.n_gen) + 16;
     let h2d = device.as_ref().and_then(|d| h2d_pinned_gbps(d).ok());
     let links = Links { h2d_pinned_gbps: h2d, ..links };
@@ -317,15 +304,8 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
                     Some(d) => d,
                     None => pulsar_cuda::CudaDevice::open(n)?,
                 };
-                let opts = crate::cuda::LoadOptions {
-                    vram_budget: a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64),
-                    kv_bytes: CudaKv::bytes_for(&model, n_ctx),
-                    census: if name == "warm" { crate::cuda::warm_census(&a.model, &model) } else { None },
-                    cold: a.cold_path,
-                    lane_threads: a.cpu_lane_threads,
-                    // A budgeted host cache is the source: pinning the whole mapping would defeat it.
-                    no_pin: a.no_pin || store.as_ref().is_some_and(|s| s.cached),
-                };
+                let census = if name == "warm" { crate::cuda::warm_census(&a.model, &model) } else { None };
+                let opts = a.gpu.load_options(CudaKv::bytes_for(&model, n_ctx), census, store.as_ref().is_some_and(|s| s.cached));
                 let cm = CudaModel::load(dev, &model, &opts)?;
                 if let Some(r) = &ranges {
                     cm.set_host_pinned(r.clone());
@@ -394,7 +374,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         resident_bytes: mem.resident_bytes,
         backend,
         threads: cpu.pool.current_num_threads(),
-        vram_budget_bytes: a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64),
+        vram_budget_bytes: a.gpu.vram_budget_bytes(),
         n_prompt: a.n_prompt,
         n_gen: a.n_gen,
         repeats: a.repeats,

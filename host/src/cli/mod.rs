@@ -17,6 +17,49 @@ use crate::config::{Config, FileConfig};
 use crate::model::Model;
 
 /// What every subcommand gets.
+/// Where and how a run places the model on a GPU: shared by `run` and `bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GpuArgs {
+    /// cpu, cuda, cuda:N, or auto (CUDA when a GPU is there).
+    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
+    pub device: crate::session::DeviceChoice,
+    /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
+    #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB")]
+    pub vram_budget: Option<f64>,
+    /// How cold experts (not in VRAM) are served in decode: upload them, let
+    /// the kernels read them in place from page-locked memory (zerocopy),
+    /// compute them on the CPU (cpu), or auto (split between the link and the
+    /// CPU lane by cost, measured at load and refined as it runs).
+    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
+    pub cold_path: crate::cold::ColdPolicy,
+    /// CPU lane threads for cold experts (default: half the cores; 0: none).
+    #[arg(long, value_name = "N")]
+    pub cpu_lane_threads: Option<usize>,
+    /// Never page-lock the model file in host memory (uploads go pageable).
+    #[arg(long)]
+    pub no_pin: bool,
+}
+
+impl GpuArgs {
+    pub fn vram_budget_bytes(&self) -> Option<u64> {
+        self.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64)
+    }
+
+    /// The CUDA load options; `cached_store`: experts come through a budgeted
+    /// host cache, which is then the pinned source (pinning the whole file
+    /// mapping would defeat its budget).
+    pub fn load_options(&self, kv_bytes: u64, census: Option<pulsar_store::Census>, cached_store: bool) -> crate::cuda::LoadOptions {
+        crate::cuda::LoadOptions {
+            vram_budget: self.vram_budget_bytes(),
+            kv_bytes,
+            census,
+            cold: self.cold_path,
+            lane_threads: self.cpu_lane_threads,
+            no_pin: self.no_pin || cached_store,
+        }
+    }
+}
+
 pub struct Ctx {
     pub cfg: Config,
     pub file: FileConfig,

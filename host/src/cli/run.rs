@@ -14,7 +14,7 @@ use crate::config::{self, Setting};
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
 use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
-use crate::session::{open_device, DeviceChoice, Session};
+use crate::session::{open_device, Session};
 use crate::model::Model;
 use crate::sample::{argmax, Sampler, SamplerConfig};
 
@@ -77,24 +77,8 @@ pub struct Args {
     /// Print per-token expert-store traffic (bytes and hits per tier) and a summary.
     #[arg(long)]
     pub stats: bool,
-    /// cpu, cuda, cuda:N, or auto (CUDA when a GPU is there).
-    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
-    pub device: DeviceChoice,
-    /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
-    #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB")]
-    pub vram_budget: Option<f64>,
-    /// How cold experts (not in VRAM) are served on the GPU in decode: upload
-    /// them, let the kernels read them in place from page-locked memory
-    /// (zerocopy), compute them on the CPU (cpu), or auto (split between the
-    /// link and the CPU lane by the cost measured at load).
-    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
-    pub cold_path: crate::cold::ColdPolicy,
-    /// CPU lane threads for cold experts on a GPU run (default: every core; 0: none).
-    #[arg(long, value_name = "N")]
-    pub cpu_lane_threads: Option<usize>,
-    /// Never page-lock the model file in host memory (uploads go pageable).
-    #[arg(long)]
-    pub no_pin: bool,
+    #[command(flatten)]
+    pub gpu: super::GpuArgs,
     /// Keep generating past end-of-turn tokens (for measurements and checks).
     #[arg(long)]
     pub ignore_eos: bool,
@@ -185,7 +169,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
-    let device = open_device(a.device)?;
+    let device = open_device(a.gpu.device)?;
     // On a GPU the host cache is page-locked, so its slabs upload by DMA.
     let pinned = device.as_ref().map(|d| crate::cuda::PinnedAllocator::new(d.context().clone()));
     let ranges = pinned.as_ref().map(|p| p.ranges());
@@ -197,17 +181,9 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     };
     let cuda_model = match device {
         Some(dev) => {
-            let budget = a.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64);
             let t = Instant::now();
-            let opts = crate::cuda::LoadOptions {
-                vram_budget: budget,
-                kv_bytes: CudaKv::bytes_for(&model, n_ctx),
-                census: crate::cuda::warm_census(&model_path, &model),
-                cold: a.cold_path,
-                    lane_threads: a.cpu_lane_threads,
-                // A budgeted host cache is the source: pinning the whole mapping would defeat it.
-                no_pin: a.no_pin || store.as_ref().is_some_and(|s| s.cached),
-            };
+            let census = crate::cuda::warm_census(&model_path, &model);
+            let opts = a.gpu.load_options(CudaKv::bytes_for(&model, n_ctx), census, store.as_ref().is_some_and(|s| s.cached));
             let cm = CudaModel::load(dev, &model, &opts)?;
             if let Some(r) = ranges {
                 cm.set_host_pinned(r);
