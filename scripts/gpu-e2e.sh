@@ -100,7 +100,8 @@ if has budget; then
   ls -la "$m" | tee -a "$S"
   for cfg in "--device cpu" "--device cuda" "--device cuda --vram-budget 1.2 --cold-path upload" \
              "--device cuda --vram-budget 1.2 --cold-path zerocopy" "--device cuda --vram-budget 1.2 --cold-path cpu" \
-             "--device cuda --vram-budget 1.2" "--device cuda --vram-budget 1.2 --host-cache 1"; do
+             "--device cuda --vram-budget 1.2" "--device cuda --vram-budget 1.2 --no-prefetch" \
+             "--device cuda --vram-budget 1.2 --host-cache 1"; do
     rm -f "$m.warm"
     # shellcheck disable=SC2086
     out=$("$H" run -m "$m" -p "The quick brown fox" -n 24 --ignore-eos $cfg --stats "${P[@]}" 2>"$WORK/err.txt" | od -An -tx1 | md5sum)
@@ -135,6 +136,7 @@ if has bench; then
     for path in ${BENCH_PATHS:-upload zerocopy cpu auto}; do
       bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path $path" --vram-budget 16 --cold-path "$path"
     done
+    bench_row "$m" "q2_K skew $skew --vram-budget 16 --cold-path upload --no-prefetch" --vram-budget 16 --cold-path upload --no-prefetch
     # The disk tier carries real traffic: fewer tokens (it reads at ~1 GB/s).
     [ -n "${BENCH_NO_DISK:-}" ] || PNR="-p 64 -n 16 -r 1" bench_row "$m" "q2_K skew $skew --vram-budget 16 --host-cache 8" --vram-budget 16 --host-cache 8
   done

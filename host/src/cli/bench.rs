@@ -82,6 +82,8 @@ pub struct Traffic {
     pub h2d_gbps: f64,
     /// Cold expert bytes per token the GPU kernels read in place from page-locked host memory.
     pub vram_zero_copy_bytes_per_token: f64,
+    /// Of the cold slabs copied ahead for the next layer, the share it used.
+    pub vram_prefetch_precision: f64,
     /// Cold expert bytes per token the CPU lane computed with (no upload).
     pub vram_cpu_lane_bytes_per_token: f64,
     /// Hot-set admissions per token (slabs that earned a VRAM slot).
@@ -330,6 +332,8 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
             tg_traffic.vram_zero_copy_bytes_per_token = per(b.zero_copy_bytes, after.zero_copy_bytes);
             tg_traffic.vram_admissions_per_token = per(b.admissions, after.admissions);
             tg_traffic.vram_cpu_lane_bytes_per_token = per(b.cpu_lane_bytes, after.cpu_lane_bytes);
+            let pf = (after.prefetched - b.prefetched) as f64;
+            tg_traffic.vram_prefetch_precision = if pf > 0.0 { (after.prefetch_hits - b.prefetch_hits) as f64 / pf } else { 0.0 };
             tg_traffic.vram_warm_loaded = after.warm_loaded;
             let (h, m) = ((after.hits - b.hits) as f64, (after.misses - b.misses + after.zero_copy - b.zero_copy + after.cpu_lane - b.cpu_lane) as f64);
             tg_traffic.vram_hit_rate = if h + m > 0.0 { h / (h + m) } else { 0.0 };
@@ -416,13 +420,14 @@ pub fn table(r: &Report) -> String {
     for run in &r.runs {
         let t = &run.tg_traffic;
         s.push_str(&format!(
-            "\n{} tg: per token {:.2} MiB uploaded to VRAM (pool hit rate {:.1}%, {:.1} GB/s), {:.2} MiB zero-copy, {:.2} MiB CPU lane, {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
+            "\n{} tg: per token {:.2} MiB uploaded to VRAM (pool hit rate {:.1}%, {:.1} GB/s), {:.2} MiB zero-copy, {:.2} MiB CPU lane, prefetch precision {:.0}%, {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
             run.name,
             t.vram_upload_bytes_per_token / 1048576.0,
             100.0 * t.vram_hit_rate,
             t.h2d_gbps,
             t.vram_zero_copy_bytes_per_token / 1048576.0,
             t.vram_cpu_lane_bytes_per_token / 1048576.0,
+            100.0 * t.vram_prefetch_precision,
             t.disk_bytes_per_token / 1048576.0,
             t.disk_gbps,
             t.host_bytes_per_token / 1048576.0,

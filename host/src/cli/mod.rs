@@ -38,6 +38,9 @@ pub struct GpuArgs {
     /// Never page-lock the model file in host memory (uploads go pageable).
     #[arg(long)]
     pub no_pin: bool,
+    /// Do not copy the next layer's predicted experts ahead during decode.
+    #[arg(long)]
+    pub no_prefetch: bool,
 }
 
 impl GpuArgs {
@@ -56,6 +59,7 @@ impl GpuArgs {
             cold: self.cold_path,
             lane_threads: self.cpu_lane_threads,
             no_pin: self.no_pin || cached_store,
+            no_prefetch: self.no_prefetch,
         }
     }
 }

@@ -57,6 +57,10 @@ pub struct CudaModel {
     pub expert_tables: HashMap<usize, DeviceBuf<u64>>,
     /// Some: routed experts stream through this pool.
     pub experts: Option<Mutex<ExpertPool>>,
+    /// Routed-expert weights by (layer, slab kind): index into the model's weights.
+    pub slab_index: HashMap<(u32, pulsar_store::SlabKind), usize>,
+    /// Copy the next layer's predicted cold slabs ahead in decode.
+    pub prefetch: bool,
     /// How cold slabs are served in decode steps (`--cold-path`).
     pub cold: crate::cold::ColdPolicy,
     /// The CPU lane for cold experts (streaming runs with lane threads).
@@ -83,6 +87,8 @@ pub struct LoadOptions {
     pub lane_threads: Option<usize>,
     /// Never page-lock the file mapping (uploads then go pageable).
     pub no_pin: bool,
+    /// Do not copy the next layer's predicted experts ahead in decode.
+    pub no_prefetch: bool,
 }
 
 /// Free device memory minus a reserve for activations, KV and the driver.
@@ -181,7 +187,7 @@ impl CudaModel {
             Some(_) => cold_lane(&dev, model, opts)?,
             None => (None, crate::cold::CostModel::default()),
         };
-        Ok(CudaModel { dev, weights, expert_tables, experts, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident })
+        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index: slab_tensors(model), prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.

@@ -47,6 +47,10 @@ pub struct PoolStats {
     /// Cold slabs the kernels read in place from page-locked host memory.
     pub zero_copy: u64,
     pub zero_copy_bytes: u64,
+    /// Cold slabs copied ahead during the previous layer (predicted by its
+    /// router on the previous layer's input), and how many were then used.
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
     /// Cold slabs the CPU lane computed with (host bytes, no upload).
     pub cpu_lane: u64,
     pub cpu_lane_bytes: u64,
@@ -90,6 +94,11 @@ pub struct ExpertPool {
     host_pinned: Option<PinnedRanges>,
     /// Staging for the CPU lane's output rows.
     lane_stage: Option<PinnedBuf<f32>>,
+    /// Cross-layer prefetch: cold slabs of `pf_layer` already copied into
+    /// its scratch window (slot, bytes), during the layer before.
+    pf_enabled: bool,
+    pf_layer: Option<u32>,
+    pf: HashMap<SlabId, (usize, usize)>,
     pub stats: PoolStats,
 }
 
@@ -107,6 +116,10 @@ pub struct LayerRequest<'a> {
     pub zero_copy: &'a [u32],
     /// Cold experts (ascending) the CPU lane serves: null pointers here.
     pub cpu: &'a [u32],
+    /// A decode step (one token): cold slabs use this layer's half of the
+    /// scratch (the other half takes the next layer's prefetch); a prefill
+    /// step uses all of it and drops any prefetch.
+    pub decode: bool,
 }
 
 /// What a layer's step needs, from [`ExpertPool::plan_layer`].
@@ -148,8 +161,81 @@ impl ExpertPool {
             admitted: Vec::new(),
             host_pinned: None,
             lane_stage: None,
+            pf_enabled: false,
+            pf_layer: None,
+            pf: HashMap::new(),
             stats: PoolStats { slots: n_slots, hot_slots: n_hot, slot_bytes, ..Default::default() },
         })
+    }
+
+    /// Let decode steps copy the next layer's predicted cold slabs ahead
+    /// (only from page-locked memory, and only with room for two windows of
+    /// a top-`top_k` step's slabs).
+    pub fn enable_prefetch(&mut self, top_k: usize) {
+        self.pf_enabled = self.has_pinned() && self.n_scratch / 2 >= 3 * top_k.max(1);
+    }
+
+    pub fn prefetch_enabled(&self) -> bool {
+        self.pf_enabled
+    }
+
+    /// The scratch slots a step's cold slabs may use: (first slot, count).
+    fn window(&self, decode: bool, layer: u32) -> (usize, usize) {
+        if decode && self.pf_enabled {
+            let half = self.n_scratch / 2;
+            (self.n_hot + (layer as usize % 2) * half, half)
+        } else {
+            (self.n_hot, self.n_scratch)
+        }
+    }
+
+    fn prefetched(&self, layer: u32, id: SlabId) -> Option<(usize, usize)> {
+        (self.pf_layer == Some(layer)).then(|| self.pf.get(&id).copied()).flatten()
+    }
+
+    /// Copy the cold slabs of `experts` (predicted for `layer`, the next MoE
+    /// layer) into that layer's scratch window on the copy stream, where its
+    /// step will find them. Only page-locked bytes are copied (a pageable
+    /// copy would block the host); a full window stops early.
+    pub fn prefetch_layer<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        layer: u32,
+        kinds: [SlabKind; 3],
+        experts: &[u32],
+        bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
+    ) -> Result<(), CudaBackendError> {
+        self.pf.clear();
+        self.pf_layer = Some(layer);
+        if !self.pf_enabled {
+            return Ok(());
+        }
+        let (base, cap) = self.window(true, layer);
+        'outer: for &e in experts {
+            for (ki, &k) in kinds.iter().enumerate() {
+                let id = SlabId::new(layer, k, e);
+                if self.hot.slot_of(id).is_some() {
+                    continue;
+                }
+                if self.pf.len() >= cap {
+                    break 'outer;
+                }
+                let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
+                if !self.is_pinned(b) {
+                    continue;
+                }
+                let slot = base + self.pf.len();
+                self.upload(dev, slot, b)?;
+                self.pf.insert(id, (slot, b.len()));
+                self.stats.prefetched += 1;
+            }
+        }
+        if !self.pf.is_empty() {
+            // The next layer's plan waits for this (read_copy_time) before
+            // any kernel can read the slots.
+            self.copy_done.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
+        }
+        Ok(())
     }
 
     /// Copies and zero-copy reads may use this page-locked host range.
@@ -206,6 +292,21 @@ impl ExpertPool {
         Ok(ptr)
     }
 
+    /// Copy a slab between slots on the copy stream (a prefetched slab the
+    /// hot set has just admitted).
+    fn move_slot(&mut self, dev: &CudaDevice, from: usize, to: usize, len: usize) -> Result<u64, CudaBackendError> {
+        let (src, dst) = (self.slot_ptr(from)?, self.slot_ptr(to)?);
+        if !self.timing_pending {
+            self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
+            self.timing_pending = true;
+        }
+        dev.context().bind_to_thread().map_err(pulsar_cuda::CudaError::from)?;
+        // SAFETY: both slots lie in the pool's allocation and hold `slot_bytes
+        // >= len` bytes; the compute stream waits for the copy stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, len, dev.copy().cu_stream()) }.map_err(pulsar_cuda::CudaError::from)?;
+        Ok(dst)
+    }
+
     /// Fill free hot slots with the hottest whole triples of `census` (the
     /// sidecar of earlier runs, or a built-in hotlist) before the first step.
     pub fn warm_load<'b>(
@@ -228,6 +329,10 @@ impl ExpertPool {
     /// needs (admitted or cold slabs; hot-set hits need none), ascending.
     pub fn plan_layer(&mut self, req: &LayerRequest<'_>) -> Result<LayerPlan, CudaBackendError> {
         self.read_copy_time()?;
+        if !req.decode || self.pf_layer != Some(req.layer) {
+            self.pf.clear();
+            self.pf_layer = None;
+        }
         for &e in req.touched {
             self.census.record(req.layer, e, 1);
         }
@@ -246,8 +351,11 @@ impl ExpertPool {
             for &k in &req.kinds {
                 let id = SlabId::new(req.layer, k, e);
                 let cold = self.hot.slot_of(id).is_none();
-                any |= cold || self.admitted.binary_search(&id).is_ok();
-                all &= cold;
+                // Prefetched slabs are on the device already (an admitted
+                // one moves device to device): no host bytes needed.
+                let ahead = self.prefetched(req.layer, id).is_some();
+                any |= !ahead && (cold || self.admitted.binary_search(&id).is_ok());
+                all &= cold && !ahead;
             }
             if any {
                 plan.need.push(e);
@@ -270,7 +378,9 @@ impl ExpertPool {
         req: &LayerRequest<'_>,
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
-        self.scratch_next = 0;
+        let (base, cap) = self.window(req.decode, req.layer);
+        // The window's first slots hold this layer's prefetch.
+        self.scratch_next = if self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
         let n_exp = self.n_exp;
         let mut table = vec![0u64; 3 * n_exp];
         for (ki, &kind) in req.kinds.iter().enumerate() {
@@ -283,13 +393,22 @@ impl ExpertPool {
                     self.stats.cpu_lane += 1;
                     continue; // served by the CPU lane: a null pointer
                 }
-                let ptr = match self.hot.slot_of(id) {
-                    Some(s) if self.admitted.binary_search(&id).is_ok() => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
-                    Some(s) => {
+                let ahead = self.prefetched(req.layer, id);
+                let ptr = match (self.hot.slot_of(id), ahead) {
+                    (Some(s), Some((from, len))) if self.admitted.binary_search(&id).is_ok() => {
+                        self.stats.prefetch_hits += 1;
+                        self.move_slot(dev, from, s as usize, len)?
+                    }
+                    (Some(s), None) if self.admitted.binary_search(&id).is_ok() => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
+                    (Some(s), _) => {
                         self.stats.hits += 1;
                         self.slot_ptr(s as usize)?
                     }
-                    None => {
+                    (None, Some((slot, _))) => {
+                        self.stats.prefetch_hits += 1;
+                        self.slot_ptr(slot)?
+                    }
+                    (None, None) => {
                         let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
                         let zc = req.zero_copy.binary_search(&e).is_ok();
                         match (zc, self.registration(b).and_then(|r| r.device_addr(b))) {
@@ -299,15 +418,14 @@ impl ExpertPool {
                                 addr
                             }
                             _ => {
-                                if self.scratch_next >= self.n_scratch {
+                                if self.scratch_next >= cap {
                                     return Err(CudaBackendError::Other(format!(
-                                        "layer {}: {} cold slabs in one step exceed the {} scratch slots; raise --vram-budget",
+                                        "layer {}: {} cold slabs in one step exceed the {cap} scratch slots; raise --vram-budget",
                                         req.layer,
                                         self.scratch_next + 1,
-                                        self.n_scratch
                                     )));
                                 }
-                                let slot = self.n_hot + self.scratch_next;
+                                let slot = base + self.scratch_next;
                                 self.scratch_next += 1;
                                 self.upload(dev, slot, b)?
                             }

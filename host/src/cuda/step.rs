@@ -451,10 +451,37 @@ impl<'a> CudaStep<'a> {
             }
             None => {
                 let pool = cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;
+                // Decode: predict the next layer's experts with its router on
+                // this layer's input, so their cold slabs can be copied while
+                // this layer computes (the store path's guard cannot outlive
+                // the layer, so only the page-locked mapping prefetches).
+                let next_router = match (rows, self.store, cm.prefetch) {
+                    (1, None, true) => self.model.weights.iter().position(|w| w.role == pulsar_plugin_api::Role::Router && w.layer == Some(spec.layer + 1)),
+                    _ => None,
+                };
+                let mut next = None;
+                if let Some(ri) = next_router {
+                    let nl = self.linear_w(Wt(ri as u32), x)?;
+                    let mut idn = self.pools.i32.take(dev, k).map_err(err)?;
+                    let mut wn = self.pools.f32.take(dev, k).map_err(err)?;
+                    dev.route(&stream, &rs, &self.vals[nl.0 as usize].buf, None, 1, ne, &mut idn, &mut wn).map_err(err)?;
+                    next = Some((idn, wn));
+                }
                 h_ids = vec![0i32; n_pairs];
                 // Synchronises the stream: earlier layers' expert kernels are
                 // done, so their scratch and evicted slots may be reused.
                 ids.download(&stream, &mut h_ids).map_err(err)?;
+                let mut predicted: Vec<u32> = Vec::new();
+                if let Some((idn, wn)) = next {
+                    let mut h = vec![0i32; k];
+                    let r = idn.download(&stream, &mut h);
+                    self.pools.i32.give(idn);
+                    self.pools.f32.give(wn);
+                    r.map_err(err)?;
+                    predicted = h.into_iter().filter(|&e| e >= 0 && (e as usize) < ne).map(|e| e as u32).collect();
+                    predicted.sort_unstable();
+                    predicted.dedup();
+                }
                 if let Some(&e) = h_ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
                     return Err(format!("moe layer {}: router chose expert {e} of {ne}", spec.layer));
                 }
@@ -468,8 +495,11 @@ impl<'a> CudaStep<'a> {
                     kinds[ki] = crate::cpu::moe::slab_kind(&w.name).ok_or_else(|| format!("{}: not an expert tensor", w.name))?;
                 }
                 let model = self.model;
-                let req0 = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, zero_copy: &[], cpu: &[] };
+                let req0 = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, zero_copy: &[], cpu: &[], decode: rows == 1 };
                 let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+                if self.store.is_none() && cm.prefetch {
+                    pool.enable_prefetch(k);
+                }
                 let plan = pool.plan_layer(&req0).map_err(err)?;
                 // Decode: split the cold experts between the link (upload or
                 // zero-copy) and the CPU lane by measured cost. Prefill
@@ -519,6 +549,15 @@ impl<'a> CudaStep<'a> {
                             model.file.bytes(&range).map_err(err)
                         })
                         .map_err(err)?;
+                        let nw: Option<Vec<usize>> = kinds.iter().map(|&kd| cm.slab_index.get(&(spec.layer + 1, kd)).copied()).collect();
+                        if let (false, Some(nw)) = (predicted.is_empty(), nw) {
+                            pool.prefetch_layer(dev, spec.layer + 1, kinds, &predicted, &|ki, e| {
+                                let t = model.tensor(&model.weights[nw[ki]]);
+                                let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                                model.file.bytes(&range).map_err(err)
+                            })
+                            .map_err(err)?;
+                        }
                     }
                 }
                 lane_experts = cpu;
