@@ -455,7 +455,8 @@ impl<'a> CudaStep<'a> {
                 // this layer's input, so their cold slabs can be copied while
                 // this layer computes (the store path's guard cannot outlive
                 // the layer, so only the page-locked mapping prefetches).
-                let next_router = match (rows, self.store, cm.prefetch) {
+                let pays = pool.lock().unwrap_or_else(|e| e.into_inner()).prefetch_pays();
+                let next_router = match (rows, self.store, cm.prefetch && pays) {
                     (1, None, true) => self.model.weights.iter().position(|w| w.role == pulsar_plugin_api::Role::Router && w.layer == Some(spec.layer + 1)),
                     _ => None,
                 };
