@@ -377,7 +377,9 @@ mod tests {
         let cpu = CpuBackend::new(2).unwrap();
         let lane = CpuLane::with_kernels(cpu.kernels, 3).unwrap();
         let xs = random_values(2 * D, 7);
-        for (i, ty) in [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q2_K, GgmlType::IQ2_XXS].into_iter().enumerate() {
+        // Every format the cold-path issue names for the lane, plus q8_0.
+        let types = [GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::IQ2_XXS, GgmlType::IQ2_XS, GgmlType::IQ3_XXS];
+        for (i, ty) in types.into_iter().enumerate() {
             let (e0, e1) = (expert(ty, 100 * i as u64), expert(ty, 100 * i as u64 + 50));
             let act = if i % 2 == 0 { Activation::Silu } else { Activation::GeluTanh };
             // Both tokens through e0 in one batch (as the backend groups them), token 1 through e1.

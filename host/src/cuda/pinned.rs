@@ -81,3 +81,27 @@ impl HostAllocator for PinnedAllocator {
         Ok(unsafe { AlignedBuf::from_raw_parts(ptr, len, align, release) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_answer_only_for_whole_slices_inside_one_allocation() {
+        let r = PinnedRanges::default();
+        let a = vec![0u8; 4096];
+        let b = vec![0u8; 4096];
+        r.insert(a.as_ptr() as usize, a.len());
+        assert!(r.contains(&a));
+        assert!(r.contains(&a[100..200]));
+        assert!(!r.contains(&b), "another allocation");
+        // A slice running past the end of the range.
+        let start = a.as_ptr() as usize;
+        r.remove(start);
+        r.insert(start, 1000);
+        assert!(r.contains(&a[..1000]));
+        assert!(!r.contains(&a[900..1100]));
+        r.remove(start);
+        assert!(!r.contains(&a[..10]));
+    }
+}
