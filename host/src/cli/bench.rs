@@ -275,7 +275,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         host_copy_gbps: host_copy_gbps(),
         h2d_pinned_gbps: None,
     };
-    let device = open_device(a.gpu.device)?;
+    let device = open_device(a.gpu.resolve_device(&model, ctx.print_config)?)?;
     let n_ctx = a.n_prompt.max(a.n_gen) + 16;
     let h2d = device.as_ref().and_then(|d| h2d_pinned_gbps(d).ok());
     let links = Links { h2d_pinned_gbps: h2d, ..links };

@@ -41,9 +41,50 @@ pub struct GpuArgs {
     /// Do not copy the next layer's predicted experts ahead during decode.
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Stream experts on this GPU (default: the fastest measured link).
+    #[arg(long, env = "PULSAR_GPU", value_name = "N")]
+    pub gpu: Option<usize>,
+    /// Put attention and KV on this GPU (planned; default: measured).
+    #[arg(long, env = "PULSAR_ATTN_GPU", value_name = "N")]
+    pub attn_gpu: Option<usize>,
+    /// Resident expert tiers on spare GPUs (planned).
+    #[arg(long, env = "PULSAR_TIERS", default_value = "on", value_parser = ["on", "off"])]
+    pub tiers: String,
 }
 
 impl GpuArgs {
+    /// The device to run on, and the role plan for the visible GPUs: measured
+    /// when there are several (or `print` asks for it). One GPU, or no plan
+    /// wanted: the choice as given, nothing probed.
+    pub fn resolve_device(&self, model: &Model, print: bool) -> anyhow::Result<crate::session::DeviceChoice> {
+        use crate::cuda::roles;
+        use crate::session::DeviceChoice;
+        if self.device == DeviceChoice::Cpu || !pulsar_cuda::CudaDevice::available() {
+            return Ok(self.device);
+        }
+        let count = cudarc::driver::result::device::get_count().map(|n| n as usize).unwrap_or(0);
+        if count <= 1 && !print {
+            return Ok(match self.gpu {
+                Some(n) => DeviceChoice::Cuda(n),
+                None => self.device,
+            });
+        }
+        let gpus = roles::probe_all().map_err(|e| anyhow::anyhow!("measuring the GPUs: {e}"))?;
+        let mem = model.memory_plan();
+        let needs = roles::ModelNeeds { mla: roles::is_mla_family(&model.arch), attention_bytes: mem.resident_bytes };
+        let ov = roles::RoleOverrides { stream_gpu: self.gpu, attn_gpu: self.attn_gpu, no_tiers: self.tiers == "off" };
+        let plan = roles::plan_roles(&gpus, &needs, &ov, 2 << 30)?;
+        if print {
+            eprint!("{plan}");
+        }
+        // An explicit cuda:N keeps its card; auto and plain cuda take the plan's.
+        Ok(match (self.device, self.gpu) {
+            (_, Some(n)) => DeviceChoice::Cuda(n),
+            (DeviceChoice::Cuda(n), None) if n != 0 => DeviceChoice::Cuda(n),
+            _ => DeviceChoice::Cuda(plan.stream),
+        })
+    }
+
     pub fn vram_budget_bytes(&self) -> Option<u64> {
         self.vram_budget.map(|g| (g * (1u64 << 30) as f64) as u64)
     }

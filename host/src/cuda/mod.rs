@@ -15,6 +15,7 @@
 
 mod pinned;
 mod pool;
+pub mod roles;
 mod step;
 
 use std::collections::HashMap;
