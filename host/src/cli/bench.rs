@@ -171,20 +171,6 @@ fn disk_gbps(model: &Model) -> Option<f64> {
     (secs > 0.0).then(|| bytes as f64 / secs / 1e9)
 }
 
-/// Pinned host-to-device copy rate: 256 MiB, three times.
-fn h2d_pinned_gbps(dev: &pulsar_cuda::CudaDevice) -> anyhow::Result<f64> {
-    let n = 64 << 20;
-    let src = dev.alloc_pinned::<u32>(n)?;
-    let mut dst = dev.alloc::<u32>(n)?;
-    dst.upload_async(dev.copy(), &src)?;
-    dev.copy().synchronize()?;
-    let t = Instant::now();
-    for _ in 0..3 {
-        dst.upload_async(dev.copy(), &src)?;
-    }
-    dev.copy().synchronize()?;
-    Ok(3.0 * (4 * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
-}
 
 fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
     let mut r = Rng::new(seed);
@@ -277,7 +263,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     };
     let device = open_device(a.gpu.resolve_device(&model, ctx.print_config)?)?;
     let n_ctx = a.n_prompt.max(a.n_gen) + 16;
-    let h2d = device.as_ref().and_then(|d| h2d_pinned_gbps(d).ok());
+    let h2d = device.as_ref().and_then(|d| crate::cuda::measure_h2d(d).ok());
     let links = Links { h2d_pinned_gbps: h2d, ..links };
     let backend = match &device {
         Some(d) => format!("cuda ({}, {})", d.name(), d.arch()),

@@ -151,6 +151,7 @@ impl CudaModel {
                 }
             }
         }
+        let slab_index = slab_tensors(model);
         let experts = if stream_experts {
             let slot_bytes = model
                 .weights
@@ -171,9 +172,8 @@ impl CudaModel {
             }
             if let Some(census) = opts.census.as_ref().filter(|c| !c.is_empty()) {
                 let cat = crate::experts::catalog(model).map_err(|e| CudaBackendError::Other(e.to_string()))?;
-                let by_slab = slab_tensors(model);
                 pool.warm_load(&dev, &cat, census, &|id| {
-                    let &w = by_slab.get(&(id.layer, id.kind)).ok_or_else(|| format!("{id}: no such expert tensor"))?;
+                    let &w = slab_index.get(&(id.layer, id.kind)).ok_or_else(|| format!("{id}: no such expert tensor"))?;
                     let t = model.tensor(&model.weights[w]);
                     let r = model.file.expert_slab(t, id.expert as u64).map_err(|e| e.to_string())?;
                     model.file.bytes(&r).map_err(|e| e.to_string())
@@ -188,7 +188,7 @@ impl CudaModel {
             Some(_) => cold_lane(&dev, model, opts)?,
             None => (None, crate::cold::CostModel::default()),
         };
-        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index: slab_tensors(model), prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident })
+        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.
@@ -255,7 +255,8 @@ fn cold_lane(dev: &CudaDevice, model: &Model, opts: &LoadOptions) -> Result<(Opt
     Ok((lane, cost))
 }
 
-/// Pinned host-to-device copy rate on the copy stream: 64 MiB, three times.
+/// Pinned host-to-device copy rate on the copy stream: 64 MiB, three times
+/// (the cost model's link rate, and the bench's).
 pub fn measure_h2d(dev: &CudaDevice) -> Result<f64, CudaBackendError> {
     let n = 16 << 20;
     let src = dev.alloc_pinned::<u32>(n)?;
