@@ -29,19 +29,57 @@ pub(crate) unsafe fn hsum_f32(v: __m256) -> f32 {
     }
 }
 
+/// Eight per-block integer sums at once: lane k of the result is the sum of
+/// the eight i32 lanes of `v[k]` (exact; integer addition in any order).
+/// The 32-value block dots turn eight blocks' `vpdpbusd` lanes into one
+/// vector of block sums, so the per-block float values can be formed lane-wise.
+#[inline(always)]
+pub(crate) unsafe fn hsum8_i32(v: &[__m256i; 8]) -> __m256i {
+    unsafe {
+        // Per 128-bit half: [v0 v1 v2 v3] pair sums, then quad sums.
+        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+        // a = [s0 s1 s2 s3 | t0 t1 t2 t3] (low / high half of each block's lanes).
+        let lo = _mm256_permute2x128_si256::<0x20>(a, b);
+        let hi = _mm256_permute2x128_si256::<0x31>(a, b);
+        _mm256_add_epi32(lo, hi)
+    }
+}
+
+/// The f16 fields at `p[off + k * stride]` for k = 0..8 as eight f32 lanes
+/// (exact). Lanes past `n` are zero and read nothing.
+///
+/// # Safety
+/// `off + (n - 1) * stride + 2 <= p.len()` for `n = min(n, 8) > 0`.
+#[inline(always)]
+pub(crate) unsafe fn f16x8_strided(p: &[u8], off: usize, stride: usize, n: usize) -> __m256 {
+    unsafe {
+        let mut h = [0u16; 8];
+        for (k, hk) in h.iter_mut().enumerate().take(n) {
+            *hk = ld_u16(p, off + k * stride);
+        }
+        _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i))
+    }
+}
+
+/// `acc + v[0] + v[1] + ... + v[n - 1]`, one rounding at a time, left to
+/// right: the order in which the scalar reference adds its block values.
+#[inline(always)]
+pub(crate) unsafe fn add_lanes(mut acc: f32, v: __m256, n: usize) -> f32 {
+    unsafe {
+        let mut a = [0f32; 8];
+        _mm256_storeu_ps(a.as_mut_ptr(), v);
+        for &ak in a.iter().take(n) {
+            acc += ak;
+        }
+        acc
+    }
+}
+
 /// One f16 (as bits) to f32 with F16C; exact, like `half`.
 #[inline(always)]
 pub(crate) unsafe fn f16_to_f32(bits: u16) -> f32 {
     unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16))) }
-}
-
-/// One f16 (as bits) to f32 in all eight lanes. For the per-block scales of
-/// the 32-block dots: LLVM shrinks a scalar conversion to a `vpinsrw` into a
-/// spare register, which it picks as the accumulator, chaining every block on
-/// the previous one; a full-width conversion keeps the blocks independent.
-#[inline(always)]
-pub(crate) unsafe fn f16x8(bits: u16) -> __m256 {
-    unsafe { _mm256_cvtph_ps(_mm_set1_epi16(bits as i16)) }
 }
 
 /// Unchecked little-endian field reads for the SIMD kernels, whose callers

@@ -31,46 +31,31 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// Scalar reference.
+/// Scalar reference: the canonical 32-lane order of [`super::float_dot`].
 pub(crate) fn dot(w: &[u8], x: &[f32]) -> f32 {
-    super::f16_::dot_lanes(x, |i| to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])))
+    super::float_dot::dot_lanes(x, |i| to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])))
 }
 
+/// The canonical 32-lane order of [`super::float_dot`], bit for bit.
+///
 /// # Safety
-/// AVX2 + FMA; `w.len() == 2 * x.len()`.
+/// AVX2; `w.len() == 2 * x.len()`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     debug_assert_eq!(w.len(), 2 * x.len());
-    let n = x.len();
-    let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
+    let wp = w.as_ptr();
     unsafe {
         // Eight bf16 -> eight f32: widen to 32 bits and shift into the top half.
-        let ld = |o: usize| {
-            let h = _mm_loadu_si128(wp.add(2 * o) as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        };
-        while i + 32 <= n {
-            for (k, a) in acc.iter_mut().enumerate() {
-                let o = i + 8 * k;
-                *a = _mm256_fmadd_ps(ld(o), _mm256_loadu_ps(xp.add(o)), *a);
-            }
-            i += 32;
-        }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(ld(i), _mm256_loadu_ps(xp.add(i)), acc[0]);
-            i += 8;
-        }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut s = crate::simd::hsum_f32(v);
-        while i < n {
-            s += to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])) * x[i];
-            i += 1;
-        }
-        s
+        super::float_dot::dot_avx2(
+            x,
+            |o| {
+                let h = _mm_loadu_si128(wp.add(2 * o) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            },
+            |i| to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])),
+        )
     }
 }
 

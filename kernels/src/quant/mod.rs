@@ -15,7 +15,9 @@ use crate::error::QuantError;
 use crate::isa::{Isa, Kernels};
 
 mod activations;
+mod block32;
 mod fit;
+mod float_dot;
 #[rustfmt::skip]
 pub(crate) mod iq_tables;
 mod random;

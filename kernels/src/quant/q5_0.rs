@@ -59,29 +59,38 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
     acc
 }
 
+/// The block layout for the shared SIMD driver, which reproduces [`dot`] bit for bit.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
-    use crate::simd::*;
-    use std::arch::x86_64::*;
-    let nb = w.len() / BYTES;
-    debug_assert_eq!(x.len(), nb * q8_0::BYTES);
-    unsafe {
-        let mut acc = _mm256_setzero_ps();
-        for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_0::BYTES);
+struct Fmt;
+
+#[cfg(target_arch = "x86_64")]
+impl super::block32::Block32 for Fmt {
+    const BYTES: usize = BYTES;
+    const MINS: bool = false;
+    #[inline(always)]
+    unsafe fn ints<D: crate::simd::U8I8Dot>(
+        w: &[u8],
+        ow: usize,
+        y: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use crate::simd::*;
+        use std::arch::x86_64::*;
+        unsafe {
             // q - 16 as a signed byte is the nibble with 0xF0 or'ed in where the fifth bit is clear.
             let hi = _mm256_andnot_si256(
                 D::bit_bytes(ld_u32(w, ow + 2)),
                 _mm256_set1_epi8(0xf0u8 as i8),
             );
             let q = _mm256_or_si256(nibbles_lo_hi(load128(w, ow + 6)), hi);
-            let s = dot_i8::<D>(_mm256_setzero_si256(), q, load256(x, ox + 2));
-            let d = _mm256_mul_ps(f16x8(ld_u16(w, ow)), f16x8(ld_u16(x, ox)));
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+            dot_i8::<D>(_mm256_setzero_si256(), q, y)
         }
-        hsum_f32(acc)
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
+    unsafe { super::block32::dot::<Fmt, D>(w, x) }
 }
 
 /// # Safety

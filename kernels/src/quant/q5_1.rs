@@ -65,31 +65,34 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
     acc
 }
 
+/// The block layout for the shared SIMD driver, which reproduces [`dot`] bit for bit.
+#[cfg(target_arch = "x86_64")]
+struct Fmt;
+
+#[cfg(target_arch = "x86_64")]
+impl super::block32::Block32 for Fmt {
+    const BYTES: usize = BYTES;
+    const MINS: bool = true;
+    #[inline(always)]
+    unsafe fn ints<D: crate::simd::U8I8Dot>(
+        w: &[u8],
+        ow: usize,
+        y: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use crate::simd::*;
+        use std::arch::x86_64::*;
+        unsafe {
+            let hi = _mm256_and_si256(D::bit_bytes(ld_u32(w, ow + 4)), _mm256_set1_epi8(0x10));
+            let q = _mm256_or_si256(nibbles_lo_hi(load128(w, ow + 8)), hi);
+            D::dpbusd(_mm256_setzero_si256(), q, y)
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
-    use crate::simd::*;
-    use std::arch::x86_64::*;
-    let nb = w.len() / BYTES;
-    debug_assert_eq!(x.len(), nb * q8_0::BYTES);
-    unsafe {
-        let ones = _mm256_set1_epi8(1);
-        let (mut acc, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for i in 0..nb {
-            let (ow, ox) = (i * BYTES, i * q8_0::BYTES);
-            let hi = _mm256_and_si256(D::bit_bytes(ld_u32(w, ow + 4)), _mm256_set1_epi8(0x10));
-            let q = _mm256_or_si256(nibbles_lo_hi(load128(w, ow + 8)), hi);
-            let y = load256(x, ox + 2);
-            let s = D::dpbusd(_mm256_setzero_si256(), q, y);
-            let sy = D::dpbusd(_mm256_setzero_si256(), ones, y);
-            let dx = f16x8(ld_u16(x, ox));
-            let d = _mm256_mul_ps(f16x8(ld_u16(w, ow)), dx);
-            let m = _mm256_mul_ps(f16x8(ld_u16(w, ow + 2)), dx);
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
-            accm = _mm256_fmadd_ps(m, _mm256_cvtepi32_ps(sy), accm);
-        }
-        hsum_f32(_mm256_add_ps(acc, accm))
-    }
+    unsafe { super::block32::dot::<Fmt, D>(w, x) }
 }
 
 /// # Safety

@@ -43,23 +43,30 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
     acc
 }
 
+/// The block layout for the shared SIMD driver, which reproduces [`dot`] bit for bit.
+#[cfg(target_arch = "x86_64")]
+struct Fmt;
+
+#[cfg(target_arch = "x86_64")]
+impl super::block32::Block32 for Fmt {
+    const BYTES: usize = BYTES;
+    const MINS: bool = false;
+    #[inline(always)]
+    unsafe fn ints<D: crate::simd::U8I8Dot>(
+        w: &[u8],
+        ow: usize,
+        y: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use crate::simd::*;
+        use std::arch::x86_64::*;
+        unsafe { dot_i8::<D>(_mm256_setzero_si256(), load256(w, ow + 2), y) }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
-    use crate::simd::*;
-    use std::arch::x86_64::*;
-    let nb = w.len() / BYTES;
-    debug_assert_eq!(x.len(), nb * BYTES);
-    unsafe {
-        let mut acc = _mm256_setzero_ps();
-        for i in 0..nb {
-            let o = i * BYTES;
-            let s = dot_i8::<D>(_mm256_setzero_si256(), load256(w, o + 2), load256(x, o + 2));
-            let d = _mm256_mul_ps(f16x8(ld_u16(w, o)), f16x8(ld_u16(x, o)));
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
-        }
-        hsum_f32(acc)
-    }
+    unsafe { super::block32::dot::<Fmt, D>(w, x) }
 }
 
 /// # Safety
