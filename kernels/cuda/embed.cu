@@ -17,7 +17,7 @@ __device__ __forceinline__ void embed_q(const u8* table, const u32* ids, float* 
     }
     const u8* row = table + (size_t)id * w_row_bytes<F>(cols);
     Unit u = load_unit<F>(row, e >> 5, tab);
-    o[e] = unit_value(u, e & 31);
+    o[e] = unit_value<F>(u, e & 31);
 }
 
 template <int T>

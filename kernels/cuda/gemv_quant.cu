@@ -1,120 +1,83 @@
-// Quantized GEMV (decode) and tiled GEMM (prefill) on q8_0 / q8_K activations,
+// Quantized GEMV (decode) and GEMMs (prefill) on q8_0 / q8_K activations,
 // one kernel per weight format. Twin: pulsar_kernels::Kernels::matmul.
 //
 // Layout: W is `rows` rows of `cols` values of the format, rows end to end;
 // X is n_tok activation rows (q8_0 for the 32-value formats, q8_K for the K
 // and IQ formats), Y is [n_tok, rows] f32.
 //
-// GEMV: one warp per weight row, lanes stride over the row's 32-value units.
-// GEMM: one warp per weight row and tile of GEMM_TT tokens: each unit of the
-// weight row is unpacked once and dotted against the tile's tokens.
+// Every kernel here sums each dot in the canonical order (quant_units.cuh,
+// block_value): exact integer sums per block, one float per block, those
+// added in block order. So the GEMV, both GEMMs and the expert kernels give
+// the same bits for the same row and token, and the CPU's scalar dot too.
+//
+// gemv: one warp per QV_R rows (rows_dot).
+// gemm: one warp per 4 rows x 8 tokens (rows_dot), any GPU with dp4a.
+// gemm_mma: int8 tensor cores (sm_80+), tiles of 64 rows x 64 tokens staged
+// through shared memory by cp.async, double-buffered; gemm_mma_grouped the
+// same over a list of (expert, 32-token run) work items.
 
-#define GEMV_WARPS 4
-#define GEMM_TT 8
+#define QV_WARPS 4
+#define QV_R 8
+#define QM_R 4
+#define QM_T 8
 
+// rpw (1..QV_R) rows per warp: the host picks fewer for short matrices so
+// enough warps stream the weights (a row's dot cannot be split across warps
+// without changing its summation order).
 template <int F>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                          float* __restrict__ Y, int rows, int cols, const u64* tab) {
-    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    int units = cols / 32;
-    const u8* w = W + (size_t)row * w_row_bytes<F>(cols);
-    float acc = warp_sum(row_dot_partial<F>(w, X, units, tab));
-    if ((threadIdx.x & 31) == 0) Y[row] = acc;
+                                          float* __restrict__ Y, int rows, int cols, int rpw, const u64* tab) {
+    __shared__ float vals[QV_WARPS][QV_R * VALS_STRIDE];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int row0 = (blockIdx.x * QV_WARPS + warp) * rpw;
+    if (row0 >= rows) return;
+    size_t wrb = w_row_bytes<F>(cols);
+    int nr = min(rpw, rows - row0);
+    float y = rows_dot<F, QV_R, 1>(W + (size_t)row0 * wrb, wrb, nr, X, 0, 1, cols / 32, tab, vals[warp]);
+    if (lane < nr) Y[row0 + lane] = y;
 }
 
 template <int F>
 __device__ __forceinline__ void gemm_impl(const u8* __restrict__ W, const u8* __restrict__ X,
                                           float* __restrict__ Y, int rows, int cols, int n_tok,
                                           const u64* tab) {
-    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    int t0 = blockIdx.y * GEMM_TT;
-    int nt = min(GEMM_TT, n_tok - t0);
-    int units = cols / 32;
-    size_t xrb = act_row_bytes<F>(cols);
-    const u8* w = W + (size_t)row * w_row_bytes<F>(cols);
-    const u8* x0 = X + (size_t)t0 * xrb;
-    float acc[GEMM_TT];
-#pragma unroll
-    for (int t = 0; t < GEMM_TT; t++) acc[t] = 0.0f;
-    for (int k = threadIdx.x & 31; k < units; k += 32) {
-        Unit u = load_unit<F>(w, k, tab);
-#pragma unroll
-        for (int t = 0; t < GEMM_TT; t++) {
-            if (t < nt) {
-                XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(x0 + t * xrb, k);
-                acc[t] += unit_dot<F>(u, xv);
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < GEMM_TT; t++) {
-        float v = warp_sum(acc[t]);
-        if (t < nt && (threadIdx.x & 31) == 0) Y[(size_t)(t0 + t) * rows + row] = v;
-    }
-}
-
-// ---- GEMV with the weight row staged through shared memory ----
-//
-// The same arithmetic as gemv_impl, but each warp first copies a chunk of its
-// weight row (STAGE_UNITS units, whole blocks) into shared memory with
-// coalesced 16-byte loads, then unpacks units from there: far fewer global
-// load instructions than unpacking straight from global memory byte by byte.
-// The last 16-byte load of a chunk may read up to 15 bytes past the row (never
-// past the 16-byte-aligned granule holding its last byte).
-
-#define STAGE_UNITS 32
-#define STAGE_V4 70 // 16-byte words per warp: 32 q8_0 blocks (1088 bytes) + alignment slack
-
-struct alignas(16) v4u {
-    u32 x, y, z, w;
-};
-
-template <int F>
-__device__ __forceinline__ void gemv_staged_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                                 float* __restrict__ Y, int rows, int cols, const u64* tab) {
-    __shared__ v4u stage[GEMV_WARPS][STAGE_V4];
+    __shared__ float vals[QV_WARPS][QM_R * QM_T * VALS_STRIDE];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row = blockIdx.x * GEMV_WARPS + warp;
-    if (row >= rows) return;
-    int units = cols / 32;
-    const u8* w = W + (size_t)row * w_row_bytes<F>(cols);
-    v4u* sm = stage[warp];
-    float acc = 0.0f;
-    for (int k0 = 0; k0 < units; k0 += STAGE_UNITS) {
-        int nu = min(STAGE_UNITS, units - k0);
-        const u8* src = w + (size_t)(k0 / Fmt<F>::UNITS) * Fmt<F>::BYTES;
-        int nbytes = nu / Fmt<F>::UNITS * Fmt<F>::BYTES;
-        size_t addr = (size_t)src;
-        int head = (int)(addr & 15);
-        const v4u* s16 = (const v4u*)(addr - head);
-        int n16 = (head + nbytes + 15) >> 4;
-        __syncwarp();
-        for (int i = lane; i < n16; i += 32) sm[i] = s16[i];
-        __syncwarp();
-        if (lane < nu) {
-            Unit u = load_unit<F>((const u8*)sm + head, lane, tab);
-            XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(X, k0 + lane);
-            acc += unit_dot<F>(u, xv);
-        }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) Y[row] = acc;
+    int row0 = (blockIdx.x * QV_WARPS + warp) * QM_R;
+    if (row0 >= rows) return;
+    int t0 = blockIdx.y * QM_T;
+    size_t wrb = w_row_bytes<F>(cols), xrb = act_row_bytes<F>(cols);
+    int nr = min(QM_R, rows - row0), nt = min(QM_T, n_tok - t0);
+    float y = rows_dot<F, QM_R, QM_T>(W + (size_t)row0 * wrb, wrb, nr, X + (size_t)t0 * xrb, xrb, nt, cols / 32,
+                                      tab, vals[warp]);
+    int t = lane / QM_R, r = lane % QM_R;
+    if (t < nt && r < nr) Y[(size_t)(t0 + t) * rows + row0 + r] = y;
 }
 
 // ---- int8 tensor-core GEMM (sm_80+): mma.sync m16n8k16 s8 ----
 //
-// One warp computes a tile of 16 weight rows x (8 * MMA_NT) tokens. For every
-// 32-value unit it issues one m16n8k16 per half (values 0..15 and 16..31), so
-// both halves' integer sums come out exact and are scaled like unit_dot:
-// dx * d * (s0 * c_lo + s1 * c_hi) - dx * dm * (m0 * y_lo + m1 * y_hi).
+// A block of MM_WARPS warps computes MM_ROWS weight rows x 8 NT tokens; warp
+// w owns rows 16w .. 16w + 15 and all the tokens (NT tiles of 8). A stage
+// is 8 units (256 values: one superblock, or eight 32-value blocks) of every
+// row and token, copied raw into shared memory as whole 16-byte granules (the
+// phase of each row is kept, so the unit loaders see the global alignment);
+// the next stage's copies fly while this one computes.
+//
+// Per unit: A fragments from the two rows a lane owns, B from the activation
+// rows; the integer products come out exact from the mma and gather in S
+// (times the unit scales) and M (the mins, as a second product against the
+// replicated mins); at each block's end the block value joins acc.
 // Fragment layout (PTX ISA, m16n8k16 .s8): lane = 4 g + t holds A rows g and
 // g + 8, k = 4t..4t+3; B column (token) g, k = 4t..4t+3; C rows g / g + 8,
 // columns 2t, 2t + 1.
 
-#define MMA_WARPS 4
-#define MMA_NT 4
+#define MM_WARPS 4
+#define MM_ROWS 64
+#define MM_WSTRIDE 304 // 19 granules: a row's stage (<= 272 bytes) at any phase
+#define MM_XSTRIDE 336 // 21 granules: a token's stage (<= 292 bytes) at any phase
+// One stage for NT tiles of 8 tokens; two stages are the dynamic shared
+// memory (kernels.rs MMA_SMEM_BYTES for NT = 8; the grouped kernel uses NT = 4).
+#define MM_STAGE_BYTES(NT) (MM_ROWS * MM_WSTRIDE + 8 * (NT) * MM_XSTRIDE)
 
 __device__ __forceinline__ void mma_s8_16816(int (&c)[4], int a0, int a1, int b0) {
     asm volatile(
@@ -129,82 +92,202 @@ __device__ __forceinline__ int pick4(const int* q, int i) {
     return i == 0 ? q[0] : i == 1 ? q[1] : i == 2 ? q[2] : q[3];
 }
 
-template <int F>
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// Bytes of stage `it` of a weight row / an activation row, and their offsets.
+template <int F> struct Stage {
+    int units, wbytes, xbytes;
+    size_t woff, xoff;
+    __device__ __forceinline__ Stage(int it, int total_units) {
+        if (Fmt<F>::UNITS == 8) {
+            units = 8;
+            wbytes = Fmt<F>::BYTES;
+            woff = (size_t)it * Fmt<F>::BYTES;
+        } else {
+            units = min(8, total_units - 8 * it);
+            wbytes = units * Fmt<F>::BYTES;
+            woff = (size_t)it * 8 * Fmt<F>::BYTES;
+        }
+        xbytes = Fmt<F>::K ? 292 : units * 34;
+        xoff = (size_t)it * (Fmt<F>::K ? 292 : 8 * 34);
+    }
+};
+
+// Copy `len` bytes at `src` into `dst` as the whole granules that hold them;
+// granule i of the row is copied by the caller's lanes stepping over i.
+__device__ __forceinline__ void stage_row(u8* dst, const u8* src, int len, int i) {
+    size_t a = (size_t)src;
+    int head = (int)(a & 15);
+    if (i * 16 < head + len) cp_async16(dst + 16 * i, (const void*)((a & ~(size_t)15) + 16 * (size_t)i));
+}
+
+template <int F, int NT>
+__device__ __forceinline__ void mm_issue(u8* buf, const u8* W, const u8* X, int rows, int n_tok, size_t wrb,
+                                         size_t xrb, int r0, int tok0, const Stage<F>& st) {
+    u8* wb = buf;
+    u8* xb = buf + MM_ROWS * MM_WSTRIDE;
+    for (int i = threadIdx.x; i < MM_ROWS * (MM_WSTRIDE / 16); i += MM_WARPS * 32) {
+        int r = i / (MM_WSTRIDE / 16), g = i % (MM_WSTRIDE / 16);
+        if (r0 + r < rows) stage_row(wb + r * MM_WSTRIDE, W + (size_t)(r0 + r) * wrb + st.woff, st.wbytes, g);
+    }
+    for (int i = threadIdx.x; i < 8 * NT * (MM_XSTRIDE / 16); i += MM_WARPS * 32) {
+        int r = i / (MM_XSTRIDE / 16), g = i % (MM_XSTRIDE / 16);
+        if (tok0 + r < n_tok) stage_row(xb + r * MM_XSTRIDE, X + (size_t)(tok0 + r) * xrb + st.xoff, st.xbytes, g);
+    }
+}
+
+__device__ __forceinline__ int phase16(const u8* p) { return (int)((size_t)p & 15); }
+
+// Tokens tok0 .. min(tok0 + 8 NT, n_tok) of X (rows of Y), rows blockIdx.x * MM_ROWS ...
+template <int F, int NT>
 __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                              float* __restrict__ Y, int rows, int cols, int n_tok,
+                                              float* __restrict__ Y, int rows, int cols, int tok0, int n_tok,
                                               const u64* tab) {
+    extern __shared__ __align__(16) u8 mm_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
-    int r0 = (blockIdx.x * MMA_WARPS + warp) * 16;
-    if (r0 >= rows) return;
-    int tok0 = blockIdx.y * (8 * MMA_NT);
+    int r0 = blockIdx.x * MM_ROWS;
     int units = cols / 32;
+    int stages = (units + 7) / 8;
     size_t wrb = w_row_bytes<F>(cols), xrb = act_row_bytes<F>(cols);
-    int ra = r0 + g, rb = r0 + g + 8;
-    // Rows and tokens past the end load row / token 0 (valid memory); their results are dropped.
-    const u8* wa = W + (size_t)(ra < rows ? ra : 0) * wrb;
-    const u8* wb = W + (size_t)(rb < rows ? rb : 0) * wrb;
-    float acc[MMA_NT][4];
+    int ra = warp * 16 + g, rb = ra + 8; // tile rows of this lane's A fragments
+    // Global rows for the phases (rows past the end: any valid address; their results are dropped).
+    const u8* wga = W + (size_t)min(r0 + ra, rows - 1) * wrb;
+    const u8* wgb = W + (size_t)min(r0 + rb, rows - 1) * wrb;
+    float acc[NT][4];
+    int S[NT][4], M[NT][4];
 #pragma unroll
-    for (int n = 0; n < MMA_NT; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
-    for (int k = 0; k < units; k++) {
-        Unit ua = load_unit<F>(wa, k, tab);
-        Unit ub = load_unit<F>(wb, k, tab);
-        int a_lo0 = pick4(ua.q, t), a_hi0 = pick4(ua.q + 4, t);
-        int a_lo1 = pick4(ub.q, t), a_hi1 = pick4(ub.q + 4, t);
-#pragma unroll
-        for (int n = 0; n < MMA_NT; n++) {
-            int tk = tok0 + 8 * n + g;
-            XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(X + (size_t)(tk < n_tok ? tk : 0) * xrb, k);
-            int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
-            mma_s8_16816(lo, a_lo0, a_lo1, pick4(xv.q, t));
-            mma_s8_16816(hi, a_hi0, a_hi1, pick4(xv.q + 4, t));
-            // Columns 2t and 2t + 1 are tokens whose scales sit in lanes 8t and 8t + 4.
-            float dx0 = __shfl_sync(FULL_MASK, xv.d, 8 * t);
-            float dx1 = __shfl_sync(FULL_MASK, xv.d, 8 * t + 4);
-            acc[n][0] += dx0 * ua.d * (float)(ua.s0 * lo[0] + ua.s1 * hi[0]);
-            acc[n][1] += dx1 * ua.d * (float)(ua.s0 * lo[1] + ua.s1 * hi[1]);
-            acc[n][2] += dx0 * ub.d * (float)(ub.s0 * lo[2] + ub.s1 * hi[2]);
-            acc[n][3] += dx1 * ub.d * (float)(ub.s0 * lo[3] + ub.s1 * hi[3]);
-            if (Fmt<F>::MINS) {
-                int y00 = __shfl_sync(FULL_MASK, xv.y0, 8 * t), y10 = __shfl_sync(FULL_MASK, xv.y1, 8 * t);
-                int y01 = __shfl_sync(FULL_MASK, xv.y0, 8 * t + 4), y11 = __shfl_sync(FULL_MASK, xv.y1, 8 * t + 4);
-                acc[n][0] -= dx0 * ua.dm * (float)(ua.m0 * y00 + ua.m1 * y10);
-                acc[n][1] -= dx1 * ua.dm * (float)(ua.m0 * y01 + ua.m1 * y11);
-                acc[n][2] -= dx0 * ub.dm * (float)(ub.m0 * y00 + ub.m1 * y10);
-                acc[n][3] -= dx1 * ub.dm * (float)(ub.m0 * y01 + ub.m1 * y11);
-            }
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < MMA_NT; n++) {
+    for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            int row = i < 2 ? ra : rb;
-            int tok = tok0 + 8 * n + 2 * t + (i & 1);
-            if (row < rows && tok < n_tok) Y[(size_t)tok * rows + row] = acc[n][i];
+            acc[n][i] = 0.0f;
+            S[n][i] = 0;
+            M[n][i] = 0;
+        }
+    mm_issue<F, NT>(mm_smem, W, X, rows, n_tok, wrb, xrb, r0, tok0, Stage<F>(0, units));
+    cp_async_commit();
+    for (int it = 0; it < stages; it++) {
+        if (it + 1 < stages)
+            mm_issue<F, NT>(mm_smem + ((it + 1) & 1) * MM_STAGE_BYTES(NT), W, X, rows, n_tok, wrb, xrb, r0, tok0,
+                        Stage<F>(it + 1, units));
+        cp_async_commit();
+        cp_async_wait1();
+        __syncthreads();
+        Stage<F> st(it, units);
+        const u8* wb = mm_smem + (it & 1) * MM_STAGE_BYTES(NT);
+        const u8* xb = wb + MM_ROWS * MM_WSTRIDE;
+        const u8* wa = wb + ra * MM_WSTRIDE + phase16(wga + st.woff);
+        const u8* wbr = wb + rb * MM_WSTRIDE + phase16(wgb + st.woff);
+        // This lane's B token (column g of every tile) and its two C tokens (2t, 2t + 1).
+        int xb_off[NT], xc_off[NT][2];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            int tb = n * 8 + g;
+            xb_off[n] = tb * MM_XSTRIDE + phase16(X + (size_t)(tok0 + tb) * xrb + st.xoff);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                int tc = n * 8 + 2 * t + j;
+                xc_off[n][j] = tc * MM_XSTRIDE + phase16(X + (size_t)(tok0 + tc) * xrb + st.xoff);
+            }
+        }
+        for (int u = 0; u < st.units; u++) {
+            Unit ua = load_unit<F>(wa, u, tab);
+            Unit ub = load_unit<F>(wbr, u, tab);
+            int alo0 = pick4(ua.q, t), alo1 = pick4(ub.q, t);
+            int ahi0 = pick4(ua.q + 4, t), ahi1 = pick4(ub.q + 4, t);
+            int mlo0 = (int)((u32)ua.m0 * 0x01010101u), mlo1 = (int)((u32)ub.m0 * 0x01010101u);
+            int mhi0 = (int)((u32)ua.m1 * 0x01010101u), mhi1 = (int)((u32)ub.m1 * 0x01010101u);
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                const u8* xq = xb + xb_off[n] + (Fmt<F>::K ? 4 + 32 * u : 2 + 34 * u);
+                int blo = Fmt<F>::K ? *(const int*)(xq + 4 * t) : (int)rd32_a2(xq + 4 * t);
+                int bhi = Fmt<F>::K ? *(const int*)(xq + 16 + 4 * t) : (int)rd32_a2(xq + 16 + 4 * t);
+                if (Fmt<F>::UNITS == 1) {
+                    // Scales are 1: the block's sum accumulates in place.
+                    mma_s8_16816(S[n], alo0, alo1, blo);
+                    mma_s8_16816(S[n], ahi0, ahi1, bhi);
+                } else if (Fmt<F>::EQ) {
+                    int c[4] = {0, 0, 0, 0};
+                    mma_s8_16816(c, alo0, alo1, blo);
+                    mma_s8_16816(c, ahi0, ahi1, bhi);
+                    S[n][0] += ua.s0 * c[0];
+                    S[n][1] += ua.s0 * c[1];
+                    S[n][2] += ub.s0 * c[2];
+                    S[n][3] += ub.s0 * c[3];
+                } else {
+                    int c[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
+                    mma_s8_16816(c, alo0, alo1, blo);
+                    mma_s8_16816(e, ahi0, ahi1, bhi);
+                    S[n][0] += ua.s0 * c[0] + ua.s1 * e[0];
+                    S[n][1] += ua.s0 * c[1] + ua.s1 * e[1];
+                    S[n][2] += ub.s0 * c[2] + ub.s1 * e[2];
+                    S[n][3] += ub.s0 * c[3] + ub.s1 * e[3];
+                }
+                if (Fmt<F>::MINS) {
+                    mma_s8_16816(M[n], mlo0, mlo1, blo);
+                    mma_s8_16816(M[n], mhi0, mhi1, bhi);
+                }
+            }
+            if (Fmt<F>::UNITS == 1 || u == 7) {
+                // The block ends: its value joins each output's sum.
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const u8* xd = xb + xc_off[n][i & 1];
+                        float dx = Fmt<F>::K ? *(const float*)xd : rdh(xd + 34 * u);
+                        float d = i < 2 ? ua.d : ub.d, dm = i < 2 ? ua.dm : ub.dm;
+                        acc[n][i] = __fadd_rn(acc[n][i], block_value<F>(dx, d, dm, S[n][i], M[n][i]));
+                        S[n][i] = 0;
+                        M[n][i] = 0;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = r0 + (i < 2 ? ra : rb);
+            int tok = tok0 + n * 8 + 2 * t + (i & 1);
+            if (row < rows && tok < n_tok) Y[(size_t)tok * rows + row] = finish_dot<F>(acc[n][i]);
         }
     }
 }
 
+// gemm_mma_grouped: the grouped expert products of a prefill chunk in one
+// launch. Work item i = blockIdx.y is items[4i + which] (the expert's matrix:
+// 0 gate, 1 up, 2 down) over sorted rows start .. start + len of X / Y
+// (items[4i + 3] = start | len << 32, len <= 32).
 #define GEMV_ENTRY(NAME, F)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
-        gemv_##NAME(const u8* W, const u8* X, float* Y, int rows, int cols, const u64* tab) {  \
-        gemv_impl<F>(W, X, Y, rows, cols, tab);                                                 \
+    extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemv_##NAME(                   \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, const u64* tab) {      \
+        gemv_impl<F>(W, X, Y, rows, cols, rpw, tab);                                            \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemm_##NAME(                 \
+    extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemm_##NAME(                   \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
         gemm_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                          \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) gemm_mma_##NAME(              \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) gemm_mma_##NAME(               \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
-        gemm_mma_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                      \
+        gemm_mma_impl<F, 8>(W, X, Y, rows, cols, blockIdx.y * 64, n_tok, tab);                  \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                              \
-        gemv_staged_##NAME(const u8* W, const u8* X, float* Y, int rows, int cols, const u64* tab) { \
-        gemv_staged_impl<F>(W, X, Y, rows, cols, tab);                                          \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) gemm_mma_grouped_##NAME(       \
+        const u64* items, int which, const u8* X, float* Y, int rows, int cols, const u64* tab) { \
+        const u64* it = items + 4 * (size_t)blockIdx.y;                                         \
+        int start = (int)(it[3] & 0xffffffffu), len = (int)(it[3] >> 32);                       \
+        gemm_mma_impl<F, 4>((const u8*)it[which], X, Y, rows, cols, start, start + len, tab);   \
     }
 
 GEMV_ENTRY(q8_0, F_Q8_0)

@@ -15,6 +15,7 @@
 
 #define ROUTE_THREADS 256
 #define MOE_WARPS 4
+#define MOE_R 8 // rows per warp of the quantized expert kernels (rows_dot)
 
 struct Best {
     float v;
@@ -100,29 +101,33 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 template <int F>
 __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
                                        int cols, int n_slot, int act, const u64* tab) {
-    int p = blockIdx.y;
-    int row = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
+    int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int row0 = (blockIdx.x * MOE_WARPS + warp) * MOE_R;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
-    if (gp == 0 || upp == 0 || row >= ff) return;
-    int t = p / n_slot;
-    size_t wrb = w_row_bytes<F>(cols);
+    if (gp == 0 || upp == 0 || row0 >= ff) return;
+    int t = p / n_slot, nr = min(MOE_R, ff - row0);
+    size_t wrb = w_row_bytes<F>(cols), off = (size_t)row0 * wrb;
     const u8* x = X + (size_t)t * act_row_bytes<F>(cols);
     int units = cols / 32;
-    float g = warp_sum(row_dot_partial<F>((const u8*)gp + row * wrb, x, units, tab));
-    float u = warp_sum(row_dot_partial<F>((const u8*)upp + row * wrb, x, units, tab));
-    if ((threadIdx.x & 31) == 0) H[(size_t)p * ff + row] = __fmul_rn(act_f(act, g), u);
+    float g = rows_dot<F, MOE_R, 1>((const u8*)gp + off, wrb, nr, x, 0, 1, units, tab, vals[warp]);
+    float u = rows_dot<F, MOE_R, 1>((const u8*)upp + off, wrb, nr, x, 0, 1, units, tab, vals[warp]);
+    if (lane < nr) H[(size_t)p * ff + row0 + lane] = __fmul_rn(act_f(act, g), u);
 }
 
 template <int F>
 __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
                                          const u64* tab) {
-    int p = blockIdx.y;
-    int row = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
+    int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int row0 = (blockIdx.x * MOE_WARPS + warp) * MOE_R;
     u64 dp = down_ptrs[p];
-    if (dp == 0 || row >= d_model) return;
+    if (dp == 0 || row0 >= d_model) return;
+    int nr = min(MOE_R, d_model - row0);
+    size_t wrb = w_row_bytes<F>(ff);
     const u8* h = HQ + (size_t)p * act_row_bytes<F>(ff);
-    float y = warp_sum(row_dot_partial<F>((const u8*)dp + row * w_row_bytes<F>(ff), h, ff / 32, tab));
-    if ((threadIdx.x & 31) == 0) OUT[(size_t)p * d_model + row] = y;
+    float y = rows_dot<F, MOE_R, 1>((const u8*)dp + (size_t)row0 * wrb, wrb, nr, h, 0, 1, ff / 32, tab, vals[warp]);
+    if (lane < nr) OUT[(size_t)p * d_model + row0 + lane] = y;
 }
 
 #define MOE_ENTRY(NAME, F)                                                                          \

@@ -4,14 +4,14 @@
 // A unit is 32 signed 8-bit levels packed in q[8] (four per int, value order),
 // two integer scales (s0 for values 0..15, s1 for 16..31), two integer mins
 // (m0, m1, multiplied by the activation sums of the same halves) and two floats:
-//   value_e      = d * s_half * q_e - dm * m_half
-//   dot(unit, y) = dx * d * (s0 * sum(q y)_0..15 + s1 * sum(q y)_16..31)
-//                - dx * dm * (m0 * sum(y)_0..15 + m1 * sum(y)_16..31)
-// which is exactly the integer block sums of the CPU dots (kernels/src/quant),
-// formed unit by unit; only the order of the float accumulation differs.
-//
+//   value_e = post * d * s_half * q_e - dm * m_half
+// (post: the IQ grids' 1/8 or 1/4, applied once to a finished dot).
 // The 32-value formats have one unit per block; the K and IQ formats eight per
 // 256-value superblock (unit u is values 32u .. 32u + 32 of its superblock).
+//
+// Dots sum exact integers per block (unit_sums, added over a superblock's
+// units), turn each block into one float (block_value, the CPU scalar dot's
+// expression) and add those in block order: see block_value.
 
 #define F_Q8_0 0
 #define F_Q4_0 1
@@ -33,21 +33,22 @@ struct Unit {
     float d, dm;
 };
 
-// Bytes of one block, and units per block, per format.
+// Bytes of one block, units per block, activation kind (K: q8_K, else q8_0),
+// whether units have mins, and whether s0 == s1 in every unit (EQ), per format.
 template <int F> struct Fmt;
-template <> struct Fmt<F_Q8_0> { enum { BYTES = 34, UNITS = 1, K = 0, MINS = 0 }; };
-template <> struct Fmt<F_Q4_0> { enum { BYTES = 18, UNITS = 1, K = 0, MINS = 0 }; };
-template <> struct Fmt<F_Q4_1> { enum { BYTES = 20, UNITS = 1, K = 0, MINS = 1 }; };
-template <> struct Fmt<F_Q5_0> { enum { BYTES = 22, UNITS = 1, K = 0, MINS = 0 }; };
-template <> struct Fmt<F_Q5_1> { enum { BYTES = 24, UNITS = 1, K = 0, MINS = 1 }; };
-template <> struct Fmt<F_Q2_K> { enum { BYTES = 84, UNITS = 8, K = 1, MINS = 1 }; };
-template <> struct Fmt<F_Q3_K> { enum { BYTES = 110, UNITS = 8, K = 1, MINS = 0 }; };
-template <> struct Fmt<F_Q4_K> { enum { BYTES = 144, UNITS = 8, K = 1, MINS = 1 }; };
-template <> struct Fmt<F_Q5_K> { enum { BYTES = 176, UNITS = 8, K = 1, MINS = 1 }; };
-template <> struct Fmt<F_Q6_K> { enum { BYTES = 210, UNITS = 8, K = 1, MINS = 0 }; };
-template <> struct Fmt<F_IQ2_XXS> { enum { BYTES = 66, UNITS = 8, K = 1, MINS = 0 }; };
-template <> struct Fmt<F_IQ2_XS> { enum { BYTES = 74, UNITS = 8, K = 1, MINS = 0 }; };
-template <> struct Fmt<F_IQ3_XXS> { enum { BYTES = 98, UNITS = 8, K = 1, MINS = 0 }; };
+template <> struct Fmt<F_Q8_0> { enum { BYTES = 34, UNITS = 1, K = 0, MINS = 0, EQ = 1 }; };
+template <> struct Fmt<F_Q4_0> { enum { BYTES = 18, UNITS = 1, K = 0, MINS = 0, EQ = 1 }; };
+template <> struct Fmt<F_Q4_1> { enum { BYTES = 20, UNITS = 1, K = 0, MINS = 1, EQ = 1 }; };
+template <> struct Fmt<F_Q5_0> { enum { BYTES = 22, UNITS = 1, K = 0, MINS = 0, EQ = 1 }; };
+template <> struct Fmt<F_Q5_1> { enum { BYTES = 24, UNITS = 1, K = 0, MINS = 1, EQ = 1 }; };
+template <> struct Fmt<F_Q2_K> { enum { BYTES = 84, UNITS = 8, K = 1, MINS = 1, EQ = 0 }; };
+template <> struct Fmt<F_Q3_K> { enum { BYTES = 110, UNITS = 8, K = 1, MINS = 0, EQ = 0 }; };
+template <> struct Fmt<F_Q4_K> { enum { BYTES = 144, UNITS = 8, K = 1, MINS = 1, EQ = 1 }; };
+template <> struct Fmt<F_Q5_K> { enum { BYTES = 176, UNITS = 8, K = 1, MINS = 1, EQ = 1 }; };
+template <> struct Fmt<F_Q6_K> { enum { BYTES = 210, UNITS = 8, K = 1, MINS = 0, EQ = 0 }; };
+template <> struct Fmt<F_IQ2_XXS> { enum { BYTES = 66, UNITS = 8, K = 1, MINS = 0, EQ = 1 }; };
+template <> struct Fmt<F_IQ2_XS> { enum { BYTES = 74, UNITS = 8, K = 1, MINS = 0, EQ = 0 }; };
+template <> struct Fmt<F_IQ3_XXS> { enum { BYTES = 98, UNITS = 8, K = 1, MINS = 0, EQ = 1 }; };
 
 // The IQ grids live in one device table (uploaded by the host, extracted from
 // the CPU tables): iq2_xxs at u64 [0, 256), iq2_xs at u64 [256, 768), iq3_xxs
@@ -62,7 +63,13 @@ __device__ __forceinline__ void unit_plain(Unit& u, float d) {
     u.dm = 0.0f;
 }
 
-// Unit `k` of the row starting at `w`.
+// An aligned u32 load (p must be 4-byte aligned).
+__device__ __forceinline__ u32 rd32_a4(const u8* p) { return *(const u32*)p; }
+
+// Unit `k` of the row starting at `w`. q2_K, q4_K and q5_K superblocks are
+// whole 4-byte words (84, 144, 176 bytes) and tensors start 4-aligned (GGUF
+// aligns tensor data to 32, device allocations more), so their quants load as
+// words; the other formats' blocks are only 2-aligned.
 template <int F> __device__ __forceinline__ Unit load_unit(const u8* w, int k, const u64* tab);
 
 template <> __device__ __forceinline__ Unit load_unit<F_Q8_0>(const u8* w, int k, const u64*) {
@@ -144,7 +151,7 @@ template <> __device__ __forceinline__ Unit load_unit<F_Q2_K>(const u8* w, int k
     int j = k & 7, c = j >> 2, s = j & 3;
     Unit u;
 #pragma unroll
-    for (int i = 0; i < 8; i++) u.q[i] = (int)((rd32(b + 16 + 32 * c + 4 * i) >> (2 * s)) & 0x03030303u);
+    for (int i = 0; i < 8; i++) u.q[i] = (int)((rd32_a4(b + 16 + 32 * c + 4 * i) >> (2 * s)) & 0x03030303u);
     u32 sa = b[2 * j], sb = b[2 * j + 1];
     u.s0 = sa & 0xf;
     u.s1 = sb & 0xf;
@@ -196,7 +203,7 @@ template <> __device__ __forceinline__ Unit load_unit<F_Q4_K>(const u8* w, int k
     Unit u;
 #pragma unroll
     for (int i = 0; i < 8; i++)
-        u.q[i] = (int)((rd32_a2(b + 16 + 32 * (j >> 1) + 4 * i) >> (4 * (j & 1))) & 0x0f0f0f0fu);
+        u.q[i] = (int)((rd32_a4(b + 16 + 32 * (j >> 1) + 4 * i) >> (4 * (j & 1))) & 0x0f0f0f0fu);
     int sc, m;
     k4_scale_min(b + 4, j, sc, m);
     u.s0 = u.s1 = sc;
@@ -212,8 +219,8 @@ template <> __device__ __forceinline__ Unit load_unit<F_Q5_K>(const u8* w, int k
     Unit u;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        u32 lo = (rd32_a2(b + 48 + 32 * (j >> 1) + 4 * i) >> (4 * (j & 1))) & 0x0f0f0f0fu;
-        u32 hi = (rd32_a2(b + 16 + 4 * i) >> j) & 0x01010101u;
+        u32 lo = (rd32_a4(b + 48 + 32 * (j >> 1) + 4 * i) >> (4 * (j & 1))) & 0x0f0f0f0fu;
+        u32 hi = (rd32_a4(b + 16 + 4 * i) >> j) & 0x01010101u;
         u.q[i] = (int)(lo | (hi << 4));
     }
     int sc, m;
@@ -257,7 +264,7 @@ template <> __device__ __forceinline__ Unit load_unit<F_IQ2_XXS>(const u8* w, in
     }
     u.s0 = u.s1 = 2 * (int)(s >> 28) + 1;
     u.m0 = u.m1 = 0;
-    u.d = 0.125f * rdh(b);
+    u.d = rdh(b);
     u.dm = 0.0f;
     return u;
 }
@@ -278,7 +285,7 @@ template <> __device__ __forceinline__ Unit load_unit<F_IQ2_XS>(const u8* w, int
     u.s0 = 2 * (int)(sc & 0xf) + 1;
     u.s1 = 2 * (int)(sc >> 4) + 1;
     u.m0 = u.m1 = 0;
-    u.d = 0.125f * rdh(b);
+    u.d = rdh(b);
     u.dm = 0.0f;
     return u;
 }
@@ -297,7 +304,7 @@ template <> __device__ __forceinline__ Unit load_unit<F_IQ3_XXS>(const u8* w, in
     }
     u.s0 = u.s1 = 2 * (int)(s >> 28) + 1;
     u.m0 = u.m1 = 0;
-    u.d = 0.25f * rdh(b);
+    u.d = rdh(b);
     u.dm = 0.0f;
     return u;
 }
@@ -338,15 +345,36 @@ template <bool K, bool SUMS> __device__ __forceinline__ XUnit load_x(const u8* x
     return v;
 }
 
-template <int F> __device__ __forceinline__ float unit_dot(const Unit& u, const XUnit& x) {
+// Exact integer sums of one unit against activation unit x: S = s0 * sum(q y)_lo
+// + s1 * sum(q y)_hi and, for formats with mins, M = m0 * sum(y)_lo + m1 * sum(y)_hi.
+template <int F> __device__ __forceinline__ void unit_sums(const Unit& u, const XUnit& x, int& S, int& M) {
     int a = 0, b = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) a = dp4a(u.q[i], x.q[i], a);
 #pragma unroll
     for (int i = 4; i < 8; i++) b = dp4a(u.q[i], x.q[i], b);
-    float r = x.d * u.d * (float)(u.s0 * a + u.s1 * b);
-    if (Fmt<F>::MINS) r -= x.d * u.dm * (float)(u.m0 * x.y0 + u.m1 * x.y1);
+    S = u.s0 * a + u.s1 * b;
+    M = Fmt<F>::MINS ? u.m0 * x.y0 + u.m1 * x.y1 : 0;
+}
+
+// The float value of one block (a 32-value block, or a whole superblock of the
+// K and IQ formats) from its exact integer sums: the CPU scalar dot's
+// expression, (dx * d) * S - (dx * dm) * M, every operation rounded on its own.
+// The canonical dot is these values added one by one, in block order, to an
+// accumulator starting at 0, then times post_scale. Every quantized GEMV, GEMM
+// and expert kernel follows it, so decode, prefill and the CPU agree bit for bit.
+template <int F> __device__ __forceinline__ float block_value(float dx, float d, float dm, int S, int M) {
+    float r = __fmul_rn(__fmul_rn(dx, d), (float)S);
+    if (Fmt<F>::MINS) r = __fsub_rn(r, __fmul_rn(__fmul_rn(dx, dm), (float)M));
     return r;
+}
+
+// The factor the CPU applies to the finished sum (the IQ grids' 1/8 and 1/4).
+template <int F> __device__ __forceinline__ float post_scale() {
+    return F == F_IQ2_XXS || F == F_IQ2_XS ? 0.125f : F == F_IQ3_XXS ? 0.25f : 1.0f;
+}
+template <int F> __device__ __forceinline__ float finish_dot(float acc) {
+    return F == F_IQ2_XXS || F == F_IQ2_XS || F == F_IQ3_XXS ? __fmul_rn(post_scale<F>(), acc) : acc;
 }
 
 // Activation bytes of one row of `cols` values, for the format F dots against.
@@ -357,23 +385,71 @@ template <int F> __device__ __forceinline__ size_t w_row_bytes(int cols) {
     return (size_t)(cols / (32 * Fmt<F>::UNITS)) * Fmt<F>::BYTES;
 }
 
-// dot(weight row, activation row) over `units` units, lane-strided over a warp;
-// returns the lane's partial sum (reduce with warp_sum).
-template <int F> __device__ __forceinline__ float row_dot_partial(const u8* w, const u8* x, int units, const u64* tab) {
+// Canonical dots of R weight rows (`w`, `wrb` bytes apart; the first `nrows`
+// exist) against T activation rows (`x`, `xrb` apart; the first `nt` exist),
+// by one warp. Step c: lane l takes unit 32c + l of every row and token; a
+// block's integer sums meet in its first lane (a superblock's 8 lanes reduce
+// exactly), which writes the block value to `vals` (R * T * VALS_STRIDE
+// floats of this warp's shared memory); then lane p = t * R + r adds its
+// pair's values in block order. Returns lane p's finished dot (R * T <= 32;
+// lanes past that, and missing rows or tokens, return garbage to ignore).
+#define VALS_STRIDE 33
+
+template <int F, int R, int T>
+__device__ __forceinline__ float rows_dot(const u8* w, size_t wrb, int nrows, const u8* x, size_t xrb, int nt,
+                                          int units, const u64* tab, float* vals) {
+    const int lane = threadIdx.x & 31;
+    const int UN = Fmt<F>::UNITS, BPS = 32 / UN;
+    int blocks = units / UN;
     float acc = 0.0f;
-    for (int k = threadIdx.x & 31; k < units; k += 32) {
-        Unit u = load_unit<F>(w, k, tab);
-        XUnit xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(x, k);
-        acc += unit_dot<F>(u, xv);
+    for (int c = 0; c * 32 < units; c++) {
+        int k = c * 32 + lane;
+        bool ok = k < units;
+        Unit u[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r >= nrows) break; // the same for the whole warp
+            if (ok) u[r] = load_unit<F>(w + (size_t)r * wrb, k, tab);
+        }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            bool okt = ok && t < nt;
+            XUnit xv;
+            if (okt) xv = load_x<Fmt<F>::K, Fmt<F>::MINS>(x + (size_t)t * xrb, k);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r >= nrows) break; // warp-uniform: the shuffles below stay converged
+                bool okr = okt;
+                int S = 0, M = 0;
+                if (okr) unit_sums<F>(u[r], xv, S, M);
+                if (UN == 8) {
+#pragma unroll
+                    for (int o = 1; o < 8; o <<= 1) {
+                        S += __shfl_xor_sync(FULL_MASK, S, o);
+                        if (Fmt<F>::MINS) M += __shfl_xor_sync(FULL_MASK, M, o);
+                    }
+                }
+                if (okr && lane % UN == 0)
+                    vals[(t * R + r) * VALS_STRIDE + lane / UN] = block_value<F>(xv.d, u[r].d, u[r].dm, S, M);
+            }
+        }
+        __syncwarp();
+        if (lane < R * T) {
+            int nb = min(BPS, blocks - c * BPS);
+            const float* v = vals + lane * VALS_STRIDE;
+            for (int b = 0; b < nb; b++) acc = __fadd_rn(acc, v[b]);
+        }
+        __syncwarp();
     }
-    return acc;
+    return finish_dot<F>(acc);
 }
 
 // The value of element e (0..31) of a unit.
-__device__ __forceinline__ float unit_value(const Unit& u, int e) {
+template <int F> __device__ __forceinline__ float unit_value(const Unit& u, int e) {
     int q = (int)(i8)((u.q[e >> 2] >> (8 * (e & 3))) & 0xff);
     int s = e < 16 ? u.s0 : u.s1;
     int m = e < 16 ? u.m0 : u.m1;
+    float d = post_scale<F>() != 1.0f ? __fmul_rn(post_scale<F>(), u.d) : u.d;
     // No contraction into an fma: the CPU rounds each product.
-    return __fsub_rn(__fmul_rn(__fmul_rn(u.d, (float)s), (float)q), __fmul_rn(u.dm, (float)m));
+    return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)s), (float)q), __fmul_rn(u.dm, (float)m));
 }

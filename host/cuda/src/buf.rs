@@ -97,6 +97,23 @@ impl<T: Pod> DeviceBuf<T> {
         Ok(())
     }
 
+    /// Copy `src` into the first `src.len()` values (at most `len`) on `stream`, then wait for it.
+    pub fn upload_prefix(&mut self, stream: &CudaStream, src: &[T]) -> Result<(), CudaError> {
+        if src.len() > self.len {
+            return Err(shape("upload", format!("{} values into a buffer of {}", src.len(), self.len)));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: src fits the allocation; the stream is synchronised before `src` can move.
+        unsafe {
+            result::memcpy_htod_async(self.ptr, src, stream.cu_stream())?;
+        }
+        stream.synchronize()?;
+        Ok(())
+    }
+
     /// Copy out into `dst` (exactly `len` values) on `stream`, then wait for it.
     pub fn download(&self, stream: &CudaStream, dst: &mut [T]) -> Result<(), CudaError> {
         self.check_len("download", dst.len())?;

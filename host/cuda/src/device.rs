@@ -227,6 +227,14 @@ impl CudaDevice {
                     .map_err(|_| CudaError::MissingEntry(e))?,
             );
         }
+        for (i, f) in funcs.iter().enumerate() {
+            if let Some(bytes) = crate::kernels::large_smem(family, i) {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )?;
+            }
+        }
         // A racing thread may have set it first; either value is the same module.
         let _ = cell.set(Loaded {
             _module: module,

@@ -104,66 +104,98 @@ pub(crate) fn float_index(ty: GgmlType) -> Option<usize> {
 }
 
 // Per format i: gemv_<fmt> at 4i, gemm_<fmt> (dp4a) at 4i + 1, gemm_mma_<fmt>
-// (int8 tensor cores) at 4i + 2, gemv_staged_<fmt> at 4i + 3; then the two
-// activation quantizers.
+// (int8 tensor cores) at 4i + 2, gemm_mma_grouped_<fmt> (the prefill experts'
+// work list) at 4i + 3; then the two activation quantizers.
 const GEMV_QUANT: &[&str] = &[
     "gemv_q8_0",
     "gemm_q8_0",
     "gemm_mma_q8_0",
-    "gemv_staged_q8_0",
+    "gemm_mma_grouped_q8_0",
     "gemv_q4_0",
     "gemm_q4_0",
     "gemm_mma_q4_0",
-    "gemv_staged_q4_0",
+    "gemm_mma_grouped_q4_0",
     "gemv_q4_1",
     "gemm_q4_1",
     "gemm_mma_q4_1",
-    "gemv_staged_q4_1",
+    "gemm_mma_grouped_q4_1",
     "gemv_q5_0",
     "gemm_q5_0",
     "gemm_mma_q5_0",
-    "gemv_staged_q5_0",
+    "gemm_mma_grouped_q5_0",
     "gemv_q5_1",
     "gemm_q5_1",
     "gemm_mma_q5_1",
-    "gemv_staged_q5_1",
+    "gemm_mma_grouped_q5_1",
     "gemv_q2_k",
     "gemm_q2_k",
     "gemm_mma_q2_k",
-    "gemv_staged_q2_k",
+    "gemm_mma_grouped_q2_k",
     "gemv_q3_k",
     "gemm_q3_k",
     "gemm_mma_q3_k",
-    "gemv_staged_q3_k",
+    "gemm_mma_grouped_q3_k",
     "gemv_q4_k",
     "gemm_q4_k",
     "gemm_mma_q4_k",
-    "gemv_staged_q4_k",
+    "gemm_mma_grouped_q4_k",
     "gemv_q5_k",
     "gemm_q5_k",
     "gemm_mma_q5_k",
-    "gemv_staged_q5_k",
+    "gemm_mma_grouped_q5_k",
     "gemv_q6_k",
     "gemm_q6_k",
     "gemm_mma_q6_k",
-    "gemv_staged_q6_k",
+    "gemm_mma_grouped_q6_k",
     "gemv_iq2_xxs",
     "gemm_iq2_xxs",
     "gemm_mma_iq2_xxs",
-    "gemv_staged_iq2_xxs",
+    "gemm_mma_grouped_iq2_xxs",
     "gemv_iq2_xs",
     "gemm_iq2_xs",
     "gemm_mma_iq2_xs",
-    "gemv_staged_iq2_xs",
+    "gemm_mma_grouped_iq2_xs",
     "gemv_iq3_xxs",
     "gemm_iq3_xxs",
     "gemm_mma_iq3_xxs",
-    "gemv_staged_iq3_xxs",
+    "gemm_mma_grouped_iq3_xxs",
     "quantize_q8_0",
     "quantize_q8_k",
 ];
 pub(crate) const QUANTIZE_Q8_0: usize = 52;
 pub(crate) const QUANTIZE_Q8_K: usize = 53;
+/// Entry of the quantized GEMV / dp4a GEMM / tensor-core GEMM / grouped
+/// tensor-core GEMM of format `i`.
+pub(crate) const fn gemv_entry(i: usize) -> usize {
+    4 * i
+}
+pub(crate) const fn gemm_entry(i: usize) -> usize {
+    4 * i + 1
+}
+pub(crate) const fn gemm_mma_entry(i: usize) -> usize {
+    4 * i + 2
+}
+pub(crate) const fn gemm_mma_grouped_entry(i: usize) -> usize {
+    4 * i + 3
+}
+/// Dynamic shared memory of gemm_mma_* (two stages of 64 weight rows at 304
+/// bytes and 64 tokens at 336 bytes: MM_STAGE_BYTES(8) in gemv_quant.cu).
+pub(crate) const MMA_SMEM_BYTES: u32 = 2 * (64 * 304 + 64 * 336);
+/// The same for gemm_mma_grouped_* (32-token tiles: MM_STAGE_BYTES(4)).
+pub(crate) const MMA_GROUPED_SMEM_BYTES: u32 = 2 * (64 * 304 + 32 * 336);
+
+/// The dynamic shared memory above the default 48 KiB that entry `index` of
+/// `family` needs opted in at load.
+pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
+    if family != Family::GemvQuant || index >= QUANTIZE_Q8_0 {
+        return None;
+    }
+    match index % 4 {
+        2 => Some(MMA_SMEM_BYTES),
+        3 => Some(MMA_GROUPED_SMEM_BYTES),
+        _ => None,
+    }
+}
 
 const GEMV_FLOAT: &[&str] = &[
     "gemv_f32",
@@ -248,10 +280,13 @@ mod tests {
     fn entry_tables_follow_the_format_order() {
         for (i, ty) in QUANT_TYPES.iter().enumerate() {
             let n = ty.name().to_ascii_lowercase();
-            assert_eq!(GEMV_QUANT[4 * i], format!("gemv_{n}"));
-            assert_eq!(GEMV_QUANT[4 * i + 1], format!("gemm_{n}"));
-            assert_eq!(GEMV_QUANT[4 * i + 2], format!("gemm_mma_{n}"));
-            assert_eq!(GEMV_QUANT[4 * i + 3], format!("gemv_staged_{n}"));
+            assert_eq!(GEMV_QUANT[gemv_entry(i)], format!("gemv_{n}"));
+            assert_eq!(GEMV_QUANT[gemm_entry(i)], format!("gemm_{n}"));
+            assert_eq!(GEMV_QUANT[gemm_mma_entry(i)], format!("gemm_mma_{n}"));
+            assert_eq!(GEMV_QUANT[gemm_mma_grouped_entry(i)], format!("gemm_mma_grouped_{n}"));
+            assert_eq!(large_smem(Family::GemvQuant, gemm_mma_entry(i)), Some(MMA_SMEM_BYTES));
+            assert_eq!(large_smem(Family::GemvQuant, gemm_mma_grouped_entry(i)), Some(MMA_GROUPED_SMEM_BYTES));
+            assert_eq!(large_smem(Family::GemvQuant, gemv_entry(i)), None);
             assert_eq!(EMBED[3 + i], format!("embed_{n}"));
             assert_eq!(MOE[1 + 2 * i], format!("moe_up_{n}"));
             assert_eq!(MOE[2 + 2 * i], format!("moe_down_{n}"));
@@ -292,7 +327,7 @@ mod tests {
             };
             let name = args.split(',').next().unwrap_or("").trim();
             let prefixes: &[&str] = match mac.trim() {
-                "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_", "gemv_staged_"],
+                "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_", "gemm_mma_grouped_"],
                 "FGEMV_ENTRY" => &["gemv_", "gemm_"],
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],

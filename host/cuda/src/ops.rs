@@ -14,8 +14,8 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
-    float_index, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
-    QUANTIZE_Q8_K,
+    float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES,
+    MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
@@ -23,51 +23,33 @@ macro_rules! params {
     ($($v:expr),* $(,)?) => { [$( (&$v) as *const _ as *mut c_void ),*] };
 }
 
-const GEMV_ROWS_PER_BLOCK: usize = 4; // GEMV_WARPS / FG_WARPS / MOE_WARPS
-const GEMM_TOKENS: usize = 8; // GEMM_TT / FG_TT
-const MMA_ROWS_PER_BLOCK: usize = 64; // MMA_WARPS * 16
-const MMA_TOKENS: usize = 32; // 8 * MMA_NT
+const GEMV_ROWS_PER_BLOCK: usize = 4; // FG_WARPS / MOE_WARPS of the float kernels
+const GEMM_TOKENS: usize = 8; // FG_TT
+const QGEMV_WARPS: usize = 4; // QV_WARPS
+const QGEMV_MAX_RPW: usize = 8; // QV_R
+const QGEMV_ROWS_PER_BLOCK: usize = 32; // MOE_WARPS * MOE_R
+const QGEMM_ROWS_PER_BLOCK: usize = 16; // QV_WARPS * QM_R
+const QGEMM_TOKENS: usize = 8; // QM_T
+const MMA_ROWS_PER_BLOCK: usize = 64; // MM_ROWS
+const MMA_TOKENS: usize = 64; // MM_TOK
 const ATT_CHUNK: usize = 256;
 
-/// Which kernel runs a quantized GEMV.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GemvKernel {
-    /// Each lane unpacks its units straight from global memory.
-    Direct,
-    /// The weight row goes through shared memory in 16-byte coalesced loads first.
-    Staged,
-}
-
-impl GemvKernel {
-    /// The kernel [`CudaDevice::gemv`] uses for `ty`. Both pass the self-test
-    /// for every format; on the H200 (2026-12-01) staging was 5-29% faster for
-    /// q4_K, q6_K, q8_0, q2_K and q4_0 at 14336x4096 and 12% slower for iq2_xxs
-    /// (the grid lookups, not the weight bytes, bound it). Unmeasured formats
-    /// follow their nearest measured relative.
-    pub fn default_for(ty: GgmlType) -> GemvKernel {
-        match ty {
-            GgmlType::IQ2_XXS | GgmlType::IQ2_XS | GgmlType::IQ3_XXS => GemvKernel::Direct,
-            _ => GemvKernel::Staged,
-        }
-    }
-}
-
-/// Which kernel runs a quantized GEMM.
+/// Which kernel runs a quantized GEMM. Both sum every dot in the canonical
+/// order of the GEMV (quant_units.cuh, block_value), so they give the GEMV's
+/// bits: a decoded token equals a fresh prefill's, whichever ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmKernel {
-    /// One weight row per warp, dp4a against tiles of 8 tokens (any GPU with dp4a).
+    /// Four weight rows x eight tokens per warp on dp4a (any GPU with dp4a).
     Dp4a,
-    /// int8 tensor cores (mma.sync m16n8k16), tiles of 16 rows x 32 tokens; sm_80+.
+    /// int8 tensor cores (mma.sync m16n8k16), tiles of 64 rows x 64 tokens
+    /// staged through shared memory by cp.async; sm_80+.
     TensorCore,
 }
 
 impl GemmKernel {
-    /// The kernel [`CudaDevice::gemm`] uses for `ty` on a device of compute
-    /// capability `cc`. On the H200 at 4096x4096x512 tokens the tensor-core
-    /// kernel was faster for q6_K (+26%), q8_0, q2_K, q4_0 and iq2_xxs (1.8x)
-    /// and 3% slower for q4_K; both are unpack-bound for now (7-28 TOPS).
-    pub fn default_for(cc: (i32, i32), ty: GgmlType) -> GemmKernel {
-        if cc.0 < 8 || ty == GgmlType::Q4_K {
+    /// The kernel [`CudaDevice::gemm`] uses on a device of compute capability `cc`.
+    pub fn default_for(cc: (i32, i32)) -> GemmKernel {
+        if cc.0 < 8 {
             GemmKernel::Dp4a
         } else {
             GemmKernel::TensorCore
@@ -129,8 +111,11 @@ pub struct ExpertRun {
 
 /// Work buffers of [`CudaDevice::moe_ffn_grouped`] for `n` sorted rows:
 /// `xs` the gathered activations, `hg`/`hu`/`h` `[n, ff]`, `hq` `h`
-/// quantized, `outs` `[n, d_model]`.
+/// quantized, `outs` `[n, d_model]`; `items` room for the work list of the
+/// tensor-core kernel (4 values per item; at most `n / 32 + runs` items:
+/// [`grouped_items_len`]).
 pub struct GroupedScratch<'a> {
+    pub items: &'a mut DeviceBuf<u64>,
     pub xs: &'a mut DeviceBuf<u8>,
     pub hg: &'a mut DeviceBuf<f32>,
     pub hu: &'a mut DeviceBuf<f32>,
@@ -161,6 +146,23 @@ fn check_pairs(op: &'static str, pairs: &MoePairs<'_>, h_len: usize, ff: usize, 
     }
     Ok(n_pairs)
 }
+
+/// Rows per warp of the quantized GEMV: as many as keep about 2048 warps
+/// streaming (a warp sums its rows' blocks one after another, so short
+/// matrices need fewer rows per warp to fill the device), at most QV_R.
+fn gemv_rows_per_warp(rows: usize) -> usize {
+    let mut r = 1;
+    while r < QGEMV_MAX_RPW && rows / (2 * r) >= 2048 {
+        r *= 2;
+    }
+    r
+}
+
+/// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
+pub fn grouped_items_len(n: usize, runs: usize) -> usize {
+    4 * (n / GROUPED_TILE + runs)
+}
+const GROUPED_TILE: usize = 32; // 8 * 4 tokens of gemm_mma_grouped
 
 fn act_code(a: Activation) -> Result<i32, CudaError> {
     match a {
@@ -342,37 +344,18 @@ impl CudaDevice {
         x: &DeviceBuf<u8>,
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
-        self.gemv_with(stream, GemvKernel::default_for(ty), ty, w, rows, cols, x, y)
-    }
-
-    /// [`CudaDevice::gemv`] with an explicit kernel choice.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_with(
-        &self,
-        stream: &CudaStream,
-        kernel: GemvKernel,
-        ty: GgmlType,
-        w: &DeviceBuf<u8>,
-        rows: usize,
-        cols: usize,
-        x: &DeviceBuf<u8>,
-        y: &mut DeviceBuf<f32>,
-    ) -> Result<(), CudaError> {
         let qi = self.check_quant_mm("gemv", ty, w, rows, cols, x, 1, y)?;
-        let entry = match kernel {
-            GemvKernel::Direct => 4 * qi,
-            GemvKernel::Staged => 4 * qi + 3,
-        };
-        let f = self.func(Family::GemvQuant, entry)?;
+        let f = self.func(Family::GemvQuant, gemv_entry(qi))?;
         let (wp, xp, yp, tab) = (
             w.device_ptr(),
             x.device_ptr(),
             y.device_ptr(),
             self.iq_tables().device_ptr(),
         );
-        let (r, c) = (rows as i32, cols as i32);
-        let grid = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
-        // SAFETY: (W, X, Y, rows, cols, tab) as GEMV_ENTRY; sizes checked.
+        let rpw = gemv_rows_per_warp(rows);
+        let (r, c, rw) = (rows as i32, cols as i32, rpw as i32);
+        let grid = rows.div_ceil(QGEMV_WARPS * rpw) as u32;
+        // SAFETY: (W, X, Y, rows, cols, rpw, tab) as GEMV_ENTRY; sizes checked.
         unsafe {
             self.launch(
                 f,
@@ -380,7 +363,7 @@ impl CudaDevice {
                 128,
                 0,
                 stream,
-                &mut params![wp, xp, yp, r, c, tab],
+                &mut params![wp, xp, yp, r, c, rw, tab],
             )
         }
     }
@@ -401,7 +384,7 @@ impl CudaDevice {
     ) -> Result<(), CudaError> {
         self.gemm_with(
             stream,
-            GemmKernel::default_for(self.compute_capability(), ty),
+            GemmKernel::default_for(self.compute_capability()),
             ty,
             w,
             rows,
@@ -433,14 +416,41 @@ impl CudaDevice {
             ));
         }
         let qi = self.check_quant_mm("gemm", ty, w, rows, cols, x, n_tok, y)?;
-        let (entry, grid) = match kernel {
+        let tab = self.iq_tables().device_ptr();
+        // SAFETY: W, X and Y hold rows x cols weights, n_tok activation rows and n_tok x rows outputs (checked).
+        unsafe { self.launch_quant_gemm(stream, kernel, ty, qi, w.device_ptr(), x.device_ptr(), y.device_ptr(), rows, cols, n_tok, tab) }
+    }
+
+    /// Queue the quantized GEMM `kernel` of format index `qi` on raw device
+    /// addresses (the grouped MoE multiplies sub-ranges of its scratch).
+    ///
+    /// # Safety
+    /// `w` must address `rows` weight rows of `cols` values of `ty`, `x` `n_tok`
+    /// activation rows for `ty`, `y` `n_tok * rows` floats.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_quant_gemm(
+        &self,
+        stream: &CudaStream,
+        kernel: GemmKernel,
+        ty: GgmlType,
+        qi: usize,
+        w: u64,
+        x: u64,
+        y: u64,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+        tab: u64,
+    ) -> Result<(), CudaError> {
+        let (entry, grid, smem) = match kernel {
             GemmKernel::Dp4a => (
-                4 * qi + 1,
+                gemm_entry(qi),
                 (
-                    rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32,
-                    n_tok.div_ceil(GEMM_TOKENS) as u32,
+                    rows.div_ceil(QGEMM_ROWS_PER_BLOCK) as u32,
+                    n_tok.div_ceil(QGEMM_TOKENS) as u32,
                     1,
                 ),
+                0,
             ),
             GemmKernel::TensorCore => {
                 if self.compute_capability().0 < 8 {
@@ -450,34 +460,20 @@ impl CudaDevice {
                     });
                 }
                 (
-                    4 * qi + 2,
+                    gemm_mma_entry(qi),
                     (
                         rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32,
                         n_tok.div_ceil(MMA_TOKENS) as u32,
                         1,
                     ),
+                    MMA_SMEM_BYTES,
                 )
             }
         };
         let f = self.func(Family::GemvQuant, entry)?;
-        let (wp, xp, yp, tab) = (
-            w.device_ptr(),
-            x.device_ptr(),
-            y.device_ptr(),
-            self.iq_tables().device_ptr(),
-        );
         let (r, c, n) = (rows as i32, cols as i32, n_tok as i32);
-        // SAFETY: (W, X, Y, rows, cols, n_tok, tab) as GEMV_ENTRY; sizes checked.
-        unsafe {
-            self.launch(
-                f,
-                grid,
-                128,
-                0,
-                stream,
-                &mut params![wp, xp, yp, r, c, n, tab],
-            )
-        }
+        // SAFETY: (W, X, Y, rows, cols, n_tok, tab) as GEMV_ENTRY; the caller vouches for the sizes.
+        unsafe { self.launch(f, grid, 128, smem, stream, &mut params![w, x, y, r, c, n, tab]) }
     }
 
     /// Float-weight (f32/f16/bf16) product on f32 activations: `y` is
@@ -1004,7 +1000,7 @@ impl CudaDevice {
         );
         let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
         let f = self.func(Family::Moe, 1 + 2 * gi)?;
-        let grid = (ff.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_pairs as u32, 1);
+        let grid = (ff.div_ceil(QGEMV_ROWS_PER_BLOCK) as u32, n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked.
         unsafe {
             self.launch(
@@ -1020,7 +1016,7 @@ impl CudaDevice {
         let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
         let grid = (
-            d_model.div_ceil(GEMV_ROWS_PER_BLOCK) as u32,
+            d_model.div_ceil(QGEMV_ROWS_PER_BLOCK) as u32,
             n_pairs as u32,
             1,
         );
@@ -1099,9 +1095,9 @@ impl CudaDevice {
 
     /// The routed-expert FFN of a prefill chunk, one expert at a time: the
     /// rows routed to an expert (sorted row i is token `tok_of[i]`, pair
-    /// `pair_of[i]`) are gathered, multiplied by its matrices with the dp4a
-    /// GEMM (each weight row read once per tile of tokens, not once per
-    /// pair), and scattered back to pair order in `out` (`[n_pairs,
+    /// `pair_of[i]`) are gathered, multiplied by its matrices with the
+    /// device's default GEMM (each weight row read once per tile of tokens,
+    /// not once per pair), and scattered back to pair order in `out` (`[n_pairs,
     /// d_model]`); rows outside every run are left untouched. Same sums in
     /// the same order as [`CudaDevice::moe_ffn`] on the same pairs.
     #[allow(clippy::too_many_arguments)]
@@ -1159,25 +1155,54 @@ impl CudaDevice {
         // values index `x`'s rows (the caller's contract, like the pointers).
         unsafe { self.launch(f, (n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, xr, dst])? };
         let tab = self.iq_tables().device_ptr();
-        let gemm = |fi: usize, w: u64, xp: u64, yp: u64, rows: usize, cols: usize, len: usize| -> Result<(), CudaError> {
-            let f = self.func(Family::GemvQuant, 4 * fi + 1)?;
-            let grid = (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, len.div_ceil(GEMM_TOKENS) as u32, 1);
-            let (r, c, nt) = (rows as i32, cols as i32, len as i32);
-            // SAFETY: (W, X, Y, rows, cols, n_tok, tab) as GEMV_ENTRY; X and Y
-            // lie inside the checked scratch; W is the caller's expert matrix.
-            unsafe { self.launch(f, grid, 128, 0, stream, &mut params![w, xp, yp, r, c, nt, tab]) }
-        };
         let hqrow = act_bytes(dfmt, 1, ff)?;
-        for r in runs.iter().filter(|r| r.len > 0) {
-            let xp = s.xs.device_ptr() + (r.start * xrow) as u64;
-            gemm(gi, r.gate, xp, s.hg.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
-            gemm(gi, r.up, xp, s.hu.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
-        }
-        self.glu(stream, s.hg, s.hu, s.h, act)?;
-        self.quantize_act(stream, dfmt, s.h, n, ff, s.hq)?;
-        for r in runs.iter().filter(|r| r.len > 0) {
-            let hp = s.hq.device_ptr() + (r.start * hqrow) as u64;
-            gemm(di, r.down, hp, s.outs.device_ptr() + (r.start * d_model * 4) as u64, d_model, ff, r.len)?;
+        if GemmKernel::default_for(self.compute_capability()) == GemmKernel::TensorCore {
+            // One launch per matrix over every (expert, 32-row tile).
+            let mut items = Vec::with_capacity(grouped_items_len(n, runs.len()));
+            for r in runs {
+                for t0 in (0..r.len).step_by(GROUPED_TILE) {
+                    let len = GROUPED_TILE.min(r.len - t0);
+                    items.extend([r.gate, r.up, r.down, (r.start + t0) as u64 | (len as u64) << 32]);
+                }
+            }
+            if items.len() > s.items.len() {
+                return Err(shape(OP, format!("{} work-list values for {} ({n} rows, {} runs)", items.len(), s.items.len(), runs.len())));
+            }
+            let n_items = items.len() / 4;
+            if n_items > 65535 {
+                return Err(shape(OP, format!("{n_items} work items (at most 65535)")));
+            }
+            s.items.upload_prefix(stream, &items)?;
+            let ip = s.items.device_ptr();
+            let mm = |fi: usize, which: i32, xp: u64, yp: u64, rows: usize, cols: usize| -> Result<(), CudaError> {
+                let f = self.func(Family::GemvQuant, gemm_mma_grouped_entry(fi))?;
+                let grid = (rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32, n_items as u32, 1);
+                let (r, c) = (rows as i32, cols as i32);
+                // SAFETY: (items, which, X, Y, rows, cols, tab) as gemm_mma_grouped_*;
+                // the items' rows lie in the checked scratch, their matrices are the caller's.
+                unsafe { self.launch(f, grid, 128, MMA_GROUPED_SMEM_BYTES, stream, &mut params![ip, which, xp, yp, r, c, tab]) }
+            };
+            mm(gi, 0, s.xs.device_ptr(), s.hg.device_ptr(), ff, d_model)?;
+            mm(gi, 1, s.xs.device_ptr(), s.hu.device_ptr(), ff, d_model)?;
+            self.glu(stream, s.hg, s.hu, s.h, act)?;
+            self.quantize_act(stream, dfmt, s.h, n, ff, s.hq)?;
+            mm(di, 2, s.hq.device_ptr(), s.outs.device_ptr(), d_model, ff)?;
+        } else {
+            let gemm = |ty: GgmlType, fi: usize, w: u64, xp: u64, yp: u64, rows: usize, cols: usize, len: usize| {
+                // SAFETY: X and Y lie inside the checked scratch; W is the caller's expert matrix.
+                unsafe { self.launch_quant_gemm(stream, GemmKernel::Dp4a, ty, fi, w, xp, yp, rows, cols, len, tab) }
+            };
+            for r in runs.iter().filter(|r| r.len > 0) {
+                let xp = s.xs.device_ptr() + (r.start * xrow) as u64;
+                gemm(gate_up_ty, gi, r.gate, xp, s.hg.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
+                gemm(gate_up_ty, gi, r.up, xp, s.hu.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
+            }
+            self.glu(stream, s.hg, s.hu, s.h, act)?;
+            self.quantize_act(stream, dfmt, s.h, n, ff, s.hq)?;
+            for r in runs.iter().filter(|r| r.len > 0) {
+                let hp = s.hq.device_ptr() + (r.start * hqrow) as u64;
+                gemm(down_ty, di, r.down, hp, s.outs.device_ptr() + (r.start * d_model * 4) as u64, d_model, ff, r.len)?;
+            }
         }
         let f = self.func(Family::Act, ACT_SCATTER_ROWS)?;
         let (src, idx, dst) = (s.outs.device_ptr(), pair_of.device_ptr(), out.device_ptr());

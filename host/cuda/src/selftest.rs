@@ -11,13 +11,13 @@ use std::time::Instant;
 use pulsar_gguf::GgmlType;
 use pulsar_kernels::ops::{self, Activation, AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::quant::{random_blocks, random_values};
-use pulsar_kernels::{dequantize, ActFormat, Activations, Kernels, WeightMatrix};
+use pulsar_kernels::{dequantize, ActFormat, Activations, Isa, Kernels, WeightMatrix};
 
 use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
-use crate::ops::{attention_workspace_len, Gating, GemmKernel, GemvKernel, MoePairs, RouterSpec};
+use crate::ops::{attention_workspace_len, Gating, GemmKernel, MoePairs, RouterSpec};
 
 /// One line of the self-test table.
 #[derive(Clone, Debug)]
@@ -150,6 +150,8 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     let mut t = Table { rows: Vec::new() };
     let pool = pool();
     let k = Kernels::detect();
+    // The CPU's scalar dots define the canonical sums the GPU reproduces.
+    let ks = Kernels::with_isa(Isa::Scalar).expect("the scalar kernels exist everywhere");
     let mut seed = 0x5eed_u64;
     let mut next = || {
         seed = seed
@@ -170,40 +172,42 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     for ty in QUANT_TYPES {
         let be = ty.block_elems() as usize;
         let cols = if be == 256 { 256 * 7 } else { 32 * 37 };
+        // Every quantized product sums in the canonical order: bit-identical
+        // to the CPU's scalar dot (tolerance 0) and to each other.
         t.push(
-            "gemv direct",
+            "gemv",
             &fmt_name(ty),
             format!("257x{cols}"),
-            quant_mm_case(dev, &pool, &k, ty, 257, cols, 1, next()),
+            quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 257, cols, 1, next()),
         );
         t.push(
-            "gemv staged",
+            "gemv",
             &fmt_name(ty),
-            format!("257x{cols}"),
-            staged_case(dev, &pool, &k, ty, 257, cols, next()),
+            format!("131x{}", 3 * cols),
+            quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 131, 3 * cols, 1, next()),
         );
-        t.push(
-            "gemm dp4a",
-            &fmt_name(ty),
-            format!("129x{cols}x37tok"),
-            quant_mm_case(dev, &pool, &k, ty, 129, cols, 37, next()),
-        );
+        let mut kernels = vec![("gemm dp4a", GemmKernel::Dp4a)];
         if dev.compute_capability().0 >= 8 {
+            kernels.push(("gemm mma", GemmKernel::TensorCore));
+        }
+        for (name, kernel) in kernels {
             t.push(
-                "gemm mma",
+                name,
                 &fmt_name(ty),
                 format!("129x{cols}x37tok"),
-                quant_mm_with(
-                    dev,
-                    &pool,
-                    &k,
-                    GemmKernel::TensorCore,
-                    ty,
-                    129,
-                    cols,
-                    37,
-                    next(),
-                ),
+                quant_mm_with(dev, &pool, &ks, kernel, ty, 129, cols, 37, next()),
+            );
+            t.push(
+                name,
+                &fmt_name(ty),
+                format!("200x{}x130tok", 3 * cols),
+                quant_mm_with(dev, &pool, &ks, kernel, ty, 200, 3 * cols, 130, next()),
+            );
+            t.push(
+                &format!("{name} = gemv bits"),
+                &fmt_name(ty),
+                format!("67x{cols}x70tok"),
+                gemm_gemv_case(dev, kernel, ty, 67, cols, 70, next()),
             );
         }
     }
@@ -416,12 +420,14 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             "3 tok x 4 slot, d512 ff512".into(),
             moe_case(dev, &pool, &k, gu, dn, next()),
         );
-        t.push(
-            "moe_ffn_grouped == moe_ffn (bits)",
-            &f,
-            "6 tok x 4 slot, d512 ff512".into(),
-            grouped_case(dev, gu, dn, next()),
-        );
+        for n_tok in [6usize, 40] {
+            t.push(
+                "moe_ffn_grouped == moe_ffn (bits)",
+                &f,
+                format!("{n_tok} tok x 4 slot, d512 ff512"),
+                grouped_case(dev, gu, dn, n_tok, next()),
+            );
+        }
     }
     for (ty, act) in [
         (GgmlType::F32, Activation::Silu),
@@ -570,20 +576,7 @@ fn byte_diff_note(fmt: ActFormat, gpu: &[u8], cpu: &[u8], x: &[f32]) -> String {
     )
 }
 
-#[allow(clippy::too_many_arguments)]
-fn quant_mm_case(
-    dev: &CudaDevice,
-    pool: &rayon::ThreadPool,
-    k: &Kernels,
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-    n_tok: usize,
-    seed: u64,
-) -> Result<Cmp, CudaError> {
-    quant_mm_with(dev, pool, k, GemmKernel::Dp4a, ty, rows, cols, n_tok, seed)
-}
-
+/// A quantized GEMV (one token) or GEMM against the CPU reference `k`, bit for bit.
 #[allow(clippy::too_many_arguments)]
 fn quant_mm_with(
     dev: &CudaDevice,
@@ -610,68 +603,40 @@ fn quant_mm_with(
     let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
     let mut y = poisoned::<f32>(dev, rows * n_tok)?;
     if n_tok == 1 {
-        dev.gemv_with(
-            dev.compute(),
-            GemvKernel::Direct,
-            ty,
-            &wd,
-            rows,
-            cols,
-            &xd,
-            &mut y,
-        )?;
+        dev.gemv(dev.compute(), ty, &wd, rows, cols, &xd, &mut y)?;
     } else {
-        dev.gemm_with(
-            dev.compute(),
-            kernel,
-            ty,
-            &wd,
-            rows,
-            cols,
-            &xd,
-            n_tok,
-            &mut y,
-        )?;
+        dev.gemm_with(dev.compute(), kernel, ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
     }
-    Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
+    Ok(compare(&dev.download(&y)?, &cpu, 0.0))
 }
 
-/// The staged GEMV over rows that start unaligned (an odd row count of a
-/// 32-value format puts most rows off 16-byte boundaries) and several chunks.
-fn staged_case(
+/// A GEMM's outputs against the GEMV of each token alone, bit for bit: what
+/// makes a decoded token's logits equal a fresh prefill's.
+#[allow(clippy::too_many_arguments)]
+fn gemm_gemv_case(
     dev: &CudaDevice,
-    pool: &rayon::ThreadPool,
-    k: &Kernels,
+    kernel: GemmKernel,
     ty: GgmlType,
     rows: usize,
     cols: usize,
+    n_tok: usize,
     seed: u64,
 ) -> Result<Cmp, CudaError> {
     let be = ty.block_elems() as usize;
-    let cols = cols * 3; // more than one 32-unit chunk, and a partial last one
     let w = random_blocks(ty, rows * cols / be, seed)?;
-    let x = random_values(cols, seed ^ 1);
-    let acts = Activations::for_weight(ty, &x, cols)?;
-    let mut cpu = vec![0f32; rows];
-    k.matmul(
-        pool,
-        &WeightMatrix::new(ty, &w, rows, cols)?,
-        &acts,
-        &mut cpu,
-    )?;
-    let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
-    let mut y = poisoned::<f32>(dev, rows)?;
-    dev.gemv_with(
-        dev.compute(),
-        GemvKernel::Staged,
-        ty,
-        &wd,
-        rows,
-        cols,
-        &xd,
-        &mut y,
-    )?;
-    Ok(compare(&dev.download(&y)?, &cpu, 1e-4))
+    let acts = Activations::for_weight(ty, &random_values(n_tok * cols, seed ^ 1), cols)?;
+    let row_bytes = acts.as_bytes().len() / n_tok;
+    let wd = dev.upload(&w)?;
+    let mut y = poisoned::<f32>(dev, rows * n_tok)?;
+    dev.gemm_with(dev.compute(), kernel, ty, &wd, rows, cols, &dev.upload(acts.as_bytes())?, n_tok, &mut y)?;
+    let mut one = Vec::with_capacity(rows * n_tok);
+    let mut yt = poisoned::<f32>(dev, rows)?;
+    for t in 0..n_tok {
+        let xt = dev.upload(&acts.as_bytes()[t * row_bytes..(t + 1) * row_bytes])?;
+        dev.gemv(dev.compute(), ty, &wd, rows, cols, &xt, &mut yt)?;
+        one.extend(dev.download(&yt)?);
+    }
+    Ok(compare(&dev.download(&y)?, &one, 0.0))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -938,11 +903,12 @@ fn route_case(
     Ok(c)
 }
 
-/// The prefill form (expert by expert, gathered rows, dp4a GEMM) must give
-/// exactly the decode form's (pair by pair GEMV) bits: decode after prefill
-/// equals one long prefill.
-fn grouped_case(dev: &CudaDevice, gu: GgmlType, dn: GgmlType, seed: u64) -> Result<Cmp, CudaError> {
-    let (d_model, ff, n_tok, n_slot, n_exp) = (512usize, 512usize, 6usize, 4usize, 5usize);
+/// The prefill form (expert by expert, gathered rows, the device's GEMM) must
+/// give exactly the decode form's (pair by pair GEMV) bits: decode after
+/// prefill equals one long prefill. `n_tok` 40 makes runs of more than one
+/// 32-row tile.
+fn grouped_case(dev: &CudaDevice, gu: GgmlType, dn: GgmlType, n_tok: usize, seed: u64) -> Result<Cmp, CudaError> {
+    let (d_model, ff, n_slot, n_exp) = (512usize, 512usize, 4usize, 5usize);
     let nb = |ty: GgmlType, r: usize, c: usize| r * c / ty.block_elems() as usize;
     let mut bufs = Vec::new();
     for e in 0..n_exp as u64 {
@@ -984,7 +950,8 @@ fn grouped_case(dev: &CudaDevice, gu: GgmlType, dn: GgmlType, seed: u64) -> Resu
     let mut hq2 = poisoned::<u8>(dev, crate::ops::act_bytes(dfmt, n_pairs, ff)?)?;
     let mut outs = poisoned::<f32>(dev, n_pairs * d_model)?;
     let mut got = poisoned::<f32>(dev, n_pairs * d_model)?;
-    let mut sc = crate::ops::GroupedScratch { xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut hh, hq: &mut hq2, outs: &mut outs };
+    let mut items = dev.alloc::<u64>(crate::ops::grouped_items_len(n_pairs, runs.len()))?;
+    let mut sc = crate::ops::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut hh, hq: &mut hq2, outs: &mut outs };
     dev.moe_ffn_grouped(dev.compute(), gu, dn, &runs, &tok_of, &pair_of, &xd, n_tok, d_model, ff, Activation::Silu, &mut sc, &mut got)?;
     let (a, b) = (dev.download(&got)?, dev.download(&want)?);
     let diff = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
@@ -1266,17 +1233,15 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         GgmlType::Q4_0,
     ] {
         for (rows, cols) in shapes {
-            for gk in [GemvKernel::Direct, GemvKernel::Staged] {
-                match bench_gemv(dev, gk, ty, rows, cols) {
-                    Ok(r) => out.push(r),
-                    Err(e) => out.push(BenchRow {
-                        op: format!("gemv {gk:?} failed: {e}"),
-                        format: fmt_name(ty),
-                        shape: String::new(),
-                        us: f64::NAN,
-                        gb_per_s: f64::NAN,
-                    }),
-                }
+            match bench_gemv(dev, ty, rows, cols) {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(BenchRow {
+                    op: format!("gemv failed: {e}"),
+                    format: fmt_name(ty),
+                    shape: String::new(),
+                    us: f64::NAN,
+                    gb_per_s: f64::NAN,
+                }),
             }
         }
         for kernel in [GemmKernel::Dp4a, GemmKernel::TensorCore] {
@@ -1297,7 +1262,6 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
 
 fn bench_gemv(
     dev: &CudaDevice,
-    kernel: GemvKernel,
     ty: GgmlType,
     rows: usize,
     cols: usize,
@@ -1309,19 +1273,19 @@ fn bench_gemv(
     let mut y = dev.alloc::<f32>(rows)?;
     let s = dev.compute();
     for _ in 0..3 {
-        dev.gemv_with(s, kernel, ty, &wd, rows, cols, &xd, &mut y)?;
+        dev.gemv(s, ty, &wd, rows, cols, &xd, &mut y)?;
     }
     let reps = 50;
     let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
     e0.record(s)?;
     for _ in 0..reps {
-        dev.gemv_with(s, kernel, ty, &wd, rows, cols, &xd, &mut y)?;
+        dev.gemv(s, ty, &wd, rows, cols, &xd, &mut y)?;
     }
     e1.record(s)?;
     e1.synchronize()?;
     let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
     Ok(BenchRow {
-        op: format!("gemv {kernel:?}"),
+        op: "gemv".into(),
         format: fmt_name(ty),
         shape: format!("{rows}x{cols}"),
         us,

@@ -3,7 +3,6 @@
 
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
-use pulsar_cuda::ops::{GemmKernel, GemvKernel};
 use pulsar_cuda::{attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
 use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
@@ -191,10 +190,9 @@ impl<'a> CudaStep<'a> {
     }
 
     /// `y = x · Wᵀ` for weight bytes at `w` (`rows` = n_out, `cols` = n_in).
-    /// Decode uses the direct GEMV and prefill the dp4a GEMM: those two sum
-    /// each dot in the same order, so a decoded token's logits equal a fresh
-    /// prefill's bit for bit (the staged GEMV and the tensor-core GEMM are
-    /// faster but round differently).
+    /// Decode uses the GEMV and prefill the device's GEMM (tensor cores on
+    /// sm_80+): all sum each dot in one canonical order, so a decoded token's
+    /// logits equal a fresh prefill's bit for bit.
     fn matmul_raw(&mut self, ty: pulsar_gguf::GgmlType, w: &DeviceBuf<u8>, n_out: usize, n_in: usize, x: Val) -> R<(DeviceBuf<f32>, usize)> {
         let (rows, cols) = self.dims(x)?;
         if cols != n_in {
@@ -211,9 +209,9 @@ impl<'a> CudaStep<'a> {
                 let qi = self.quantized(x, fmt)?;
                 let q = &self.qcache[qi].2;
                 if rows == 1 {
-                    self.cm.dev.gemv_with(&stream, GemvKernel::Direct, ty, w, n_out, n_in, q, &mut y).map_err(err)?;
+                    self.cm.dev.gemv(&stream, ty, w, n_out, n_in, q, &mut y).map_err(err)?;
                 } else {
-                    self.cm.dev.gemm_with(&stream, GemmKernel::Dp4a, ty, w, n_out, n_in, q, rows, &mut y).map_err(err)?;
+                    self.cm.dev.gemm(&stream, ty, w, n_out, n_in, q, rows, &mut y).map_err(err)?;
                 }
             }
             None => return Err(format!("no CUDA product for weight type {ty}")),
@@ -613,10 +611,12 @@ impl<'a> CudaStep<'a> {
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
             let mut outs = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
-            let mut scratch = pulsar_cuda::GroupedScratch { xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
+            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, runs.len())).map_err(err)?;
+            let mut scratch = pulsar_cuda::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
             let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out);
             self.pools.i32.give(tb);
             self.pools.i32.give(pb);
+            self.pools.u64.give(items);
             self.pools.u8.give(xs);
             self.pools.u8.give(hq);
             for b in [hg, hu, h, outs] {
