@@ -2,7 +2,11 @@
 // sliding window and soft-capping; split-K over the keys (flash-decode style):
 // attn_partial_* writes per split (max, sum, unnormalised output), attn_combine
 // merges the splits. The same two kernels serve decode (n_q = 1) and prefill.
-// Twin: pulsar_kernels::ops::attend_rows.
+// Twin: pulsar_kernels::ops::attend_rows, which reproduces this arithmetic
+// operation for operation (the chunking, the butterflies, the block sums and
+// the combine), so both give the same bits: every float operation here is a
+// round-to-nearest intrinsic (no contraction) and exp/tanh are the shared
+// exp_c/tanh_c of common.cuh.
 //
 // q: [n_q, n_head * dk]; k: [n_ctx, n_kv_head * dk]; v: [n_ctx, n_kv_head * dv]
 // (f32, or f16 for the *_f16 entry); positions: [n_q]; part: [n_q, n_head,
@@ -50,9 +54,9 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
     for (int j = j0 + warp; j < j1; j += ATT_THREADS / 32) {
         size_t base = (size_t)j * kw + (size_t)kvh * dk;
         float acc = 0.0f;
-        for (int d = lane; d < dk; d += 32) acc += qs[d] * ldkv<KV>(k, base + d);
-        acc = warp_sum(acc) * scale;
-        if (softcap > 0.0f) acc = softcap * tanhf(acc / softcap);
+        for (int d = lane; d < dk; d += 32) acc = __fadd_rn(acc, __fmul_rn(qs[d], ldkv<KV>(k, base + d)));
+        acc = __fmul_rn(warp_sum(acc), scale);
+        if (softcap > 0.0f) acc = __fmul_rn(softcap, tanh_c(__fdiv_rn(acc, softcap)));
         if (lane == 0) sc[j - j0] = acc;
     }
     __syncthreads();
@@ -68,19 +72,20 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
     __syncthreads();
     float l = 0.0f;
     for (int i = threadIdx.x; i < n; i += ATT_THREADS) {
-        float e = expf(sc[i] - m);
+        float e = exp_c(__fsub_rn(sc[i], m));
         sc[i] = e;
-        l += e;
+        l = __fadd_rn(l, e);
     }
     l = warp_sum(l);
     if (lane == 0) red[warp] = l;
     __syncthreads();
     l = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ATT_THREADS / 32; i++) l += red[i];
+    for (int i = 0; i < ATT_THREADS / 32; i++) l = __fadd_rn(l, red[i]);
     for (int d = threadIdx.x; d < dv; d += ATT_THREADS) {
         float o = 0.0f;
-        for (int i = 0; i < n; i++) o += sc[i] * ldkv<KV>(v, (size_t)(j0 + i) * vw + (size_t)kvh * dv + d);
+        for (int i = 0; i < n; i++)
+            o = __fadd_rn(o, __fmul_rn(sc[i], ldkv<KV>(v, (size_t)(j0 + i) * vw + (size_t)kvh * dv + d)));
         pp[2 + d] = o;
     }
     if (threadIdx.x == 0) {
@@ -110,15 +115,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     float L = 0.0f;
     for (int s = 0; s < n_split; s++) {
         float ms = pp[(size_t)s * (dv + 2)];
-        if (ms != NEG_INF) L += expf(ms - M) * pp[(size_t)s * (dv + 2) + 1];
+        if (ms != NEG_INF) L = __fadd_rn(L, __fmul_rn(exp_c(__fsub_rn(ms, M)), pp[(size_t)s * (dv + 2) + 1]));
     }
     float* o = out + ((size_t)t * n_head + h) * dv;
     for (int d = threadIdx.x; d < dv; d += ATT_THREADS) {
         float acc = 0.0f;
         for (int s = 0; s < n_split; s++) {
             float ms = pp[(size_t)s * (dv + 2)];
-            if (ms != NEG_INF) acc += expf(ms - M) * pp[(size_t)s * (dv + 2) + 2 + d];
+            if (ms != NEG_INF) acc = __fadd_rn(acc, __fmul_rn(exp_c(__fsub_rn(ms, M)), pp[(size_t)s * (dv + 2) + 2 + d]));
         }
-        o[d] = acc / L;
+        o[d] = __fdiv_rn(acc, L);
     }
 }

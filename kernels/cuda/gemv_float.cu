@@ -1,6 +1,8 @@
 // f32 / f16 / bf16 GEMV and small GEMM on f32 activations.
-// Twin: pulsar_kernels::Kernels::matmul with ActFormat::F32 (only the order of
-// the float accumulation differs).
+// Twin: pulsar_kernels::Kernels::matmul with ActFormat::F32, bit for bit: the
+// CPU's float dots use this order (kernels/src/quant/float_dot.rs): lane l of a
+// warp sums values l, l + 32, ... as acc + w * x (rounded separately, no FMA),
+// then warp_sum's xor-butterfly.
 
 #define FG_WARPS 4
 #define FG_TT 8
@@ -19,7 +21,7 @@ __device__ __forceinline__ void fgemv(const u8* W, const float* x, float* y, int
     if (row >= rows) return;
     const u8* w = W + (size_t)row * cols * wbytes<T>();
     float acc = 0.0f;
-    for (int i = threadIdx.x & 31; i < cols; i += 32) acc += ldw<T>(w, i) * x[i];
+    for (int i = threadIdx.x & 31; i < cols; i += 32) acc = __fadd_rn(acc, __fmul_rn(ldw<T>(w, i), x[i]));
     acc = warp_sum(acc);
     if ((threadIdx.x & 31) == 0) y[row] = acc;
 }
@@ -38,7 +40,7 @@ __device__ __forceinline__ void fgemm(const u8* W, const float* X, float* Y, int
         float wv = ldw<T>(w, i);
 #pragma unroll
         for (int t = 0; t < FG_TT; t++)
-            if (t < nt) acc[t] += wv * X[(size_t)(t0 + t) * cols + i];
+            if (t < nt) acc[t] = __fadd_rn(acc[t], __fmul_rn(wv, X[(size_t)(t0 + t) * cols + i]));
     }
 #pragma unroll
     for (int t = 0; t < FG_TT; t++) {

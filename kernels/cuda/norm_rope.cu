@@ -4,7 +4,9 @@
 #define NORM_THREADS 256
 
 // y = x * rsqrt(mean(x^2) + eps) [* w], per group of `group` values; one block
-// per group; the sum of squares in f64 like the CPU. x may alias y.
+// per group; the sum of squares in f64. x may alias y. The CPU twin adds the
+// squares in this kernel's order (thread-strided partials, warp butterfly,
+// warp sums in order), so both give the same bits.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* x, float* y, const float* w, int group, int n_groups, float eps) {
     __shared__ double part[NORM_THREADS / 32];
@@ -13,15 +15,15 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     const float* xg = x + (size_t)g * group;
     float* yg = y + (size_t)g * group;
     double ss = 0.0;
-    for (int i = threadIdx.x; i < group; i += NORM_THREADS) ss += (double)xg[i] * (double)xg[i];
+    for (int i = threadIdx.x; i < group; i += NORM_THREADS) ss = __dadd_rn(ss, __dmul_rn((double)xg[i], (double)xg[i]));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(FULL_MASK, ss, o));
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
     __syncthreads();
     double tot = 0.0;
 #pragma unroll
-    for (int i = 0; i < NORM_THREADS / 32; i++) tot += part[i];
-    float scale = (float)(1.0 / sqrt(tot / (double)group + (double)eps));
+    for (int i = 0; i < NORM_THREADS / 32; i++) tot = __dadd_rn(tot, part[i]);
+    float scale = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(__ddiv_rn(tot, (double)group), (double)eps))));
     for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
         float v = __fmul_rn(xg[i], scale);
         yg[i] = w ? __fmul_rn(v, w[i]) : v;
@@ -42,10 +44,12 @@ extern "C" __global__ void rope(float* x, int width, const u32* positions, int n
     size_t rh = tid / half;
     int h = (int)(rh % heads);
     int r = (int)(rh / heads);
-    float inv_freq = 1.0f / (float)pow((double)base, (double)(2 * i) / (double)n_rot);
-    float t = (float)positions[r] / linear_factor;
-    float a = t * inv_freq;
-    float c = cosf(a), s = sinf(a);
+    // The shared f64 formulas of ops::math (rope_inv_freq, rope_cos_sin), not
+    // pow/cosf/sinf, whose last bits differ from the CPU's.
+    float inv_freq = rope_inv_freq_c(base, i, n_rot);
+    float t = __fdiv_rn((float)positions[r], linear_factor);
+    float c, s;
+    rope_cos_sin_c(__fmul_rn(t, inv_freq), &c, &s);
     float* head = x + (size_t)r * width + (size_t)h * head_dim;
     int ia = kind == 0 ? i : 2 * i;
     int ib = kind == 0 ? i + half : 2 * i + 1;

@@ -79,7 +79,7 @@ pub fn route(logits: &[f32], spec: &MoeSpec) -> (Vec<u32>, Vec<f32>) {
     let mut p = logits.to_vec();
     match spec.gating {
         Gating::Softmax => ops::softmax_in_place(&mut p),
-        Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+        Gating::Sigmoid => p.iter_mut().for_each(|v| *v = ops::math::sigmoid(*v)),
     }
     let sel = ops::top_k(&p, k);
     let mut w: Vec<f32> = sel.iter().map(|&e| p[e]).collect();

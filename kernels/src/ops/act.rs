@@ -16,14 +16,15 @@ impl Activation {
     }
 }
 
+/// `x / (1 + e^-x)` with the shared [`super::math::exp`] (bit-identical to CUDA's `silu_f`).
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    super::math::silu(x)
 }
 
-/// GELU, tanh approximation (PyTorch `approximate="tanh"`).
+/// GELU, tanh approximation (PyTorch `approximate="tanh"`), with the shared
+/// [`super::math::tanh`] (bit-identical to CUDA's `gelu_tanh_f`).
 pub fn gelu_tanh(x: f32) -> f32 {
-    const S: f32 = 0.797_884_6; // sqrt(2/pi)
-    0.5 * x * (1.0 + (S * (x + 0.044_715 * x * x * x)).tanh())
+    super::math::gelu_tanh(x)
 }
 
 /// Exact GELU, `x * Phi(x)`, via an erf with |error| < 1.5e-7.

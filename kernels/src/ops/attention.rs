@@ -1,6 +1,8 @@
 use rayon::prelude::*;
 use rayon::ThreadPool;
 
+use super::math;
+
 /// Causal attention of a step's queries over a layer's cached keys/values.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnParams {
@@ -15,11 +17,29 @@ pub struct AttnParams {
     pub softcap: f32,
 }
 
+/// Keys per split of the CUDA attention (`ATT_CHUNK` in host/cuda/src/ops.rs):
+/// the CPU splits the same way, so both round the same partial sums.
+pub const ATT_CHUNK: usize = 256;
+/// Threads of one CUDA attention block (`ATT_THREADS` in attention.cu), whose
+/// order of the softmax denominator's additions the CPU reproduces.
+const ATT_THREADS: usize = 128;
+
 /// `q`: `[n_q, n_head*dk]` at positions `positions`; `k_cache`/`v_cache`:
 /// rows `[0, n_ctx)` of `[n_kv_head*dk]` / `[n_kv_head*dv]` (already holding
 /// this step's rows). Writes `[n_q, n_head*dv]` to `out`. Work is split over
 /// (query, head) pairs; each pair runs the same fixed-order loop whatever the
 /// batch, so prefill and decode agree bit for bit.
+///
+/// The arithmetic is the CUDA kernels' (attention.cu), operation for
+/// operation, so both give the same bits. A query's keys `[start, pos]` are
+/// split into chunks of [`ATT_CHUNK`] from `start`. Per chunk: each score is
+/// the canonical 32-lane dot `q . k` (a warp's lane-strided sum and
+/// butterfly), times `scale`, then `cap * tanh(s / cap)` when soft-capped; `m`
+/// its maximum; `e_i = exp(s_i - m)`; `l = sum e_i` as 128 strided partials,
+/// each warp's 32 halved by the butterfly, the four warp sums added in order;
+/// `o = sum_i e_i v_i` in key order. The chunks combine as
+/// `M = max m_c`, `L = sum_c exp(m_c - M) l_c`, `out = (sum_c exp(m_c - M) o_c) / L`,
+/// chunk by chunk. `exp`/`tanh` are the shared [`super::math`] ones.
 pub fn attend_rows(
     pool: &ThreadPool,
     p: &AttnParams,
@@ -44,29 +64,49 @@ pub fn attend_rows(
         let start = if p.window > 0 { (pos + 1).saturating_sub(p.window) } else { 0 };
         let qh = &q[(t * p.n_head + h) * dk..][..dk];
         let kvh = h / group;
-        let mut scores: Vec<f32> = (start..=pos)
-            .map(|j| {
+        let n_chunks = (pos + 1 - start).div_ceil(ATT_CHUNK);
+        // Per chunk: (m, l) and the unnormalised output.
+        let mut ml = Vec::with_capacity(n_chunks);
+        let mut oc = vec![0f32; n_chunks * dv];
+        let mut e = Vec::with_capacity(ATT_CHUNK.min(pos + 1 - start));
+        for (c, oc) in oc.chunks_exact_mut(dv).enumerate() {
+            let j0 = start + c * ATT_CHUNK;
+            let j1 = (pos + 1).min(j0 + ATT_CHUNK);
+            e.clear();
+            e.extend((j0..j1).map(|j| {
                 let kh = &k_cache[j * kw + kvh * dk..][..dk];
-                let mut s = 0f32;
-                for d in 0..dk {
-                    s += qh[d] * kh[d];
-                }
-                let s = s * p.scale;
+                let s = crate::quant::float_dot::dot_f32(qh, kh) * p.scale;
                 if p.softcap > 0.0 {
-                    p.softcap * (s / p.softcap).tanh()
+                    p.softcap * math::tanh(s / p.softcap)
                 } else {
                     s
                 }
-            })
-            .collect();
-        super::softmax_in_place(&mut scores);
-        o.fill(0.0);
-        for (j, w) in (start..=pos).zip(&scores) {
-            let vh = &v_cache[j * vw + kvh * dv..][..dv];
-            for d in 0..dv {
-                o[d] += w * vh[d];
+            }));
+            let m = e.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            e.iter_mut().for_each(|v| *v = math::exp(*v - m));
+            ml.push((m, block_sum(&e)));
+            for (j, w) in (j0..j1).zip(&e) {
+                let vh = &v_cache[j * vw + kvh * dv..][..dv];
+                for d in 0..dv {
+                    oc[d] += w * vh[d];
+                }
             }
         }
+        let big_m = ml.iter().map(|&(m, _)| m).fold(f32::NEG_INFINITY, f32::max);
+        let mut big_l = 0f32;
+        for &(m, l) in &ml {
+            if m != f32::NEG_INFINITY {
+                big_l += math::exp(m - big_m) * l;
+            }
+        }
+        o.fill(0.0);
+        for (&(m, _), oc) in ml.iter().zip(oc.chunks_exact(dv)) {
+            if m != f32::NEG_INFINITY {
+                let f = math::exp(m - big_m);
+                o.iter_mut().zip(oc).for_each(|(a, &b)| *a += f * b);
+            }
+        }
+        o.iter_mut().for_each(|a| *a /= big_l);
     };
     let chunks = out.chunks_exact_mut(dv).enumerate();
     if n_q * p.n_head * (positions.iter().max().copied().unwrap_or(0) as usize + 1) < 4096 {
@@ -74,6 +114,30 @@ pub fn attend_rows(
     } else {
         pool.install(|| out.par_chunks_exact_mut(dv).enumerate().for_each(work));
     }
+}
+
+/// The CUDA block's sum of one chunk's `e`: thread `t` of [`ATT_THREADS`] adds
+/// `e[t], e[t + 128], ...`; each warp's 32 partials are halved by the xor
+/// butterfly; the warp sums are added in order.
+fn block_sum(e: &[f32]) -> f32 {
+    let mut part = [0f32; ATT_THREADS];
+    for c in e.chunks(ATT_THREADS) {
+        for (p, &v) in part.iter_mut().zip(c) {
+            *p += v;
+        }
+    }
+    let mut l = 0f32;
+    for w in part.chunks_exact_mut(32) {
+        let mut o = 16;
+        while o > 0 {
+            for i in 0..o {
+                w[i] += w[i + o];
+            }
+            o /= 2;
+        }
+        l += w[0];
+    }
+    l
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 
 mod act;
 mod attention;
+pub mod math;
 mod norm;
 mod rope;
 mod route;

@@ -1,19 +1,50 @@
+/// Threads of the CUDA `rms_norm` block (`NORM_THREADS` in norm_rope.cu),
+/// whose order of additions the CPU reproduces.
+const NORM_THREADS: usize = 256;
+
 /// RMS norm of each `group`-wide slice of `x` (rows laid end to end), times
-/// `weight` (length `group`) when given. Sums in f64 for stability; the
-/// result does not depend on row count.
+/// `weight` (length `group`) when given: `y = (x * scale) * w` with
+/// `scale = 1 / sqrt(sum(x^2) / group + eps)` in f64, rounded to f32.
+///
+/// The sum of squares (each exact in f64) is added in the CUDA kernel's order,
+/// so both give the same bits: partial `t` of 256 sums values `t, t + 256, ...`;
+/// each run of 32 partials (a warp) is halved by the xor-butterfly; the eight
+/// warp sums are added in order. The result does not depend on row count.
 pub fn rms_norm_rows(x: &mut [f32], group: usize, weight: Option<&[f32]>, eps: f32) {
     assert!(group > 0 && x.len() % group == 0, "rms_norm: group {group} does not divide {}", x.len());
     if let Some(w) = weight {
         assert_eq!(w.len(), group, "rms_norm: weight length");
     }
     for g in x.chunks_exact_mut(group) {
-        let ss: f64 = g.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let ss = sum_squares(g);
         let scale = (1.0 / ((ss / group as f64) + eps as f64).sqrt()) as f32;
         match weight {
             Some(w) => g.iter_mut().zip(w).for_each(|(v, &w)| *v = *v * scale * w),
             None => g.iter_mut().for_each(|v| *v *= scale),
         }
     }
+}
+
+/// `sum(v^2)` in f64 in the order of the CUDA block (see [`rms_norm_rows`]).
+fn sum_squares(g: &[f32]) -> f64 {
+    let mut part = [0f64; NORM_THREADS];
+    for c in g.chunks(NORM_THREADS) {
+        for (p, &v) in part.iter_mut().zip(c) {
+            *p += (v as f64) * (v as f64);
+        }
+    }
+    let mut tot = 0f64;
+    for w in part.chunks_exact_mut(32) {
+        let mut o = 16;
+        while o > 0 {
+            for l in 0..o {
+                w[l] += w[l + o];
+            }
+            o /= 2;
+        }
+        tot += w[0];
+    }
+    tot
 }
 
 #[cfg(test)]

@@ -18,22 +18,21 @@ pub struct RopeParams {
 }
 
 /// Rotate every head of every row; row `r` sits at position `positions[r]`.
-/// Angles are computed in f64 from the position (no accumulated error), then
-/// rounded once to f32 like the reference's float32 cos/sin tables.
+/// The inverse frequencies and each angle's cos/sin come from the shared
+/// f64 formulas of [`super::math`] (`rope_inv_freq`, `rope_cos_sin`), which the
+/// CUDA `rope` kernel evaluates identically; the angle itself is the f32
+/// product `(pos / linear_factor) * inv_freq`, as in HF's float32 tables.
 pub fn rope_rows(x: &mut [f32], width: usize, positions: &[u32], p: RopeParams) {
     assert!(p.head_dim > 0 && width % p.head_dim == 0 && p.n_rot <= p.head_dim && p.n_rot % 2 == 0);
     assert_eq!(x.len(), width * positions.len(), "rope: rows vs positions");
     let half = p.n_rot / 2;
-    // Inverse frequencies as HF computes them: 1 / base^(2i / n_rot), in f32.
-    let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / (p.base as f64).powf((2 * i) as f64 / p.n_rot as f64) as f32).collect();
+    let inv_freq: Vec<f32> = (0..half).map(|i| super::math::rope_inv_freq(p.base, i, p.n_rot)).collect();
     let mut cos = vec![0f32; half];
     let mut sin = vec![0f32; half];
     for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
         let t = pos as f32 / p.linear_factor;
         for i in 0..half {
-            let a = t * inv_freq[i];
-            cos[i] = a.cos();
-            sin[i] = a.sin();
+            (cos[i], sin[i]) = super::math::rope_cos_sin(t * inv_freq[i]);
         }
         for head in row.chunks_exact_mut(p.head_dim) {
             for i in 0..half {

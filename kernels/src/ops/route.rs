@@ -1,9 +1,11 @@
-/// Softmax in place (max-subtracted, f32).
+/// Softmax in place (max-subtracted, f32): `e_i = exp(x_i - max)` with the
+/// shared [`super::math::exp`], their sum in index order, then `e_i * (1 / sum)`;
+/// the CUDA router (`route_topk`) computes the same bits.
 pub fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
+        *v = super::math::exp(*v - max);
         sum += *v;
     }
     let inv = 1.0 / sum;

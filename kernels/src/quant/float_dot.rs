@@ -37,6 +37,26 @@ pub(crate) fn dot_lanes(x: &[f32], w: impl Fn(usize) -> f32) -> f32 {
     halve(s)
 }
 
+/// [`dot_lanes`] of two f32 slices of one length (attention scores: the CUDA
+/// kernel's `q . k` is a warp's lane-strided sum too). Written over chunks of
+/// 32 so the compiler vectorizes the lanes without reordering anything.
+#[inline]
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut s = [0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for l in 0..LANES {
+            s[l] += x[l] * y[l];
+        }
+    }
+    for l in 0..ar.len() {
+        s[l] += ar[l] * br[l];
+    }
+    halve(s)
+}
+
 /// The AVX2 form of [`dot_lanes`]: four vectors hold the 32 sums; `ld(i)` loads
 /// weights `i..i + 8` as f32, `w(i)` gives one weight for the tail.
 ///

@@ -17,7 +17,7 @@ use crate::isa::{Isa, Kernels};
 mod activations;
 mod block32;
 mod fit;
-mod float_dot;
+pub(crate) mod float_dot;
 #[rustfmt::skip]
 pub(crate) mod iq_tables;
 mod random;
