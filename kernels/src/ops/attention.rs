@@ -180,4 +180,36 @@ mod tests {
             assert_eq!(&all[t * 32..(t + 1) * 32], &one[..]);
         }
     }
+    #[test]
+    fn split_keys_combine_to_the_plain_softmax() {
+        // 700 keys: three chunks of up to 256, combined; checked against f64.
+        for (window, softcap) in [(0usize, 0.0f32), (300, 0.0), (0, 20.0)] {
+            let p = AttnParams { n_head: 2, n_kv_head: 1, head_dim_k: 40, head_dim_v: 24, scale: 0.2, window, softcap };
+            let n = 700;
+            let f = |i: usize| ((i * 7919 + 13) % 101) as f32 / 25.0 - 2.0;
+            let k: Vec<f32> = (0..n * 40).map(f).collect();
+            let v: Vec<f32> = (0..n * 24).map(|i| f(i + 5)).collect();
+            let q: Vec<f32> = (0..2 * 40).map(|i| f(i + 17)).collect();
+            let pos = n as u32 - 1;
+            let mut out = vec![0.0; 2 * 24];
+            attend_rows(&pool(), &p, &q, &[pos], &k, &v, &mut out);
+            let start = if window > 0 { n - window } else { 0 };
+            for h in 0..2 {
+                let s: Vec<f64> = (start..n)
+                    .map(|j| {
+                        let d: f64 = (0..40).map(|c| q[h * 40 + c] as f64 * k[j * 40 + c] as f64).sum::<f64>() * 0.2;
+                        if softcap > 0.0 { softcap as f64 * (d / softcap as f64).tanh() } else { d }
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = e.iter().sum();
+                for d in 0..24 {
+                    let want: f64 = (start..n).zip(&e).map(|(j, w)| w * v[j * 24 + d] as f64).sum::<f64>() / l;
+                    let got = out[h * 24 + d] as f64;
+                    assert!((got - want).abs() < 2e-5, "window {window} cap {softcap} h{h} d{d}: {got} vs {want}");
+                }
+            }
+        }
+    }
 }
