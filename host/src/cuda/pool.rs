@@ -101,6 +101,8 @@ pub struct ExpertPool {
     /// misses, predicting the next layer costs more than it hides.
     copied_per_layer: f64,
     pf_layer: Option<u32>,
+    /// Whether `pf` was copied for a decode step (windows differ from prefill's).
+    pf_decode: bool,
     pf: HashMap<SlabId, (usize, usize)>,
     pub stats: PoolStats,
 }
@@ -167,6 +169,7 @@ impl ExpertPool {
             pf_enabled: false,
             copied_per_layer: f64::INFINITY,
             pf_layer: None,
+            pf_decode: false,
             pf: HashMap::new(),
             stats: PoolStats { slots: n_slots, hot_slots: n_hot, slot_bytes, ..Default::default() },
         })
@@ -190,16 +193,22 @@ impl ExpertPool {
         self.pf_enabled && !(self.copied_per_layer < 2.0)
     }
 
-    /// The scratch slots a step's cold slabs may use: (first slot, count).
-    fn window(&self, decode: bool, layer: u32) -> (usize, usize) {
-        if decode && self.pf_enabled {
-            let half = self.n_scratch / 2;
-            (self.n_hot + (layer as usize % 2) * half, half)
+    /// The scratch slots a step's cold slabs may use: slot of its `i`-th cold
+    /// slab, and how many there are. Decode with prefetch: one half per layer
+    /// parity (the other takes the next layer's prefetch). Prefill: all of
+    /// them, even layers from the bottom up, odd layers from the top down, so
+    /// the next layer's prefetch fills from the far end while this layer's
+    /// slabs are still being read.
+    fn window(&self, decode: bool, layer: u32) -> (impl Fn(usize) -> usize, usize) {
+        let (n_hot, n) = (self.n_hot, self.n_scratch);
+        let (base, cap, down) = if decode && self.pf_enabled {
+            let half = n / 2;
+            (n_hot + (layer as usize % 2) * half, half, false)
         } else {
-            (self.n_hot, self.n_scratch)
-        }
+            (n_hot, n, layer % 2 == 1)
+        };
+        (move |i: usize| if down { base + cap - 1 - i } else { base + i }, cap)
     }
-
     fn prefetched(&self, layer: u32, id: SlabId) -> Option<(usize, usize)> {
         (self.pf_layer == Some(layer)).then(|| self.pf.get(&id).copied()).flatten()
     }
@@ -208,20 +217,28 @@ impl ExpertPool {
     /// layer) into that layer's scratch window on the copy stream, where its
     /// step will find them. Only page-locked bytes are copied (a pageable
     /// copy would block the host); a full window stops early.
+    ///
+    /// A prefill step (`decode` false) prefetches into the slots the current
+    /// layer's fill left free (call it after that fill), the far end of the
+    /// scratch: the current layer's kernels still read the others.
+    #[allow(clippy::too_many_arguments)]
     pub fn prefetch_layer<'b>(
         &mut self,
         dev: &CudaDevice,
         layer: u32,
+        decode: bool,
         kinds: [SlabKind; 3],
         experts: &[u32],
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<(), CudaBackendError> {
         self.pf.clear();
         self.pf_layer = Some(layer);
-        if !self.pf_enabled {
+        self.pf_decode = decode;
+        if !(if decode { self.pf_enabled } else { self.has_pinned() }) {
             return Ok(());
         }
-        let (base, cap) = self.window(true, layer);
+        let (slot_of, window) = self.window(decode, layer);
+        let cap = if decode { window } else { window.saturating_sub(self.scratch_next) };
         'outer: for &e in experts {
             for (ki, &k) in kinds.iter().enumerate() {
                 let id = SlabId::new(layer, k, e);
@@ -235,7 +252,7 @@ impl ExpertPool {
                 if !self.is_pinned(b) {
                     continue;
                 }
-                let slot = base + self.pf.len();
+                let slot = slot_of(self.pf.len());
                 self.upload(dev, slot, b)?;
                 self.pf.insert(id, (slot, b.len()));
                 self.stats.prefetched += 1;
@@ -340,7 +357,7 @@ impl ExpertPool {
     /// needs (admitted or cold slabs; hot-set hits need none), ascending.
     pub fn plan_layer(&mut self, req: &LayerRequest<'_>) -> Result<LayerPlan, CudaBackendError> {
         self.read_copy_time()?;
-        if !req.decode || self.pf_layer != Some(req.layer) {
+        if self.pf_layer != Some(req.layer) || self.pf_decode != req.decode {
             self.pf.clear();
             self.pf_layer = None;
         }
@@ -390,7 +407,7 @@ impl ExpertPool {
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
         let copied_before = self.stats.misses + self.stats.prefetch_hits;
-        let (base, cap) = self.window(req.decode, req.layer);
+        let (slot_of, cap) = self.window(req.decode, req.layer);
         // The window's first slots hold this layer's prefetch.
         self.scratch_next = if self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
         let n_exp = self.n_exp;
@@ -437,7 +454,7 @@ impl ExpertPool {
                                         self.scratch_next + 1,
                                     )));
                                 }
-                                let slot = base + self.scratch_next;
+                                let slot = slot_of(self.scratch_next);
                                 self.scratch_next += 1;
                                 self.upload(dev, slot, b)?
                             }

@@ -548,9 +548,16 @@ impl<'a> CudaStep<'a> {
                             model.file.bytes(&range).map_err(err)
                         })
                         .map_err(err)?;
+                        // Prefill: a chunk this large uses nearly every expert
+                        // of the next layer (512 tokens x top-8 over 128 experts
+                        // leave one unused with odds e^-32), so its cold slabs
+                        // are copied while this layer computes.
+                        if rows > 1 && cm.prefetch && rows * k >= 4 * ne {
+                            predicted = (0..ne as u32).collect();
+                        }
                         let nw: Option<Vec<usize>> = kinds.iter().map(|&kd| cm.slab_index.get(&(spec.layer + 1, kd)).copied()).collect();
                         if let (false, Some(nw)) = (predicted.is_empty(), nw) {
-                            pool.prefetch_layer(dev, spec.layer + 1, kinds, &predicted, &|ki, e| {
+                            pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &|ki, e| {
                                 let t = model.tensor(&model.weights[nw[ki]]);
                                 let range = model.file.expert_slab(t, e as u64).map_err(err)?;
                                 model.file.bytes(&range).map_err(err)
