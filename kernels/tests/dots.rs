@@ -14,14 +14,6 @@ fn dot_types() -> Vec<GgmlType> {
         .collect()
 }
 
-/// Every dot is defined by its scalar reference's order of float operations
-/// (per-block integer sums scaled and added block by block; the float formats
-/// in the canonical 32-lane order), which the SIMD paths and the CUDA kernels
-/// reproduce: every level must agree with the scalar path to the bit.
-fn integer_exact(_ty: GgmlType) -> bool {
-    true
-}
-
 /// Row widths to test: several block counts, and for the 32-block formats
 /// widths that are not multiples of 256.
 fn widths(ty: GgmlType) -> Vec<usize> {
@@ -65,34 +57,19 @@ fn simd_matches_scalar_for_every_format_and_width() {
             let a = Activations::for_weight(ty, &x, n).unwrap();
             let r = a.row(0).unwrap();
             let s = scalar.dot(ty, &w, r).unwrap();
-            // Tolerance for float accumulation in a different order: every
-            // rounding is below eps times the running magnitude, so
-            // (terms + 16) * eps * sum|w x| bounds the difference.
-            let (wd, xd) = (dequant(ty, &w, n), act_values(&a, &x));
-            let mag: f64 = wd
-                .iter()
-                .zip(&xd)
-                .map(|(a, b)| (*a as f64 * *b as f64).abs())
-                .sum();
-            let terms = if ty.block_elems() == 1 { n } else { nb };
-            let tol = (terms + 16) as f64 * f32::EPSILON as f64 * mag;
             let mut per_isa = Vec::new();
             for k in &others {
                 let v = k.dot(ty, &w, r).unwrap();
-                if integer_exact(ty) {
-                    assert_eq!(
-                        v.to_bits(),
-                        s.to_bits(),
-                        "{ty} n={n} {}: {v} vs scalar {s}",
-                        k.isa()
-                    );
-                } else {
-                    assert!(
-                        ((v - s) as f64).abs() <= tol,
-                        "{ty} n={n} {}: {v} vs scalar {s} (tol {tol})",
-                        k.isa()
-                    );
-                }
+                // Every dot is defined by its scalar reference's order of
+                // float operations (per-block integer sums scaled and added
+                // block by block; the float formats in the canonical 32-lane
+                // order), which the SIMD paths and the CUDA kernels reproduce.
+                assert_eq!(
+                    v.to_bits(),
+                    s.to_bits(),
+                    "{ty} n={n} {}: {v} vs scalar {s}",
+                    k.isa()
+                );
                 per_isa.push(v);
             }
             // AVX2 and AVX-512 VNNI form the same integers and the same float
