@@ -43,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     const float* x = logits + (size_t)t * n_exp;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (gating == 1) {
-        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = 1.0f / (1.0f + expf(-x[e]));
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = sigmoid_c(x[e]);
     } else {
         float m = NEG_INF;
         for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) m = fmaxf(m, x[e]);
@@ -53,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
         m = redf[0];
         for (int i = 1; i < ROUTE_THREADS / 32; i++) m = fmaxf(m, redf[i]);
         __syncthreads();
-        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = expf(x[e] - m);
+        for (int e = threadIdx.x; e < n_exp; e += ROUTE_THREADS) p[e] = exp_c(__fsub_rn(x[e], m));
         __syncthreads();
         // The sum in index order on one thread, like the CPU.
         if (threadIdx.x == 0) {
@@ -89,11 +89,12 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
         __syncthreads();
     }
     if (threadIdx.x == 0) {
+        // In order, and no renormalisation of an all-zero choice (the CPU's).
         float s = 0.0f;
-        for (int r = 0; r < k; r++) s += chosen[r];
+        for (int r = 0; r < k; r++) s = __fadd_rn(s, chosen[r]);
         for (int r = 0; r < k; r++) {
-            float w = renorm ? chosen[r] / s : chosen[r];
-            weights[(size_t)t * k + r] = w * scale;
+            float w = renorm && s > 0.0f ? __fdiv_rn(chosen[r], s) : chosen[r];
+            weights[(size_t)t * k + r] = __fmul_rn(w, scale);
         }
     }
 }
@@ -205,7 +206,7 @@ template <int T> __device__ __forceinline__ float moe_ldw(const u8* w, size_t i)
 // This lane's share of w · x over `cols` values (fgemv's order).
 template <int T> __device__ __forceinline__ float moe_frow_partial(const u8* w, const float* x, int cols) {
     float acc = 0.0f;
-    for (int i = threadIdx.x & 31; i < cols; i += 32) acc += moe_ldw<T>(w, i) * x[i];
+    for (int i = threadIdx.x & 31; i < cols; i += 32) acc = __fadd_rn(acc, __fmul_rn(moe_ldw<T>(w, i), x[i]));
     return acc;
 }
 
