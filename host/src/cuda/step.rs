@@ -454,16 +454,19 @@ impl<'a> CudaStep<'a> {
                 // this layer computes (the store path's guard cannot outlive
                 // the layer, so only the page-locked mapping prefetches).
                 let pays = pool.lock().unwrap_or_else(|e| e.into_inner()).prefetch_pays();
-                let next_router = match (rows, self.store, cm.prefetch && pays) {
-                    (1, None, true) => self.model.weights.iter().position(|w| w.role == pulsar_plugin_api::Role::Router && w.layer == Some(spec.layer + 1)),
+                // Prefill predicts too (its whole next-layer set is copied
+                // while this layer computes); repetitive text routes a chunk to
+                // few experts, so "every expert" would waste the link.
+                let next_router = match (self.store, cm.prefetch && (rows > 1 || pays)) {
+                    (None, true) => self.model.weights.iter().position(|w| w.role == pulsar_plugin_api::Role::Router && w.layer == Some(spec.layer + 1)),
                     _ => None,
                 };
                 let mut next = None;
                 if let Some(ri) = next_router {
                     let nl = self.linear_w(Wt(ri as u32), x)?;
-                    let mut idn = self.pools.i32.take(dev, k).map_err(err)?;
-                    let mut wn = self.pools.f32.take(dev, k).map_err(err)?;
-                    dev.route(&stream, &rs, &self.vals[nl.0 as usize].buf, None, 1, ne, &mut idn, &mut wn).map_err(err)?;
+                    let mut idn = self.pools.i32.take(dev, rows * k).map_err(err)?;
+                    let mut wn = self.pools.f32.take(dev, rows * k).map_err(err)?;
+                    dev.route(&stream, &rs, &self.vals[nl.0 as usize].buf, None, rows, ne, &mut idn, &mut wn).map_err(err)?;
                     next = Some((idn, wn));
                 }
                 h_ids = vec![0i32; n_pairs];
@@ -472,7 +475,7 @@ impl<'a> CudaStep<'a> {
                 ids.download(&stream, &mut h_ids).map_err(err)?;
                 let mut predicted: Vec<u32> = Vec::new();
                 if let Some((idn, wn)) = next {
-                    let mut h = vec![0i32; k];
+                    let mut h = vec![0i32; rows * k];
                     let r = idn.download(&stream, &mut h);
                     self.pools.i32.give(idn);
                     self.pools.f32.give(wn);
@@ -548,13 +551,6 @@ impl<'a> CudaStep<'a> {
                             model.file.bytes(&range).map_err(err)
                         })
                         .map_err(err)?;
-                        // Prefill: a chunk this large uses nearly every expert
-                        // of the next layer (512 tokens x top-8 over 128 experts
-                        // leave one unused with odds e^-32), so its cold slabs
-                        // are copied while this layer computes.
-                        if rows > 1 && cm.prefetch && rows * k >= 4 * ne {
-                            predicted = (0..ne as u32).collect();
-                        }
                         let nw: Option<Vec<usize>> = kinds.iter().map(|&kd| cm.slab_index.get(&(spec.layer + 1, kd)).copied()).collect();
                         if let (false, Some(nw)) = (predicted.is_empty(), nw) {
                             pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &|ki, e| {
