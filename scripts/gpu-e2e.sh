@@ -108,6 +108,7 @@ if has budget; then
     say "$cfg: text md5 $out; $(grep -E 'tok/s|vram expert pool|error' "$WORK/err.txt" | tr '\n' ' ')"
   done
   "$H" run -m "$m" -p "The quick brown fox" --decode-consistency 16 --device cuda --vram-budget 1.2 "${P[@]}" 2>>"$O/budget.log" | sed "s/^/budget cuda /" | tee -a "$S"
+  "$ROOT/scripts/prefetch-check.sh" "$B" "$m" 1.2 2>>"$O/budget.log" | tee -a "$S"
 fi
 
 bench_model() { # skew type layers -> path (one big model at a time on a 64 GB disk)

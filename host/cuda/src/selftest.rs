@@ -770,13 +770,9 @@ fn embed_case(
     let (td, idd) = (dev.upload(&table)?, dev.upload(&ids)?);
     let mut o = poisoned::<f32>(dev, ids.len() * cols)?;
     dev.embed(dev.compute(), ty, &td, n_vocab, cols, &idd, &mut o)?;
-    // The IQ formats fold their scale factors in another order than the CPU.
-    let iq = matches!(ty, GgmlType::IQ2_XXS | GgmlType::IQ2_XS | GgmlType::IQ3_XXS);
-    Ok(compare(
-        &dev.download(&o)?,
-        &cpu,
-        if iq { 1e-6 } else { 0.0 },
-    ))
+    // The IQ formats scale by a power of two in another place than the CPU:
+    // exact (0 on the H200) unless a value is subnormal, so this stays strict.
+    Ok(compare(&dev.download(&o)?, &cpu, 0.0))
 }
 
 #[allow(clippy::too_many_arguments)]
