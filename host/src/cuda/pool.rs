@@ -137,6 +137,15 @@ pub struct LayerPlan {
     pub cold: Vec<u32>,
 }
 
+/// A layer's fill decided ahead of its bytes ([`ExpertPool::assign_layer`]).
+pub struct FillPlan {
+    table: Vec<u64>,
+    /// (slab, kind index, expert, slot) of every slab still to be copied in.
+    pub copies: Vec<(SlabId, usize, u32, usize)>,
+    decode: bool,
+    copied_before: u64,
+}
+
 impl ExpertPool {
     /// `n_slots` slots of `slot_bytes`; `n_exp` experts per layer (the scratch
     /// part holds one layer's three slabs per expert at most).
@@ -406,12 +415,32 @@ impl ExpertPool {
         req: &LayerRequest<'_>,
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
+        let plan = self.assign_layer(dev, req, Some(bytes))?;
+        for &(id, ki, e, slot) in &plan.copies {
+            let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
+            self.copy_to_slot(dev, id, slot, b)?;
+        }
+        self.finish_fill(dev, plan)
+    }
+
+    /// [`fill_layer`](Self::fill_layer) in three steps, for bytes that arrive
+    /// over time (the store's disk reads): decide every slab's place and the
+    /// pointer tables now ([`FillPlan::copies`] lists the slabs whose host
+    /// bytes are still to be copied), copy each with [`copy_slab`](Self::copy_slab)
+    /// as it lands, then [`finish_fill`](Self::finish_fill). Zero-copy needs
+    /// the bytes up front: without `bytes`, zero-copy experts are uploaded.
+    pub fn assign_layer<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        req: &LayerRequest<'_>,
+        bytes: Option<&dyn Fn(usize, u32) -> Result<&'b [u8], String>>,
+    ) -> Result<FillPlan, CudaBackendError> {
         let copied_before = self.stats.misses + self.stats.prefetch_hits;
         let (slot_of, cap) = self.window(req.decode, req.layer);
         // The window's first slots hold this layer's prefetch.
         self.scratch_next = if self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
         let n_exp = self.n_exp;
-        let mut table = vec![0u64; 3 * n_exp];
+        let mut plan = FillPlan { table: vec![0u64; 3 * n_exp], copies: Vec::new(), decode: req.decode, copied_before };
         for (ki, &kind) in req.kinds.iter().enumerate() {
             for &e in req.experts {
                 if e as usize >= n_exp {
@@ -428,7 +457,10 @@ impl ExpertPool {
                         self.stats.prefetch_hits += 1;
                         self.move_slot(dev, from, s as usize, len)?
                     }
-                    (Some(s), None) if self.admitted.binary_search(&id).is_ok() => self.upload(dev, s as usize, bytes(ki, e).map_err(CudaBackendError::Other)?)?,
+                    (Some(s), None) if self.admitted.binary_search(&id).is_ok() => {
+                        plan.copies.push((id, ki, e, s as usize));
+                        self.slot_ptr(s as usize)?
+                    }
                     (Some(s), _) => {
                         self.stats.hits += 1;
                         self.slot_ptr(s as usize)?
@@ -438,15 +470,20 @@ impl ExpertPool {
                         self.slot_ptr(slot)?
                     }
                     (None, None) => {
-                        let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
-                        let zc = req.zero_copy.binary_search(&e).is_ok();
-                        match (zc, self.registration(b).and_then(|r| r.device_addr(b))) {
-                            (true, Some(addr)) => {
+                        let zc = match bytes.filter(|_| req.zero_copy.binary_search(&e).is_ok()) {
+                            Some(f) => {
+                                let b = f(ki, e).map_err(CudaBackendError::Other)?;
+                                self.registration(b).and_then(|r| r.device_addr(b)).map(|a| (a, b.len()))
+                            }
+                            None => None,
+                        };
+                        match zc {
+                            Some((addr, len)) => {
                                 self.stats.zero_copy += 1;
-                                self.stats.zero_copy_bytes += b.len() as u64;
+                                self.stats.zero_copy_bytes += len as u64;
                                 addr
                             }
-                            _ => {
+                            None => {
                                 if self.scratch_next >= cap {
                                     return Err(CudaBackendError::Other(format!(
                                         "layer {}: {} cold slabs in one step exceed the {cap} scratch slots; raise --vram-budget",
@@ -456,23 +493,44 @@ impl ExpertPool {
                                 }
                                 let slot = slot_of(self.scratch_next);
                                 self.scratch_next += 1;
-                                self.upload(dev, slot, b)?
+                                plan.copies.push((id, ki, e, slot));
+                                self.slot_ptr(slot)?
                             }
                         }
                     }
                 };
-                table[ki * n_exp + e as usize] = ptr;
+                plan.table[ki * n_exp + e as usize] = ptr;
             }
         }
-        if req.decode {
-            let copied = (self.stats.misses + self.stats.prefetch_hits - copied_before) as f64;
+        Ok(plan)
+    }
+
+    /// Copy slab `id`'s host bytes to its place in `plan`, if it has one there
+    /// (slabs the plan serves from VRAM, zero-copy or the CPU lane are skipped).
+    pub fn copy_slab(&mut self, dev: &CudaDevice, plan: &FillPlan, id: SlabId, bytes: &[u8]) -> Result<(), CudaBackendError> {
+        match plan.copies.iter().find(|c| c.0 == id) {
+            Some(&(_, _, _, slot)) => self.copy_to_slot(dev, id, slot, bytes),
+            None => Ok(()),
+        }
+    }
+
+    fn copy_to_slot(&mut self, dev: &CudaDevice, id: SlabId, slot: usize, bytes: &[u8]) -> Result<(), CudaBackendError> {
+        self.upload(dev, slot, bytes).map(|_| ()).map_err(|e| CudaBackendError::Other(format!("{id}: {e}")))
+    }
+
+    /// Last step of a fill: the compute stream waits for the copies, and the
+    /// pointer tables go to the device.
+    pub fn finish_fill(&mut self, dev: &CudaDevice, plan: FillPlan) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
+        if plan.decode {
+            let copied = (self.stats.misses + self.stats.prefetch_hits - plan.copied_before) as f64;
             self.copied_per_layer = if self.copied_per_layer.is_finite() { 0.9 * self.copied_per_layer + 0.1 * copied } else { copied };
         }
         self.finish_copies(dev)?;
         // The previous layer's table copy has finished: the compute stream was
         // synchronised (routing ids came back) before this call.
+        let n_exp = self.n_exp;
         for (ki, (h, d)) in self.table_host.iter_mut().zip(self.table_dev.iter_mut()).enumerate() {
-            h.as_mut_slice().copy_from_slice(&table[ki * n_exp..(ki + 1) * n_exp]);
+            h.as_mut_slice().copy_from_slice(&plan.table[ki * n_exp..(ki + 1) * n_exp]);
             d.upload_async(dev.compute(), h)?;
         }
         Ok(&self.table_dev)

@@ -537,12 +537,23 @@ impl<'a> CudaStep<'a> {
                     Some(st) => {
                         let sel: Vec<pulsar_store::Selection> =
                             h_ids.iter().enumerate().map(|(p, &e)| pulsar_store::Selection { token: (p / k) as u32, slot: (p % k) as u32, expert: e as u32 }).collect();
-                        let g = guard.insert(st.store.resolve_with(spec.layer, &sel, &|e| need.binary_search(&e).is_ok()).map_err(err)?);
-                        pool.fill_layer(dev, &req, &|ki, e| {
-                            let id = pulsar_store::SlabId::new(spec.layer, kinds[ki], e);
-                            g.slab(id).ok_or_else(|| format!("{id}: not resolved by the store"))
-                        })
-                        .map_err(err)?;
+                        // Places first, then each slab's copy starts the moment
+                        // the store has its bytes (a host-cache hit at once, a
+                        // disk read as it completes), overlapping the rest.
+                        let plan = pool.assign_layer(dev, &req, None).map_err(err)?;
+                        let r = st.store.resolve_streaming(spec.layer, &sel, &|e| need.binary_search(&e).is_ok(), &mut |id, b| {
+                            pool.copy_slab(dev, &plan, id, b).map_err(|e| e.to_string())
+                        });
+                        if r.is_err() {
+                            // Nothing may still read host bytes the failed step released.
+                            let _ = pool.wait_copies();
+                        }
+                        let g = r.map_err(err)?;
+                        let g = guard.insert(g);
+                        if let Some(&(id, ..)) = plan.copies.iter().find(|c| g.slab(c.0).is_none()) {
+                            return Err(format!("{id}: not resolved by the store"));
+                        }
+                        pool.finish_fill(dev, plan).map_err(err)?;
                     }
                     None => {
                         pool.fill_layer(dev, &req, &|ki, e| {

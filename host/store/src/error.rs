@@ -53,6 +53,8 @@ pub enum StoreError {
     StepOverBudget { layer: u32, needed: u64, available: u64, budget: u64 },
     #[error("host budget: {0}")]
     Budget(String),
+    #[error("slab {slab}: its consumer failed: {reason}")]
+    Consumer { slab: SlabId, reason: String },
 
     // ---- census, sidecar, hotlist ----
     #[error("writing census sidecar {path}: {source}")]

@@ -199,6 +199,21 @@ impl ExpertStore {
     /// Resolve a step, serving only experts for which `mine` is true; the
     /// others (placed on another device) are neither loaded nor pointed to.
     pub fn resolve_with(&self, layer: u32, selections: &[Selection], mine: &dyn Fn(u32) -> bool) -> Result<StepGuard<'_>> {
+        self.resolve_streaming(layer, selections, mine, &mut |_, _| Ok(()))
+    }
+
+    /// [`resolve_with`](Self::resolve_with), handing each slab to `on_ready`
+    /// as soon as its bytes are in place (host-cache hits at once, disk reads
+    /// as each completes), so a consumer (the GPU's copy stream) starts on
+    /// them while the rest are still being read. The bytes stay valid while
+    /// the returned guard lives. An error from `on_ready` ends the step.
+    pub fn resolve_streaming(
+        &self,
+        layer: u32,
+        selections: &[Selection],
+        mine: &dyn Fn(u32) -> bool,
+        on_ready: &mut dyn FnMut(SlabId, &[u8]) -> std::result::Result<(), String>,
+    ) -> Result<StepGuard<'_>> {
         let cat = &self.shared.catalog;
         let mut all: Vec<u32> = selections.iter().map(|s| s.expert).collect();
         all.sort_unstable();
@@ -239,9 +254,10 @@ impl ExpertStore {
                     let b = &shards[usize::from(loc.file)].bytes()[loc.offset as usize..(loc.offset + loc.bytes) as usize];
                     guard.stats.tiers.mapped.add(loc.bytes);
                     guard.slabs.insert(id, SlabRef::Mapped(b));
+                    on_ready(id, b).map_err(|reason| StoreError::Consumer { slab: id, reason })?;
                 }
             }
-            Backing::Cached(cs) => self.acquire(cs, ids, &mut guard)?,
+            Backing::Cached(cs) => self.acquire(cs, ids, &mut guard, on_ready)?,
         }
         let mut c = lock(&self.shared.counters);
         c.steps += 1;
@@ -253,13 +269,22 @@ impl ExpertStore {
     /// Pin hits, read misses, and wait for slabs a prefetch is reading. Never
     /// waits while holding reservations of its own (so two steps cannot wait
     /// on each other): reserved misses are read first.
-    fn acquire<'a>(&'a self, cs: &'a CacheState, ids: Vec<SlabId>, guard: &mut StepGuard<'a>) -> Result<()> {
+    #[allow(clippy::type_complexity)]
+    fn acquire<'a>(
+        &'a self,
+        cs: &'a CacheState,
+        ids: Vec<SlabId>,
+        guard: &mut StepGuard<'a>,
+        on_ready: &mut dyn FnMut(SlabId, &[u8]) -> std::result::Result<(), String>,
+    ) -> Result<()> {
         let cat = &self.shared.catalog;
         let budget = lock(&cs.cache).budget();
         let mut todo = ids;
         loop {
             let mut misses: Vec<(SlabId, SlabLoc, AlignedBuf, u64)> = Vec::new();
             let mut waiting = Vec::new();
+            // Hits are handed on after the cache lock is released.
+            let mut hits: Vec<SlabId> = Vec::new();
             let mut no_room = 0u64;
             {
                 let mut cache = lock(&cs.cache);
@@ -272,6 +297,7 @@ impl ExpertStore {
                                 guard.stats.tiers.host_prefetched.add(loc.bytes);
                             }
                             guard.slabs.insert(id, SlabRef::Cached(data));
+                            hits.push(id);
                         }
                         Lookup::Pending => waiting.push(id),
                         Lookup::Miss => {
@@ -296,8 +322,20 @@ impl ExpertStore {
                     }
                 }
             }
+            let handed = hits.iter().try_for_each(|&id| {
+                let b = guard.slabs.get(&id).map(SlabRef::bytes).unwrap_or(&[]);
+                on_ready(id, b).map_err(|reason| StoreError::Consumer { slab: id, reason })
+            });
+            if let Err(e) = handed {
+                let mut cache = lock(&cs.cache);
+                for (id, _, _, cost) in misses.drain(..) {
+                    cache.cancel(id, cost, Owner::Demand, None);
+                }
+                cs.changed.notify_all();
+                return Err(e);
+            }
             if !misses.is_empty() {
-                self.read_misses(cs, misses, guard)?;
+                self.read_misses(cs, misses, guard, on_ready)?;
             }
             if waiting.is_empty() {
                 return Ok(());
@@ -315,7 +353,14 @@ impl ExpertStore {
         }
     }
 
-    fn read_misses<'a>(&'a self, cs: &'a CacheState, misses: Vec<(SlabId, SlabLoc, AlignedBuf, u64)>, guard: &mut StepGuard<'a>) -> Result<()> {
+    #[allow(clippy::type_complexity)]
+    fn read_misses<'a>(
+        &'a self,
+        cs: &'a CacheState,
+        misses: Vec<(SlabId, SlabLoc, AlignedBuf, u64)>,
+        guard: &mut StepGuard<'a>,
+        on_ready: &mut dyn FnMut(SlabId, &[u8]) -> std::result::Result<(), String>,
+    ) -> Result<()> {
         let costs: HashMap<SlabId, u64> = misses.iter().map(|m| (m.0, m.3)).collect();
         let reqs: Vec<SlabRead> = misses.into_iter().map(|(id, loc, buf, _)| SlabRead { id, loc, buf }).collect();
         let mut delivered = HashSet::new();
@@ -328,8 +373,9 @@ impl ExpertStore {
             cs.changed.notify_all();
             delivered.insert(id);
             guard.stats.tiers.disk.add(bytes);
+            let r = on_ready(id, arc.bytes()).map_err(|reason| StoreError::Consumer { slab: id, reason });
             guard.slabs.insert(id, SlabRef::Cached(arc));
-            Ok(())
+            r
         });
         guard.stats.tiers.disk_seconds += t0.elapsed().as_secs_f64();
         if res.is_err() {

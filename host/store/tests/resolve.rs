@@ -274,3 +274,45 @@ fn concurrent_steps_and_prefetch_share_one_small_cache() {
     assert!(c.peak_held_bytes <= budget, "{c:?}");
     assert_eq!(store.stats().steps, 2 * 60 * layers as u64);
 }
+
+#[test]
+fn streaming_resolve_hands_over_every_slab_once_with_its_bytes_and_stops_on_a_consumer_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write_model(dir.path(), 2, 8, 40, 1, 9);
+    // A budget of a few triples: the second step mixes host-cache hits and disk reads.
+    for store in [cached(&m, step_cost(&m, 6), None), mapped(&m)] {
+        for experts in [vec![1u32, 3, 5], vec![3, 5, 7, 0]] {
+            let mut seen: Vec<(SlabId, Vec<u8>)> = Vec::new();
+            let g = store
+                .resolve_streaming(1, &selections(&experts), &|_| true, &mut |id, b| {
+                    seen.push((id, b.to_vec()));
+                    Ok(())
+                })
+                .unwrap();
+            let mut ids: Vec<SlabId> = seen.iter().map(|s| s.0).collect();
+            ids.sort_unstable();
+            let n = ids.len();
+            ids.dedup();
+            assert_eq!(ids.len(), n, "each slab handed over once");
+            let want: usize = experts.iter().map(|&e| store.catalog().triple(1, e).unwrap().slabs().count()).sum();
+            assert_eq!(n, want);
+            for (id, b) in &seen {
+                assert_eq!(g.slab(*id).unwrap(), &b[..], "{id}: the guard's bytes");
+                assert_eq!(&b[..], m.bytes(*id), "{id}: the file's bytes");
+            }
+        }
+        let mut calls = 0;
+        let err = store
+            .resolve_streaming(0, &selections(&[2, 4]), &|_| true, &mut |_, _| {
+                calls += 1;
+                Err("the GPU is gone".into())
+            })
+            .err()
+            .unwrap();
+        assert_eq!(calls, 1, "the first failure ends the step");
+        assert!(matches!(err, StoreError::Consumer { .. }), "{err}");
+        // The store still serves the same slabs afterwards.
+        let ok = store.resolve(0, &selections(&[2, 4])).unwrap();
+        assert_eq!(ok.slab(SlabId::new(0, SlabKind::Down, 4)).unwrap(), m.bytes(SlabId::new(0, SlabKind::Down, 4)));
+    }
+}
