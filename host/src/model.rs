@@ -106,6 +106,10 @@ pub struct MemoryPlan {
     pub expert_bytes_per_layer: Vec<u64>,
     /// f32 KV cache bytes per token of context.
     pub kv_bytes_per_token: u64,
+    /// Device bytes a prefill step's activations and MoE work space take per
+    /// token of the chunk (an estimate: two layers' values live at once,
+    /// plus the routed experts' gate, up, product and output rows).
+    pub activation_bytes_per_token: u64,
 }
 
 pub struct Model {
@@ -169,6 +173,15 @@ impl Model {
             }
         }
         m.kv_bytes_per_token = self.plan.kv.iter().map(|k| 4 * k.n_kv_head as u64 * (k.head_dim_k + k.head_dim_v) as u64).sum();
+        let d = self.plan.n_embd as u64;
+        let (ff, dm) = self
+            .weights
+            .iter()
+            .find(|w| w.role == Role::RoutedExpert && w.dims.len() == 3)
+            .map(|w| (w.dims[1].min(w.dims[0]), w.dims[1].max(w.dims[0])))
+            .unwrap_or((0, d));
+        let k = self.file.metadata().get_u32(&format!("{}.expert_used_count", self.arch)).ok().flatten().unwrap_or(1) as u64;
+        m.activation_bytes_per_token = 4 * (k * (3 * ff + 2 * dm) + 24 * d.max(dm));
         m
     }
 

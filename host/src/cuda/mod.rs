@@ -71,6 +71,26 @@ pub struct CudaModel {
     /// overstates what a sub-millisecond share of one layer achieves).
     pub cost: Mutex<crate::cold::CostModel>,
     pub resident_bytes: u64,
+    /// Largest prefill chunk: with streamed experts, what the activation
+    /// reserve kept inside the VRAM budget holds.
+    pub max_chunk: usize,
+    /// Bytes of the budget kept for a chunk's activations (streaming only).
+    pub activation_reserve: u64,
+}
+
+/// Most tokens of one prefill step on the GPU.
+pub const MAX_CHUNK: usize = 512;
+
+/// The prefill chunk for a streaming model: the largest power of two up to
+/// [`MAX_CHUNK`] whose activations take at most a sixteenth of what the budget
+/// leaves after the resident weights and KV (the rest holds expert slabs), and
+/// the bytes to reserve for it.
+pub fn chunk_for_budget(room: u64, per_token: u64) -> (usize, u64) {
+    let mut chunk = MAX_CHUNK;
+    while chunk > 16 && per_token * chunk as u64 > room / 16 {
+        chunk /= 2;
+    }
+    (chunk, per_token * chunk as u64)
 }
 
 /// How [`CudaModel::load`] places a model.
@@ -117,6 +137,7 @@ impl CudaModel {
             )));
         }
         let stream_experts = mem.expert_bytes > budget - fixed;
+        let (mut max_chunk, mut activation_reserve) = (MAX_CHUNK, 0u64);
         let stream = dev.compute().clone();
         let mut weights = Vec::with_capacity(model.weights.len());
         let mut resident = 0u64;
@@ -162,8 +183,12 @@ impl CudaModel {
                 .unwrap_or(0);
             let n_exp = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).filter_map(|w| w.dims.get(2)).copied().max().unwrap_or(1) as usize;
             let n_moe_layers = model.weights.iter().filter(|w| w.role == Role::Router).count().max(1);
-            // Scratch for one layer's cold slabs and the tables come out of the budget too.
-            let room = budget - fixed;
+            // Scratch for one layer's cold slabs and the tables come out of the
+            // budget too, and so do a prefill chunk's activations.
+            let (chunk, reserve) = chunk_for_budget(budget - fixed, mem.activation_bytes_per_token);
+            (max_chunk, activation_reserve) = (chunk, reserve);
+            tracing::info!("prefill chunks of up to {chunk} tokens: {:.0} MiB of the budget kept for activations", reserve as f64 / (1u64 << 20) as f64);
+            let room = (budget - fixed).saturating_sub(reserve);
             let n_slots = (room / slot_bytes.max(1)) as usize;
             // Heat halves over about 256 tokens (one hot-set step per MoE layer).
             let mut pool = ExpertPool::new(&dev, slot_bytes as usize, n_slots, n_exp, 256.0 * n_moe_layers as f64)?;
@@ -188,7 +213,7 @@ impl CudaModel {
             Some(_) => cold_lane(&dev, model, opts)?,
             None => (None, crate::cold::CostModel::default()),
         };
-        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident })
+        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident, max_chunk, activation_reserve })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.
@@ -338,5 +363,20 @@ impl CudaKv {
 
     pub fn bytes_for(model: &Model, n_ctx: usize) -> u64 {
         model.memory_plan().kv_bytes_per_token * n_ctx as u64
+    }
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::{chunk_for_budget, MAX_CHUNK};
+
+    #[test]
+    fn the_prefill_chunk_shrinks_with_the_budget_and_is_reserved() {
+        // ~11 GiB of room and 0.8 MB a token (the q2_K 48-layer model at 16 GiB): full chunks.
+        assert_eq!(chunk_for_budget(11 << 30, 800_000), (MAX_CHUNK, 800_000 * MAX_CHUNK as u64));
+        // 1 GiB of room and 0.4 MB a token: a sixteenth holds 167 tokens, so 128.
+        assert_eq!(chunk_for_budget(1 << 30, 400_000).0, 128);
+        // Never below 16 tokens, however tight.
+        assert_eq!(chunk_for_budget(1 << 20, 400_000).0, 16);
     }
 }

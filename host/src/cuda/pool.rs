@@ -14,11 +14,14 @@ use super::CudaBackendError;
 pub struct BufPool<T: Pod> {
     free: HashMap<usize, Vec<DeviceBuf<T>>>,
     pub allocations: u64,
+    /// Bytes of every buffer this pool allocated (in use or free): its share
+    /// of device memory.
+    pub held_bytes: u64,
 }
 
 impl<T: Pod> Default for BufPool<T> {
     fn default() -> Self {
-        BufPool { free: HashMap::new(), allocations: 0 }
+        BufPool { free: HashMap::new(), allocations: 0, held_bytes: 0 }
     }
 }
 
@@ -28,6 +31,7 @@ impl<T: Pod> BufPool<T> {
             return Ok(b);
         }
         self.allocations += 1;
+        self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
         Ok(dev.alloc::<T>(len)?)
     }
     pub fn give(&mut self, b: DeviceBuf<T>) {

@@ -1,6 +1,9 @@
 //! One forward step on the GPU: [`CudaStep`] implements the plugin ops,
 //! [`CudaEngine`] is the session (KV cache, position, pools).
 
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
 use pulsar_cuda::{attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
@@ -22,9 +25,40 @@ fn err<E: std::fmt::Display>(e: E) -> String {
 }
 
 struct DVal {
-    buf: DeviceBuf<f32>,
+    /// None once released (its last use in the step's recorded plan is past).
+    buf: Option<DeviceBuf<f32>>,
     rows: usize,
     cols: usize,
+}
+
+/// Which values a step's ops read, so the next step of the same kind can give
+/// a value's buffer back right after its last reader instead of at the end of
+/// the step: a 512-token prefill of 48 layers otherwise holds every layer's
+/// activations at once (gigabytes outside the VRAM budget). Values are
+/// numbered in creation order, so an identical op sequence has identical
+/// numbers; a step that departs from the recorded sequence stops releasing.
+#[derive(Default)]
+struct Liveness {
+    /// The inputs of each op (by op index) of the last step of this kind.
+    inputs: Vec<Vec<u32>>,
+    /// For each op index, the values whose last read it is.
+    frees: Vec<Vec<u32>>,
+}
+
+impl Liveness {
+    fn from_trace(inputs: Vec<Vec<u32>>) -> Liveness {
+        let mut last: HashMap<u32, usize> = HashMap::new();
+        for (i, ins) in inputs.iter().enumerate() {
+            for &v in ins {
+                last.insert(v, i);
+            }
+        }
+        let mut frees = vec![Vec::new(); inputs.len()];
+        for (v, i) in last {
+            frees[i].push(v);
+        }
+        Liveness { inputs, frees }
+    }
 }
 
 #[derive(Default)]
@@ -47,11 +81,18 @@ pub struct CudaEngine<'m> {
     /// Streamed experts come through this store's host cache (else the mapping).
     store: Option<&'m StoreExperts>,
     pools: Pools,
+    /// Recorded value lifetimes of the last decode (0) and prefill (1) step.
+    live: [Liveness; 2],
+    /// Off after a step asked for a value released early (the plugin's graph
+    /// changed shape between steps); every value then lives to the step's end.
+    release_early: bool,
+    /// The activation reserve was found too small (warned once).
+    over_reserve: bool,
 }
 
 impl<'m> CudaEngine<'m> {
     pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
-        Ok(CudaEngine { model, cm, kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), store: None, pools: Pools::default() })
+        Ok(CudaEngine { model, cm, kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), store: None, pools: Pools::default(), live: Default::default(), release_early: true, over_reserve: false })
     }
 
     /// Serve streamed experts through `store` when it has a budgeted host
@@ -81,6 +122,12 @@ impl<'m> CudaEngine<'m> {
         p.f32.allocations + p.u8.allocations + p.u32.allocations + p.i32.allocations + p.u64.allocations
     }
 
+    /// Device memory the step buffers hold (activations and work space).
+    pub fn activation_bytes(&self) -> u64 {
+        let p = &self.pools;
+        p.f32.held_bytes + p.u8.held_bytes + p.u32.held_bytes + p.i32.held_bytes + p.u64.held_bytes
+    }
+
     pub fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::Empty);
@@ -89,11 +136,20 @@ impl<'m> CudaEngine<'m> {
             return Err(EngineError::ContextFull { need: self.n_past + tokens.len(), n_ctx: self.n_ctx() });
         }
         let mut out = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.clamp(1, 512)).collect();
+        let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.clamp(1, self.cm.max_chunk)).collect();
         let last = chunks.len() - 1;
         for (ci, chunk) in chunks.into_iter().enumerate() {
             let positions: Vec<u32> = (self.n_past..self.n_past + chunk.len()).map(|p| p as u32).collect();
             let rows = self.step(chunk, &positions, all).map_err(EngineError::Forward)?;
+            let held = self.activation_bytes();
+            if self.cm.activation_reserve > 0 && held > self.cm.activation_reserve && !self.over_reserve {
+                self.over_reserve = true;
+                tracing::warn!(
+                    "step buffers hold {:.0} MiB, more than the {:.0} MiB of the VRAM budget kept for them",
+                    held as f64 / (1u64 << 20) as f64,
+                    self.cm.activation_reserve as f64 / (1u64 << 20) as f64
+                );
+            }
             self.n_past += chunk.len();
             self.history.extend_from_slice(chunk);
             if all {
@@ -109,14 +165,46 @@ impl<'m> CudaEngine<'m> {
         let dev = &self.cm.dev;
         let mut pos_buf = self.pools.u32.take(dev, positions.len()).map_err(err)?;
         pos_buf.upload(dev.compute(), positions).map_err(err)?;
-        let mut step = CudaStep { model: self.model, cm: self.cm, store: self.store, kv: &mut self.kv, pools: &mut self.pools, tokens, positions, pos_buf: &pos_buf, all_rows: all, vals: Vec::new(), qcache: Vec::new() };
+        let kind = usize::from(tokens.len() > 1);
+        let plan = if self.release_early { Some(&self.live[kind]) } else { None };
+        let mut step = CudaStep {
+            model: self.model,
+            cm: self.cm,
+            store: self.store,
+            kv: &mut self.kv,
+            pools: &mut self.pools,
+            tokens,
+            positions,
+            pos_buf: &pos_buf,
+            all_rows: all,
+            vals: Vec::new(),
+            qcache: Vec::new(),
+            plan,
+            trace: RefCell::new(Vec::new()),
+            on_plan: Cell::new(true),
+            freed_to: 0,
+            released_early: Cell::new(false),
+        };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
         let result = match r {
             Ok(v) => step.download(v),
             Err(e) => Err(e.into_string()),
         };
         step.finish();
+        let (trace, early) = (step.trace.take(), step.released_early.get());
+        drop(step);
         self.pools.u32.give(pos_buf);
+        if early && result.is_err() {
+            // A value freed after its recorded last read was read again: the
+            // graph is not the same from step to step. Keep everything from
+            // now on and run the step again (it rewrites the same KV rows).
+            self.release_early = false;
+            tracing::warn!("the model's op sequence varies between steps; step buffers now live to the end of each step");
+            return self.step(tokens, positions, all);
+        }
+        if result.is_ok() {
+            self.live[kind] = Liveness::from_trace(trace);
+        }
         result
     }
 }
@@ -134,6 +222,16 @@ struct CudaStep<'a> {
     vals: Vec<DVal>,
     /// Quantized activations made this step, by (value, format).
     qcache: Vec<(Val, ActFormat, DeviceBuf<u8>)>,
+    /// The last step of this kind's value lifetimes (None: release nothing early).
+    plan: Option<&'a Liveness>,
+    /// This step's op inputs, in order (shape() reads through &self).
+    trace: RefCell<Vec<Vec<u32>>>,
+    /// Whether every op so far matched the plan.
+    on_plan: Cell<bool>,
+    /// Plan ops whose frees are done.
+    freed_to: usize,
+    /// A released value was asked for (see CudaEngine::release_early).
+    released_early: Cell<bool>,
 }
 
 fn res(r: R<Val>) -> OpResult {
@@ -146,7 +244,9 @@ fn res(r: R<Val>) -> OpResult {
 impl<'a> CudaStep<'a> {
     fn finish(&mut self) {
         for v in self.vals.drain(..) {
-            self.pools.f32.give(v.buf);
+            if let Some(b) = v.buf {
+                self.pools.f32.give(b);
+            }
         }
         for (_, _, q) in self.qcache.drain(..) {
             self.pools.u8.give(q);
@@ -154,9 +254,9 @@ impl<'a> CudaStep<'a> {
     }
 
     fn download(&mut self, v: Val) -> R<Vec<Vec<f32>>> {
-        let d = self.vals.get(v.0 as usize).ok_or("unknown value")?;
+        let d = self.get(v)?;
         let mut host = vec![0f32; d.rows * d.cols];
-        d.buf.download(self.cm.dev.compute(), &mut host).map_err(err)?;
+        self.buf(v)?.download(self.cm.dev.compute(), &mut host).map_err(err)?;
         Ok(host.chunks(d.cols.max(1)).map(|r| r.to_vec()).collect())
     }
 
@@ -168,12 +268,60 @@ impl<'a> CudaStep<'a> {
         self.vals.get(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))
     }
 
+    /// The device buffer of value `v` (an error, never a stale read, if it
+    /// was released).
+    fn buf(&self, v: Val) -> R<&DeviceBuf<f32>> {
+        self.get(v)?.buf.as_ref().ok_or_else(|| {
+            self.released_early.set(true);
+            format!("value {} was released before this read (the op sequence changed between steps)", v.0)
+        })
+    }
+
+    /// Record an op reading `inputs`, and whether it matches the plan.
+    fn note(&self, inputs: &[Val]) {
+        let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
+        let mut t = self.trace.borrow_mut();
+        let i = t.len();
+        if self.on_plan.get() && self.plan.and_then(|p| p.inputs.get(i)) != Some(&ins) {
+            self.on_plan.set(false);
+        }
+        t.push(ins);
+    }
+
+    /// After an op: give back the buffers of values whose last read (in the
+    /// plan) is behind us, while this step still follows the plan.
+    fn release(&mut self) {
+        let Some(plan) = self.plan.filter(|_| self.on_plan.get()) else { return };
+        let done = self.trace.borrow().len();
+        while self.freed_to < done.min(plan.frees.len()) {
+            for &v in &plan.frees[self.freed_to] {
+                let Some(d) = self.vals.get_mut(v as usize) else { continue };
+                if let Some(b) = d.buf.take() {
+                    self.pools.f32.give(b);
+                }
+                while let Some(i) = self.qcache.iter().position(|(x, _, _)| x.0 == v) {
+                    let (_, _, q) = self.qcache.swap_remove(i);
+                    self.pools.u8.give(q);
+                }
+            }
+            self.freed_to += 1;
+        }
+    }
+
+    /// An op's result, after releasing what the plan says is dead.
+    fn done(&mut self, r: R<Val>) -> OpResult {
+        if r.is_ok() {
+            self.release();
+        }
+        res(r)
+    }
+
     fn new_val(&mut self, rows: usize, cols: usize) -> R<DeviceBuf<f32>> {
         self.pools.f32.take(&self.cm.dev, rows * cols).map_err(err)
     }
 
     fn push(&mut self, buf: DeviceBuf<f32>, rows: usize, cols: usize) -> R<Val> {
-        self.vals.push(DVal { buf, rows, cols });
+        self.vals.push(DVal { buf: Some(buf), rows, cols });
         Ok(Val(self.vals.len() as u32 - 1))
     }
 
@@ -202,7 +350,7 @@ impl<'a> CudaStep<'a> {
         let stream = self.cm.dev.compute().clone();
         match ActFormat::for_weight(ty) {
             Some(ActFormat::F32) => {
-                let xb = &self.get(x)?.buf;
+                let xb = self.buf(x)?;
                 self.cm.dev.gemm_float(&stream, ty, w, n_out, n_in, xb, rows, &mut y).map_err(err)?;
             }
             Some(fmt) => {
@@ -229,7 +377,7 @@ impl<'a> CudaStep<'a> {
         let qlen = pulsar_cuda::act_bytes(fmt, rows, cols).map_err(err)?;
         let mut q = self.pools.u8.take(&self.cm.dev, qlen).map_err(err)?;
         let stream = self.cm.dev.compute().clone();
-        self.cm.dev.quantize_act(&stream, fmt, &self.vals[x.0 as usize].buf, rows, cols, &mut q).map_err(err)?;
+        self.cm.dev.quantize_act(&stream, fmt, self.buf(x)?, rows, cols, &mut q).map_err(err)?;
         self.qcache.push((x, fmt, q));
         Ok(self.qcache.len() - 1)
     }
@@ -252,7 +400,7 @@ impl<'a> CudaStep<'a> {
         }
         let mut out = self.new_val(ra, ca)?;
         let s = self.cm.dev.compute().clone();
-        let (x, y) = (&self.vals[a.0 as usize].buf, &self.vals[b.0 as usize].buf);
+        let (x, y) = (self.buf(a)?, self.buf(b)?);
         match op {
             0 => self.cm.dev.add(&s, x, y, &mut out),
             _ => self.cm.dev.mul(&s, x, y, &mut out),
@@ -289,15 +437,15 @@ impl<'a> CudaStep<'a> {
             }
             // Positions of one step are consecutive: one copy per cache.
             let (kd, vd) = (kc.device_ptr_at(p0 * kw).map_err(err)?, vc.device_ptr_at(p0 * vw).map_err(err)?);
-            self.copy_rows(kd, self.vals[k.0 as usize].buf.device_ptr(), n * kw * 4)?;
-            self.copy_rows(vd, self.vals[v.0 as usize].buf.device_ptr(), n * vw * 4)?;
+            self.copy_rows(kd, self.buf(k)?.device_ptr(), n * kw * 4)?;
+            self.copy_rows(vd, self.buf(v)?.device_ptr(), n * vw * 4)?;
         }
         let params = AttnParams { n_head: nh, n_kv_head: nkv, head_dim_k: dk, head_dim_v: dv, scale: s.scale, window: s.window as usize, softcap: s.softcap };
         let mut work = self.pools.f32.take(&self.cm.dev, attention_workspace_len(&params, n, n_ctx)).map_err(err)?;
         let mut out = self.new_val(n, nh * dv)?;
         let stream = self.cm.dev.compute().clone();
         let (_, _, kc, vc) = &self.kv.layers[&(s.layer as usize)];
-        self.cm.dev.attention(&stream, &params, &self.vals[q.0 as usize].buf, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out).map_err(err)?;
+        self.cm.dev.attention(&stream, &params, self.buf(q)?, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out).map_err(err)?;
         self.pools.f32.give(work);
         self.push(out, n, nh * dv)
     }
@@ -323,7 +471,7 @@ impl<'a> CudaStep<'a> {
         let stream = cm.dev.compute().clone();
         let (rows, d_model) = self.dims(x)?;
         let mut xh = vec![0f32; rows * d_model];
-        self.vals[x.0 as usize].buf.download(&stream, &mut xh).map_err(err)?;
+        self.buf(x)?.download(&stream, &mut xh).map_err(err)?;
         let model = self.model;
         let slab = |ki: usize, e: u32| -> R<crate::cold::Slab<'_>> {
             let w = &model.weights[widx[ki]];
@@ -389,7 +537,7 @@ impl<'a> CudaStep<'a> {
             renormalize: spec.norm_topk,
             scale: spec.weights_scale,
         };
-        dev.route(&stream, &rs, &self.vals[logits.0 as usize].buf, None, rows, ne, &mut ids, &mut wts).map_err(err)?;
+        dev.route(&stream, &rs, self.buf(logits)?, None, rows, ne, &mut ids, &mut wts).map_err(err)?;
         let n_pairs = rows * k;
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
         let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
@@ -466,7 +614,7 @@ impl<'a> CudaStep<'a> {
                     let nl = self.linear_w(Wt(ri as u32), x)?;
                     let mut idn = self.pools.i32.take(dev, rows * k).map_err(err)?;
                     let mut wn = self.pools.f32.take(dev, rows * k).map_err(err)?;
-                    dev.route(&stream, &rs, &self.vals[nl.0 as usize].buf, None, rows, ne, &mut idn, &mut wn).map_err(err)?;
+                    dev.route(&stream, &rs, self.buf(nl)?, None, rows, ne, &mut idn, &mut wn).map_err(err)?;
                     next = Some((idn, wn));
                 }
                 h_ids = vec![0i32; n_pairs];
@@ -588,7 +736,7 @@ impl<'a> CudaStep<'a> {
         if float {
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
-            let r = dev.moe_ffn_float(&stream, gate_ty, &pairs, &self.vals[x.0 as usize].buf, d_model, ff, act_of(spec.act), &mut h, &mut out);
+            let r = dev.moe_ffn_float(&stream, gate_ty, &pairs, self.buf(x)?, d_model, ff, act_of(spec.act), &mut h, &mut out);
             self.pools.f32.give(h);
             r.map_err(err)?;
             if !lane_experts.is_empty() {
@@ -676,13 +824,15 @@ impl Ops for CudaStep<'_> {
         self.tokens.len() as u32
     }
     fn shape(&self, x: Val) -> RResult<RVec<u64>, RString> {
+        self.note(&[x]);
         match self.get(x) {
             Ok(d) => RResult::ROk(RVec::from(vec![d.rows as u64, d.cols as u64])),
             Err(e) => RResult::RErr(e.into()),
         }
     }
     fn embed(&mut self, table: Wt, scale: f32) -> OpResult {
-        res((|| {
+        self.note(&[]);
+        let r = (|| {
             let (dw, mw) = self.weight(table)?;
             let raw = dw.raw.as_ref().ok_or_else(|| format!("{} is not resident", mw.name))?;
             let (cols, n_vocab) = (dw.dims[0] as usize, dw.dims[1] as usize);
@@ -703,13 +853,17 @@ impl Ops for CudaStep<'_> {
                 out = scaled;
             }
             self.push(out, n, cols)
-        })())
+        })();
+        self.done(r)
     }
     fn linear(&mut self, w: Wt, x: Val) -> OpResult {
-        res(self.linear_w(w, x))
+        self.note(&[x]);
+        let r = self.linear_w(w, x);
+        self.done(r)
     }
     fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
-        res((|| {
+        self.note(&[x]);
+        let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let g = group as usize;
             let weight = match w {
@@ -725,40 +879,50 @@ impl Ops for CudaStep<'_> {
             };
             let mut y = self.new_val(rows, cols)?;
             let stream = self.cm.dev.compute().clone();
-            self.cm.dev.rms_norm(&stream, &self.vals[x.0 as usize].buf, &mut y, weight, g, eps).map_err(err)?;
+            self.cm.dev.rms_norm(&stream, self.buf(x)?, &mut y, weight, g, eps).map_err(err)?;
             self.push(y, rows, cols)
-        })())
+        })();
+        self.done(r)
     }
     fn add(&mut self, a: Val, b: Val) -> OpResult {
-        res(self.binary(a, b, 0))
+        self.note(&[a, b]);
+        let r = self.binary(a, b, 0);
+        self.done(r)
     }
     fn mul(&mut self, a: Val, b: Val) -> OpResult {
-        res(self.binary(a, b, 1))
+        self.note(&[a, b]);
+        let r = self.binary(a, b, 1);
+        self.done(r)
     }
     fn scale(&mut self, x: Val, s: f32) -> OpResult {
-        res((|| {
+        self.note(&[x]);
+        let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let mut y = self.new_val(rows, cols)?;
             let stream = self.cm.dev.compute().clone();
-            self.cm.dev.scale(&stream, &self.vals[x.0 as usize].buf, s, &mut y).map_err(err)?;
+            self.cm.dev.scale(&stream, self.buf(x)?, s, &mut y).map_err(err)?;
             self.push(y, rows, cols)
-        })())
+        })();
+        self.done(r)
     }
     fn act(&mut self, x: Val, act: Act) -> OpResult {
         // act(x) = glu(x, 1): the GLU kernel with a ones vector.
-        res((|| {
+        self.note(&[x]);
+        let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let stream = self.cm.dev.compute().clone();
             let mut ones = self.new_val(rows, cols)?;
             ones.upload(&stream, &vec![1f32; rows * cols]).map_err(err)?;
             let mut y = self.new_val(rows, cols)?;
-            self.cm.dev.glu(&stream, &self.vals[x.0 as usize].buf, &ones, &mut y, act_of(act)).map_err(err)?;
+            self.cm.dev.glu(&stream, self.buf(x)?, &ones, &mut y, act_of(act)).map_err(err)?;
             self.pools.f32.give(ones);
             self.push(y, rows, cols)
-        })())
+        })();
+        self.done(r)
     }
     fn glu(&mut self, gate: Val, up: Val, act: Act) -> OpResult {
-        res((|| {
+        self.note(&[gate, up]);
+        let r = (|| {
             let (rows, cols) = {
                 let (g, u) = (self.get(gate)?, self.get(up)?);
                 if (g.rows, g.cols) != (u.rows, u.cols) {
@@ -768,18 +932,20 @@ impl Ops for CudaStep<'_> {
             };
             let mut y = self.new_val(rows, cols)?;
             let stream = self.cm.dev.compute().clone();
-            self.cm.dev.glu(&stream, &self.vals[gate.0 as usize].buf, &self.vals[up.0 as usize].buf, &mut y, act_of(act)).map_err(err)?;
+            self.cm.dev.glu(&stream, self.buf(gate)?, self.buf(up)?, &mut y, act_of(act)).map_err(err)?;
             self.push(y, rows, cols)
-        })())
+        })();
+        self.done(r)
     }
     fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
-        res((|| {
+        self.note(&[x]);
+        let r = (|| {
             let (rows, cols) = self.dims(x)?;
             if rows != self.positions.len() {
                 return Err(format!("rope: {rows} rows for {} positions", self.positions.len()));
             }
             let mut y = self.new_val(rows, cols)?;
-            self.copy_rows(y.device_ptr(), self.vals[x.0 as usize].buf.device_ptr(), rows * cols * 4)?;
+            self.copy_rows(y.device_ptr(), self.buf(x)?.device_ptr(), rows * cols * 4)?;
             let kind = match spec.mode {
                 RopeMode::Neox => RopeKind::Neox,
                 RopeMode::Interleaved => RopeKind::Interleaved,
@@ -788,24 +954,48 @@ impl Ops for CudaStep<'_> {
             let stream = self.cm.dev.compute().clone();
             self.cm.dev.rope(&stream, &mut y, cols, self.pos_buf, &p).map_err(err)?;
             self.push(y, rows, cols)
-        })())
+        })();
+        self.done(r)
     }
     fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> OpResult {
-        res(self.do_attention(q, k, v, spec))
+        self.note(&[q, k, v]);
+        let r = self.do_attention(q, k, v, spec);
+        self.done(r)
     }
     fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
-        res(self.do_moe(x, &spec))
+        self.note(&[x]);
+        let r = self.do_moe(x, &spec);
+        self.done(r)
     }
     fn output_rows(&mut self, x: Val) -> OpResult {
-        res((|| {
+        self.note(&[x]);
+        let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let keep = if self.all_rows { rows } else { 1 };
             let mut y = self.new_val(keep, cols)?;
-            let src = self.vals[x.0 as usize].buf.device_ptr() + ((rows - keep) * cols * 4) as u64;
+            let src = self.buf(x)?.device_ptr() + ((rows - keep) * cols * 4) as u64;
             self.copy_rows(y.device_ptr(), src, keep * cols * 4)?;
             let _ = &mut y;
             self.push(y, keep, cols)
-        })())
+        })();
+        self.done(r)
     }
-    fn name(&mut self, _x: Val, _name: RStr<'_>, _layer: i32) {}
+    fn name(&mut self, x: Val, _name: RStr<'_>, _layer: i32) {
+        self.note(&[x]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Liveness;
+
+    #[test]
+    fn a_value_is_released_after_its_last_reader() {
+        // op 0 makes v0; op 1 reads v0 (makes v1); op 2 reads v0 and v1; op 3 reads v2.
+        let l = Liveness::from_trace(vec![vec![], vec![0], vec![0, 1], vec![2]]);
+        let mut f: Vec<Vec<u32>> = l.frees.clone();
+        f.iter_mut().for_each(|v| v.sort_unstable());
+        assert_eq!(f, vec![vec![], vec![], vec![0, 1], vec![2]]);
+        assert_eq!(l.inputs.len(), 4);
+    }
 }
