@@ -101,13 +101,13 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 
 template <int F>
 __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
-                                       int cols, int n_slot, int act, const u64* tab) {
+                                       int cols, int n_slot, int act, int rpw, const u64* tab) {
     __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * MOE_WARPS + warp) * MOE_R;
+    int row0 = (blockIdx.x * MOE_WARPS + warp) * rpw;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
     if (gp == 0 || upp == 0 || row0 >= ff) return;
-    int t = p / n_slot, nr = min(MOE_R, ff - row0);
+    int t = p / n_slot, nr = min(rpw, ff - row0);
     size_t wrb = w_row_bytes<F>(cols), off = (size_t)row0 * wrb;
     const u8* x = X + (size_t)t * act_row_bytes<F>(cols);
     int units = cols / 32;
@@ -118,28 +118,29 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
 
 template <int F>
 __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
-                                         const u64* tab) {
+                                         int rpw, const u64* tab) {
     __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * MOE_WARPS + warp) * MOE_R;
+    int row0 = (blockIdx.x * MOE_WARPS + warp) * rpw;
     u64 dp = down_ptrs[p];
     if (dp == 0 || row0 >= d_model) return;
-    int nr = min(MOE_R, d_model - row0);
+    int nr = min(rpw, d_model - row0);
     size_t wrb = w_row_bytes<F>(ff);
     const u8* h = HQ + (size_t)p * act_row_bytes<F>(ff);
     float y = rows_dot<F, MOE_R, 1>((const u8*)dp + (size_t)row0 * wrb, wrb, nr, h, 0, 1, ff / 32, tab, vals[warp]);
     if (lane < nr) OUT[(size_t)p * d_model + row0 + lane] = y;
 }
 
+// rpw (1..MOE_R): rows per warp, chosen by the host from the pairs' total rows.
 #define MOE_ENTRY(NAME, F)                                                                          \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                   \
         moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
-                      int n_slot, int act, const u64* tab) {                                        \
-        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, tab);                            \
+                      int n_slot, int act, int rpw, const u64* tab) {                               \
+        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, tab);                       \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##NAME(                  \
-        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, const u64* tab) {      \
-        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, tab);                                          \
+        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, const u64* tab) { \
+        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, tab);                                     \
     }
 
 MOE_ENTRY(q8_0, F_Q8_0)

@@ -27,7 +27,6 @@ const GEMV_ROWS_PER_BLOCK: usize = 4; // FG_WARPS / MOE_WARPS of the float kerne
 const GEMM_TOKENS: usize = 8; // FG_TT
 const QGEMV_WARPS: usize = 4; // QV_WARPS
 const QGEMV_MAX_RPW: usize = 8; // QV_R
-const QGEMV_ROWS_PER_BLOCK: usize = 32; // MOE_WARPS * MOE_R
 const QGEMM_ROWS_PER_BLOCK: usize = 16; // QV_WARPS * QM_R
 const QGEMM_TOKENS: usize = 8; // QM_T
 const MMA_ROWS_PER_BLOCK: usize = 64; // MM_ROWS
@@ -1000,7 +999,10 @@ impl CudaDevice {
         );
         let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
         let f = self.func(Family::Moe, 1 + 2 * gi)?;
-        let grid = (ff.div_ceil(QGEMV_ROWS_PER_BLOCK) as u32, n_pairs as u32, 1);
+        // Rows per warp from all the pairs' rows, as the GEMV picks them.
+        let (ru, rd) = (gemv_rows_per_warp(ff * n_pairs), gemv_rows_per_warp(d_model * n_pairs));
+        let (rui, rdi) = (ru as i32, rd as i32);
+        let grid = (ff.div_ceil(QGEMV_WARPS * ru) as u32, n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked.
         unsafe {
             self.launch(
@@ -1009,17 +1011,13 @@ impl CudaDevice {
                 128,
                 0,
                 stream,
-                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, tab],
+                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, tab],
             )?
         };
         self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
         let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
-        let grid = (
-            d_model.div_ceil(QGEMV_ROWS_PER_BLOCK) as u32,
-            n_pairs as u32,
-            1,
-        );
+        let grid = (d_model.div_ceil(QGEMV_WARPS * rd) as u32, n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked.
         unsafe {
             self.launch(
@@ -1028,7 +1026,7 @@ impl CudaDevice {
                 128,
                 0,
                 stream,
-                &mut params![dp, hqp, op, dm, ffi, tab],
+                &mut params![dp, hqp, op, dm, ffi, rdi, tab],
             )
         }
     }
