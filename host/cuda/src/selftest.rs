@@ -899,6 +899,37 @@ fn route_case(
     Ok(c)
 }
 
+/// One expert's matrices for the CPU reference of the MoE cases.
+struct ExpertRef<'a> {
+    gate_up_ty: GgmlType,
+    down_ty: GgmlType,
+    gate: &'a [u8],
+    up: &'a [u8],
+    down: &'a [u8],
+}
+
+/// The CPU twin of one (token, expert) pair: `h = act(gate x) * (up x)`, then
+/// `down h` with h in the activation format `down_ty` takes. Returns (h, out).
+fn cpu_expert(
+    k: &Kernels,
+    pool: &rayon::ThreadPool,
+    w: &ExpertRef<'_>,
+    x: &[f32],
+    d_model: usize,
+    ff: usize,
+    act: Activation,
+) -> Result<(Vec<f32>, Vec<f32>), CudaError> {
+    let xt = Activations::for_weight(w.gate_up_ty, x, d_model)?;
+    let (mut g, mut u) = (vec![0f32; ff], vec![0f32; ff]);
+    k.matvec(pool, &WeightMatrix::new(w.gate_up_ty, w.gate, ff, d_model)?, &xt, &mut g)?;
+    k.matvec(pool, &WeightMatrix::new(w.gate_up_ty, w.up, ff, d_model)?, &xt, &mut u)?;
+    ops::glu_rows(&mut g, &u, act);
+    let ht = Activations::for_weight(w.down_ty, &g, ff)?;
+    let mut y = vec![0f32; d_model];
+    k.matvec(pool, &WeightMatrix::new(w.down_ty, w.down, d_model, ff)?, &ht, &mut y)?;
+    Ok((g, y))
+}
+
 /// The prefill form (expert by expert, gathered rows, the device's GEMM) must
 /// give exactly the decode form's (pair by pair GEMV) bits: decode after
 /// prefill equals one long prefill. `n_tok` 40 makes runs of more than one
@@ -1048,21 +1079,8 @@ fn moe_case(
             continue;
         }
         let (t, e) = (p / n_slot, expert(p));
-        let xt = Activations::for_weight(gu, &x[t * d_model..(t + 1) * d_model], d_model)?;
-        let (mut g, mut u) = (vec![0f32; ff], vec![0f32; ff]);
-        k.matvec(
-            pool,
-            &WeightMatrix::new(gu, &gates[e], ff, d_model)?,
-            &xt,
-            &mut g,
-        )?;
-        k.matvec(
-            pool,
-            &WeightMatrix::new(gu, &ups[e], ff, d_model)?,
-            &xt,
-            &mut u,
-        )?;
-        ops::glu_rows(&mut g, &u, Activation::Silu);
+        let w = ExpertRef { gate_up_ty: gu, down_ty: dn, gate: &gates[e], up: &ups[e], down: &downs[e] };
+        let (g, y) = cpu_expert(k, pool, &w, &x[t * d_model..(t + 1) * d_model], d_model, ff, Activation::Silu)?;
         // Diagnostics: the GPU's h against the CPU's, and the GPU's quantization of its own h.
         let hg = &h_gpu[p * ff..(p + 1) * ff];
         h_cpu_all.extend_from_slice(&g);
@@ -1070,14 +1088,6 @@ fn moe_case(
         let hq_of_gpu_h = Activations::for_weight(dn, hg, ff)?;
         let rb = hq_of_gpu_h.as_bytes().len();
         hq_off += compare_bytes(&hq_gpu[p * rb..(p + 1) * rb], hq_of_gpu_h.as_bytes()).abs as usize;
-        let hq_cpu = Activations::for_weight(dn, &g, ff)?;
-        let mut y = vec![0f32; d_model];
-        k.matvec(
-            pool,
-            &WeightMatrix::new(dn, &downs[e], d_model, ff)?,
-            &hq_cpu,
-            &mut y,
-        )?;
         cpu.extend(y);
         gpu.extend_from_slice(row);
     }
@@ -1158,29 +1168,8 @@ fn moe_float_case(
             continue;
         }
         let (t, e) = (p / n_slot, expert(p));
-        let xt = Activations::for_weight(ty, &x[t * d_model..(t + 1) * d_model], d_model)?;
-        let (mut g, mut u) = (vec![0f32; ff], vec![0f32; ff]);
-        k.matvec(
-            pool,
-            &WeightMatrix::new(ty, &gates[e], ff, d_model)?,
-            &xt,
-            &mut g,
-        )?;
-        k.matvec(
-            pool,
-            &WeightMatrix::new(ty, &ups[e], ff, d_model)?,
-            &xt,
-            &mut u,
-        )?;
-        ops::glu_rows(&mut g, &u, act);
-        let mut y = vec![0f32; d_model];
-        let ht = Activations::for_weight(ty, &g, ff)?;
-        k.matvec(
-            pool,
-            &WeightMatrix::new(ty, &downs[e], d_model, ff)?,
-            &ht,
-            &mut y,
-        )?;
+        let w = ExpertRef { gate_up_ty: ty, down_ty: ty, gate: &gates[e], up: &ups[e], down: &downs[e] };
+        let (g, y) = cpu_expert(k, pool, &w, &x[t * d_model..(t + 1) * d_model], d_model, ff, act)?;
         h_cpu_all.extend_from_slice(&g);
         h_gpu_all.extend_from_slice(hg);
         cpu.extend(y);
