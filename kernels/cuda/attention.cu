@@ -127,3 +127,20 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         o[d] = __fdiv_rn(acc, L);
     }
 }
+
+// Store a step's k and v rows in a layer's cache at the rows their positions
+// name. The positions are read here, not on the host, so a captured decode
+// graph writes the right cache row at every replay. A position at or beyond
+// n_ctx is skipped (the host refuses such steps before they run).
+extern "C" __global__ void kv_write(const float* k, const float* v, const u32* positions, float* kc, float* vc,
+                                    int kw, int vw, int n_ctx) {
+    int r = blockIdx.y;
+    u32 pos = positions[r];
+    if (pos >= (u32)n_ctx) return;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kw + vw; i += gridDim.x * blockDim.x) {
+        if (i < kw)
+            kc[(size_t)pos * kw + i] = k[(size_t)r * kw + i];
+        else
+            vc[(size_t)pos * vw + (i - kw)] = v[(size_t)r * vw + (i - kw)];
+    }
+}

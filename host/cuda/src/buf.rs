@@ -161,6 +161,19 @@ impl<T: Pod> DeviceBuf<T> {
         Ok(())
     }
 
+    /// Fill every 4-byte word with `word` (`1f32.to_bits()` makes ones), on
+    /// `stream`: a device-side fill, so it can be captured in a graph where a
+    /// host upload could not.
+    pub fn fill_words(&mut self, stream: &CudaStream, word: u32) -> Result<(), CudaError> {
+        if self.bytes() % 4 != 0 {
+            return Err(shape("fill_words", format!("{} bytes are not whole words", self.bytes())));
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the range is this allocation.
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(self.ptr, word, self.bytes() / 4, stream.cu_stream()) }.result()?;
+        Ok(())
+    }
+
     fn check_len(&self, op: &'static str, n: usize) -> Result<(), CudaError> {
         if n != self.len {
             return Err(shape(

@@ -222,6 +222,13 @@ pub fn attention_workspace_len(p: &AttnParams, n_q: usize, n_ctx: usize) -> usiz
     n_q * p.n_head * attention_splits(p, n_ctx) * (p.head_dim_v + 2)
 }
 
+/// The context length a captured decode graph sizes attention for: the split
+/// count rounded up to a power of two (at most the cache's `cap` rows), so one
+/// graph serves many tokens. The extra splits are empty and change no bit.
+pub fn attention_graph_ctx(n_ctx: usize, cap: usize) -> usize {
+    (n_ctx.div_ceil(ATT_CHUNK).max(1).next_power_of_two() * ATT_CHUNK).min(cap).max(n_ctx)
+}
+
 fn attention_splits(p: &AttnParams, n_ctx: usize) -> usize {
     let span = if p.window > 0 {
         p.window.min(n_ctx)
@@ -791,6 +798,40 @@ impl CudaDevice {
                 &mut params![tp, ip, op, n, c, nv, tab],
             )
         }
+    }
+
+    /// Write a step's `k` (`[n, kw]`) and `v` (`[n, vw]`) rows into a layer's
+    /// cache (`n_ctx` rows) at the rows `positions` name, read on the device
+    /// so a captured decode graph stays right from token to token.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        stream: &CudaStream,
+        k: &DeviceBuf<f32>,
+        v: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        kw: usize,
+        vw: usize,
+        k_cache: &mut DeviceBuf<f32>,
+        v_cache: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_write";
+        let n = positions.len();
+        want(OP, "k", k.len(), n * kw)?;
+        want(OP, "v", v.len(), n * vw)?;
+        if kw == 0 || vw == 0 || k_cache.len() % kw != 0 || v_cache.len() / vw != k_cache.len() / kw {
+            return Err(shape(OP, format!("caches of {} and {} values for widths {kw} and {vw}", k_cache.len(), v_cache.len())));
+        }
+        if n > 65535 {
+            return Err(shape(OP, "more than 65535 rows"));
+        }
+        let n_ctx = to_i32(OP, "n_ctx", k_cache.len() / kw)?;
+        let (kwi, vwi) = (to_i32(OP, "kw", kw)?, to_i32(OP, "vw", vw)?);
+        let f = self.func(Family::Attention, 3)?;
+        let (kp, vp, pp, kcp, vcp) = (k.device_ptr(), v.device_ptr(), positions.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr());
+        let grid = ((kw + vw).div_ceil(256).min(64) as u32, n as u32, 1);
+        // SAFETY: (k, v, positions, kc, vc, kw, vw, n_ctx) as kv_write; sizes checked above.
+        unsafe { self.launch(f, grid, 256, 0, stream, &mut params![kp, vp, pp, kcp, vcp, kwi, vwi, n_ctx]) }
     }
 
     /// Causal attention of `positions.len()` queries over the first `n_ctx`

@@ -367,6 +367,29 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             attention_case(dev, &pool, p, pos, *n_ctx, true, next()),
         );
     }
+    // A decode graph sizes the split count for a bucket of the context, not
+    // the exact length: the extra splits are empty and must change nothing.
+    let padded = AttnParams {
+        n_head: 8,
+        n_kv_head: 2,
+        head_dim_k: 128,
+        head_dim_v: 128,
+        scale: 0.088,
+        window: 0,
+        softcap: 0.0,
+    };
+    t.push(
+        "attention f32 kv",
+        "decode, splits sized for 4096",
+        "1q h8/2 d128 pos1500 ctx4096".into(),
+        attention_case(dev, &pool, &padded, &[1500], 4096, false, next()),
+    );
+    t.push(
+        "kv_write",
+        "rows at device positions",
+        "3 rows k512 v256 into 16".into(),
+        kv_write_case(dev, next()),
+    );
     let soft = RouterSpec {
         k: 8,
         gating: Gating::Softmax,
@@ -837,6 +860,26 @@ fn attention_case(
         )?;
     }
     Ok(compare(&dev.download(&o)?, &cpu, 0.0))
+}
+
+/// `kv_write` puts each row at the cache row its position names (here out of
+/// order) and leaves the other rows alone.
+fn kv_write_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
+    let (kw, vw, n_ctx, pos) = (512usize, 256usize, 16usize, [5u32, 2, 9]);
+    let (k, v) = (random_values(pos.len() * kw, seed), random_values(pos.len() * vw, seed ^ 1));
+    let (kc0, vc0) = (random_values(n_ctx * kw, seed ^ 2), random_values(n_ctx * vw, seed ^ 3));
+    let (mut kc, mut vc) = (dev.upload(&kc0)?, dev.upload(&vc0)?);
+    dev.kv_write(dev.compute(), &dev.upload(&k)?, &dev.upload(&v)?, &dev.upload(&pos)?, kw, vw, &mut kc, &mut vc)?;
+    let (mut want_k, mut want_v) = (kc0, vc0);
+    for (r, &p) in pos.iter().enumerate() {
+        let p = p as usize;
+        want_k[p * kw..(p + 1) * kw].copy_from_slice(&k[r * kw..(r + 1) * kw]);
+        want_v[p * vw..(p + 1) * vw].copy_from_slice(&v[r * vw..(r + 1) * vw]);
+    }
+    let mut got = dev.download(&kc)?;
+    got.extend(dev.download(&vc)?);
+    want_k.extend(want_v);
+    Ok(compare(&got, &want_k, 0.0))
 }
 
 fn route_case(

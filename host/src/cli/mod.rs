@@ -41,6 +41,10 @@ pub struct GpuArgs {
     /// Do not copy the next layer's predicted experts ahead during decode.
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Launch every decode step kernel by kernel instead of replaying a
+    /// captured CUDA graph (graphs are used when the experts are resident).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Stream experts on this GPU (default: the fastest measured link).
     #[arg(long, env = "PULSAR_GPU", value_name = "N")]
     pub gpu: Option<usize>,
@@ -101,6 +105,7 @@ impl GpuArgs {
             lane_threads: self.cpu_lane_threads,
             no_pin: self.no_pin || cached_store,
             no_prefetch: self.no_prefetch,
+            no_graphs: self.no_cuda_graphs,
         }
     }
 }

@@ -76,6 +76,9 @@ pub struct CudaModel {
     pub max_chunk: usize,
     /// Bytes of the budget kept for a chunk's activations (streaming only).
     pub activation_reserve: u64,
+    /// Decode steps may be captured as CUDA graphs: every expert is resident,
+    /// so a step runs with no host round trip.
+    pub graphs: bool,
 }
 
 /// Most tokens of one prefill step on the GPU.
@@ -110,6 +113,8 @@ pub struct LoadOptions {
     pub no_pin: bool,
     /// Do not copy the next layer's predicted experts ahead in decode.
     pub no_prefetch: bool,
+    /// Never capture decode steps as CUDA graphs.
+    pub no_graphs: bool,
 }
 
 /// Free device memory minus a reserve for activations, KV and the driver.
@@ -213,7 +218,8 @@ impl CudaModel {
             Some(_) => cold_lane(&dev, model, opts)?,
             None => (None, crate::cold::CostModel::default()),
         };
-        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident, max_chunk, activation_reserve })
+        let graphs = experts.is_none() && !opts.no_graphs;
+        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident, max_chunk, activation_reserve, graphs })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
-use pulsar_cuda::{attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
+use cudarc::driver::{sys as cusys, CudaGraph};
+use pulsar_cuda::{attention_graph_ctx, attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
 use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Act, AttnSpec, Gating, MoeSpec, OpResult, Ops, Ops_TO, RopeMode, RopeSpec, Val, Wt};
@@ -70,6 +71,27 @@ struct Pools {
     u64: BufPool<u64>,
 }
 
+/// A decode step captured as one CUDA graph: replaying it launches every
+/// kernel of the step with one call (a 48-layer MoE decode is ~1400 kernels,
+/// whose host-side launches otherwise cost more than their GPU time).
+struct DecodeGraph {
+    graph: CudaGraph,
+    /// The context length attention's splits were sized for.
+    split_ctx: usize,
+    all_rows: bool,
+    /// The step's output, owned here (out of the pools) so nothing else writes it.
+    out: DeviceBuf<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// Counts of decode steps run through a graph.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct GraphStats {
+    pub captures: u64,
+    pub replays: u64,
+}
+
 /// A model session on one GPU.
 pub struct CudaEngine<'m> {
     pub model: &'m Model,
@@ -88,11 +110,36 @@ pub struct CudaEngine<'m> {
     release_early: bool,
     /// The activation reserve was found too small (warned once).
     over_reserve: bool,
+    /// Decode inputs at fixed device addresses (a captured graph reads them).
+    dec_tok: DeviceBuf<u32>,
+    dec_pos: DeviceBuf<u32>,
+    /// Decode steps are captured and replayed as CUDA graphs (resident
+    /// experts: a step with no host round trip); off after a capture failed.
+    graphs: bool,
+    graph: Option<DecodeGraph>,
+    pub graph_stats: GraphStats,
 }
 
 impl<'m> CudaEngine<'m> {
     pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
-        Ok(CudaEngine { model, cm, kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), store: None, pools: Pools::default(), live: Default::default(), release_early: true, over_reserve: false })
+        Ok(CudaEngine {
+            model,
+            cm,
+            kv: CudaKv::new(&cm.dev, model, n_ctx)?,
+            n_past: 0,
+            ubatch: 512,
+            history: Vec::new(),
+            store: None,
+            pools: Pools::default(),
+            live: Default::default(),
+            release_early: true,
+            over_reserve: false,
+            dec_tok: cm.dev.alloc(1)?,
+            dec_pos: cm.dev.alloc(1)?,
+            graphs: cm.graphs,
+            graph: None,
+            graph_stats: GraphStats::default(),
+        })
     }
 
     /// Serve streamed experts through `store` when it has a budgeted host
@@ -163,9 +210,35 @@ impl<'m> CudaEngine<'m> {
 
     fn step(&mut self, tokens: &[u32], positions: &[u32], all: bool) -> R<Vec<Vec<f32>>> {
         let dev = &self.cm.dev;
-        let mut pos_buf = self.pools.u32.take(dev, positions.len()).map_err(err)?;
-        pos_buf.upload(dev.compute(), positions).map_err(err)?;
-        let kind = usize::from(tokens.len() > 1);
+        let stream = dev.compute().clone();
+        let decode = tokens.len() == 1;
+        let kind = usize::from(!decode);
+        // A decode after one that set the plan may run as a graph: replayed
+        // when one was captured for this split bucket, else captured now.
+        let split_ctx = (decode && self.graphs && self.release_early && !self.live[0].inputs.is_empty())
+            .then(|| attention_graph_ctx(positions[0] as usize + 1, self.kv.n_ctx));
+        let (mut own_pos, mut own_tok) = (None, None);
+        if decode {
+            self.dec_tok.upload(&stream, tokens).map_err(err)?;
+            self.dec_pos.upload(&stream, positions).map_err(err)?;
+            if let (Some(sc), Some(g)) = (split_ctx, &self.graph) {
+                if g.split_ctx == sc && g.all_rows == all {
+                    g.graph.launch().map_err(err)?;
+                    self.graph_stats.replays += 1;
+                    return download_rows(&stream, &g.out, g.rows, g.cols);
+                }
+            }
+        } else {
+            let mut p = self.pools.u32.take(dev, positions.len()).map_err(err)?;
+            p.upload(&stream, positions).map_err(err)?;
+            let mut t = self.pools.u32.take(dev, tokens.len()).map_err(err)?;
+            t.upload(&stream, tokens).map_err(err)?;
+            (own_pos, own_tok) = (Some(p), Some(t));
+        }
+        let capture = split_ctx.is_some();
+        if capture {
+            stream.begin_capture(cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(err)?;
+        }
         let plan = if self.release_early { Some(&self.live[kind]) } else { None };
         let mut step = CudaStep {
             model: self.model,
@@ -175,7 +248,9 @@ impl<'m> CudaEngine<'m> {
             pools: &mut self.pools,
             tokens,
             positions,
-            pos_buf: &pos_buf,
+            pos_buf: own_pos.as_ref().unwrap_or(&self.dec_pos),
+            tok_buf: own_tok.as_ref().unwrap_or(&self.dec_tok),
+            split_ctx,
             all_rows: all,
             vals: Vec::new(),
             qcache: Vec::new(),
@@ -186,19 +261,57 @@ impl<'m> CudaEngine<'m> {
             released_early: Cell::new(false),
         };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
-        let result = match r {
-            Ok(v) => step.download(v),
-            Err(e) => Err(e.into_string()),
+        let mut captured = None;
+        let result = if capture {
+            // End the capture whatever happened, then run what it recorded.
+            let g = stream.end_capture(cusys::CUgraphInstantiate_flags(0));
+            match (r, g) {
+                (Ok(v), Ok(Some(graph))) => step.take_output(v).and_then(|(out, rows, cols)| {
+                    graph.launch().map_err(err)?;
+                    let host = download_rows(&stream, &out, rows, cols)?;
+                    captured = Some(DecodeGraph { graph, split_ctx: split_ctx.unwrap_or(0), all_rows: all, out, rows, cols });
+                    Ok(host)
+                }),
+                (Ok(_), Ok(None)) => Err("the captured decode graph is empty".to_string()),
+                (Ok(_), Err(e)) => Err(format!("capturing the decode step: {e}")),
+                (Err(e), _) => Err(e.into_string()),
+            }
+        } else {
+            match r {
+                Ok(v) => step.download(v),
+                Err(e) => Err(e.into_string()),
+            }
         };
         step.finish();
         let (trace, early) = (step.trace.take(), step.released_early.get());
         drop(step);
-        self.pools.u32.give(pos_buf);
+        if let Some(p) = own_pos {
+            self.pools.u32.give(p);
+        }
+        if let Some(t) = own_tok {
+            self.pools.u32.give(t);
+        }
+        if capture {
+            match &result {
+                Ok(_) => {
+                    self.graph = captured;
+                    self.graph_stats.captures += 1;
+                }
+                Err(e) => {
+                    // Nothing ran (a capture only records): run the step as usual.
+                    self.graphs = false;
+                    self.graph = None;
+                    tracing::warn!("decode steps run without CUDA graphs: {e}");
+                    return self.step(tokens, positions, all);
+                }
+            }
+        }
         if early && result.is_err() {
             // A value freed after its recorded last read was read again: the
             // graph is not the same from step to step. Keep everything from
             // now on and run the step again (it rewrites the same KV rows).
             self.release_early = false;
+            self.graph = None;
             tracing::warn!("the model's op sequence varies between steps; step buffers now live to the end of each step");
             return self.step(tokens, positions, all);
         }
@@ -207,6 +320,13 @@ impl<'m> CudaEngine<'m> {
         }
         result
     }
+}
+
+/// `rows` rows of `cols` values from the device, after the stream's work.
+fn download_rows(stream: &std::sync::Arc<cudarc::driver::CudaStream>, buf: &DeviceBuf<f32>, rows: usize, cols: usize) -> R<Vec<Vec<f32>>> {
+    let mut host = vec![0f32; rows * cols];
+    buf.download(stream, &mut host).map_err(err)?;
+    Ok(host.chunks(cols.max(1)).map(|r| r.to_vec()).collect())
 }
 
 struct CudaStep<'a> {
@@ -218,6 +338,11 @@ struct CudaStep<'a> {
     tokens: &'a [u32],
     positions: &'a [u32],
     pos_buf: &'a DeviceBuf<u32>,
+    /// The step's token ids on the device.
+    tok_buf: &'a DeviceBuf<u32>,
+    /// Some while capturing a decode graph: attention's splits are sized for
+    /// this context length (not the step's) so the graph serves later tokens.
+    split_ctx: Option<usize>,
     all_rows: bool,
     vals: Vec<DVal>,
     /// Quantized activations made this step, by (value, format).
@@ -254,10 +379,15 @@ impl<'a> CudaStep<'a> {
     }
 
     fn download(&mut self, v: Val) -> R<Vec<Vec<f32>>> {
-        let d = self.get(v)?;
-        let mut host = vec![0f32; d.rows * d.cols];
-        self.buf(v)?.download(self.cm.dev.compute(), &mut host).map_err(err)?;
-        Ok(host.chunks(d.cols.max(1)).map(|r| r.to_vec()).collect())
+        let (rows, cols) = self.dims(v)?;
+        download_rows(self.cm.dev.compute(), self.buf(v)?, rows, cols)
+    }
+
+    /// Value `v`'s buffer, taken out of the step (it is not given back to the pools).
+    fn take_output(&mut self, v: Val) -> R<(DeviceBuf<f32>, usize, usize)> {
+        let d = self.vals.get_mut(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))?;
+        let buf = d.buf.take().ok_or_else(|| format!("value {} was released before the end of the step", v.0))?;
+        Ok((buf, d.rows, d.cols))
     }
 
     fn dims(&self, v: Val) -> R<(usize, usize)> {
@@ -428,18 +558,27 @@ impl<'a> CudaStep<'a> {
         let n_ctx = p0 + n;
         let (kw, vw) = (nkv * dk, nkv * dv);
         {
-            let (lkw, lvw, kc, vc) = self.kv.layers.get(&(s.layer as usize)).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
+            let (lkw, lvw, _, _) = self.kv.layers.get(&(s.layer as usize)).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
             if (*lkw, *lvw) != (kw, vw) {
                 return Err(format!("layer {}: k/v widths {kw}/{vw} differ from the plan's {lkw}/{lvw}", s.layer));
             }
             if n_ctx > self.kv.n_ctx {
                 return Err(format!("context is full: position {} beyond {}", n_ctx - 1, self.kv.n_ctx));
             }
-            // Positions of one step are consecutive: one copy per cache.
-            let (kd, vd) = (kc.device_ptr_at(p0 * kw).map_err(err)?, vc.device_ptr_at(p0 * vw).map_err(err)?);
-            self.copy_rows(kd, self.buf(k)?.device_ptr(), n * kw * 4)?;
-            self.copy_rows(vd, self.buf(v)?.device_ptr(), n * vw * 4)?;
         }
+        {
+            let stream = self.cm.dev.compute().clone();
+            let val = |x: Val| self.vals.get(x.0 as usize).and_then(|d| d.buf.as_ref());
+            let (kb, vb) = (val(k), val(v));
+            let (Some(kb), Some(vb)) = (kb, vb) else {
+                self.released_early.set(true);
+                return Err(format!("attention layer {}: k or v was released before this read", s.layer));
+            };
+            let (_, _, kc, vc) = self.kv.layers.get_mut(&(s.layer as usize)).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
+            self.cm.dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc).map_err(err)?;
+        }
+        // A graph being captured sizes the splits for its bucket of contexts.
+        let n_ctx = self.split_ctx.unwrap_or(n_ctx).max(n_ctx);
         let params = AttnParams { n_head: nh, n_kv_head: nkv, head_dim_k: dk, head_dim_v: dv, scale: s.scale, window: s.window as usize, softcap: s.softcap };
         let mut work = self.pools.f32.take(&self.cm.dev, attention_workspace_len(&params, n, n_ctx)).map_err(err)?;
         let mut out = self.new_val(n, nh * dv)?;
@@ -841,11 +980,8 @@ impl Ops for CudaStep<'_> {
             }
             let n = self.tokens.len();
             let stream = self.cm.dev.compute().clone();
-            let mut ids = self.pools.u32.take(&self.cm.dev, n).map_err(err)?;
-            ids.upload(&stream, self.tokens).map_err(err)?;
             let mut out = self.new_val(n, cols)?;
-            self.cm.dev.embed(&stream, dw.ty, raw, n_vocab, cols, &ids, &mut out).map_err(err)?;
-            self.pools.u32.give(ids);
+            self.cm.dev.embed(&stream, dw.ty, raw, n_vocab, cols, self.tok_buf, &mut out).map_err(err)?;
             if scale != 1.0 {
                 let mut scaled = self.new_val(n, cols)?;
                 self.cm.dev.scale(&stream, &out, scale, &mut scaled).map_err(err)?;
@@ -912,7 +1048,7 @@ impl Ops for CudaStep<'_> {
             let (rows, cols) = self.dims(x)?;
             let stream = self.cm.dev.compute().clone();
             let mut ones = self.new_val(rows, cols)?;
-            ones.upload(&stream, &vec![1f32; rows * cols]).map_err(err)?;
+            ones.fill_words(&stream, 1f32.to_bits()).map_err(err)?;
             let mut y = self.new_val(rows, cols)?;
             self.cm.dev.glu(&stream, self.buf(x)?, &ones, &mut y, act_of(act)).map_err(err)?;
             self.pools.f32.give(ones);
