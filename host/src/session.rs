@@ -13,6 +13,10 @@ pub trait Session {
     fn n_ctx(&self) -> usize;
     fn history(&self) -> &[u32];
     fn set_ubatch(&mut self, n: usize);
+    /// The per-op GPU time table, when the session profiles its ops.
+    fn op_profile(&self) -> Option<String> {
+        None
+    }
 }
 
 impl Session for Engine<'_> {
@@ -60,6 +64,9 @@ impl Session for CudaEngine<'_> {
     }
     fn set_ubatch(&mut self, n: usize) {
         self.ubatch = n.max(1);
+    }
+    fn op_profile(&self) -> Option<String> {
+        self.profile_report()
     }
 }
 

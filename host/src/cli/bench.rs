@@ -45,6 +45,11 @@ pub struct Args {
     /// Emit one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// CUDA: time every op of the steps on the GPU (each alone, no graph)
+    /// and print a table per step kind to stderr; rates then include the
+    /// profiling's synchronisation.
+    #[arg(long)]
+    pub profile_ops: bool,
     #[command(flatten)]
     pub gpu: super::GpuArgs,
 }
@@ -188,7 +193,7 @@ struct Bench<'a> {
 impl Bench<'_> {
     fn session<'s>(&'s self, source: &'s dyn ExpertSource, n_ctx: usize) -> anyhow::Result<Box<dyn Session + 's>> {
         let mut s: Box<dyn Session + 's> = match self.cuda {
-            Some(cm) => Box::new(CudaEngine::new(self.model, cm, n_ctx)?.with_store(self.store)),
+            Some(cm) => Box::new(CudaEngine::new(self.model, cm, n_ctx)?.with_store(self.store).with_profile(self.args.profile_ops)?),
             None => Box::new(Engine::new(self.model, self.cpu, source, n_ctx)),
         };
         s.set_ubatch(self.args.ubatch);
@@ -207,6 +212,9 @@ impl Bench<'_> {
             eng.forward(&toks, false)?;
             s.push(self.args.n_prompt as f64 / t.elapsed().as_secs_f64());
         }
+        if let Some(t) = eng.op_profile() {
+            eprintln!("{t}");
+        }
         Ok(Rate::of(s))
     }
 
@@ -223,6 +231,9 @@ impl Bench<'_> {
                 eng.forward(&[tok], false)?;
             }
             s.push(self.args.n_gen as f64 / t.elapsed().as_secs_f64());
+        }
+        if let Some(t) = eng.op_profile() {
+            eprintln!("{t}");
         }
         Ok(Rate::of(s))
     }

@@ -15,6 +15,7 @@
 
 mod pinned;
 mod pool;
+mod profile;
 pub mod roles;
 mod step;
 

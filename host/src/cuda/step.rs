@@ -13,6 +13,7 @@ use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Act, AttnSpec, Gating, MoeSpec, OpResult, Ops, Ops_TO, RopeMode, RopeSpec, Val, Wt};
 
 use super::pool::BufPool;
+use super::profile::{short_name, OpProfile};
 use super::{CudaBackendError, CudaKv, CudaModel, DevWeight};
 use crate::cpu::act_of;
 use crate::engine::EngineError;
@@ -118,6 +119,8 @@ pub struct CudaEngine<'m> {
     graphs: bool,
     graph: Option<DecodeGraph>,
     pub graph_stats: GraphStats,
+    /// Some: every op's GPU time is measured (`bench --profile-ops`).
+    profile: Option<OpProfile>,
 }
 
 impl<'m> CudaEngine<'m> {
@@ -139,6 +142,7 @@ impl<'m> CudaEngine<'m> {
             graphs: cm.graphs,
             graph: None,
             graph_stats: GraphStats::default(),
+            profile: None,
         })
     }
 
@@ -147,6 +151,17 @@ impl<'m> CudaEngine<'m> {
     pub fn with_store(mut self, store: Option<&'m StoreExperts>) -> Self {
         self.store = store.filter(|s| s.cached);
         self
+    }
+
+    /// Measure every op's GPU time (steps then run without graphs).
+    pub fn with_profile(mut self, on: bool) -> Result<Self, CudaBackendError> {
+        self.profile = if on { Some(OpProfile::new(&self.cm.dev)?) } else { None };
+        Ok(self)
+    }
+
+    /// The op profile's table, when profiling.
+    pub fn profile_report(&self) -> Option<String> {
+        self.profile.as_ref().map(OpProfile::report)
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -215,7 +230,7 @@ impl<'m> CudaEngine<'m> {
         let kind = usize::from(!decode);
         // A decode after one that set the plan may run as a graph: replayed
         // when one was captured for this split bucket, else captured now.
-        let split_ctx = (decode && self.graphs && self.release_early && !self.live[0].inputs.is_empty())
+        let split_ctx = (decode && self.graphs && self.profile.is_none() && self.release_early && !self.live[0].inputs.is_empty())
             .then(|| attention_graph_ctx(positions[0] as usize + 1, self.kv.n_ctx));
         let (mut own_pos, mut own_tok) = (None, None);
         if decode {
@@ -240,6 +255,9 @@ impl<'m> CudaEngine<'m> {
             stream.begin_capture(cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(err)?;
         }
         let plan = if self.release_early { Some(&self.live[kind]) } else { None };
+        if let Some(p) = self.profile.as_mut() {
+            p.steps[kind] += 1;
+        }
         let mut step = CudaStep {
             model: self.model,
             cm: self.cm,
@@ -259,6 +277,8 @@ impl<'m> CudaEngine<'m> {
             on_plan: Cell::new(true),
             freed_to: 0,
             released_early: Cell::new(false),
+            prof: RefCell::new(self.profile.as_mut()),
+            kind,
         };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
         let mut captured = None;
@@ -357,6 +377,9 @@ struct CudaStep<'a> {
     freed_to: usize,
     /// A released value was asked for (see CudaEngine::release_early).
     released_early: Cell<bool>,
+    prof: RefCell<Option<&'a mut OpProfile>>,
+    /// 0 decode, 1 prefill (the profile's row kind).
+    kind: usize,
 }
 
 fn res(r: R<Val>) -> OpResult {
@@ -407,6 +430,13 @@ impl<'a> CudaStep<'a> {
         })
     }
 
+    /// When profiling: end the timed segment and, with `label`, start one.
+    fn mark(&self, label: Option<&dyn Fn() -> String>) {
+        if let Some(p) = self.prof.borrow_mut().as_mut() {
+            p.mark(self.cm.dev.compute(), self.kind, label.map(|l| l()));
+        }
+    }
+
     /// Record an op reading `inputs`, and whether it matches the plan.
     fn note(&self, inputs: &[Val]) {
         let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
@@ -440,6 +470,7 @@ impl<'a> CudaStep<'a> {
 
     /// An op's result, after releasing what the plan says is dead.
     fn done(&mut self, r: R<Val>) -> OpResult {
+        self.mark(None);
         if r.is_ok() {
             self.release();
         }
@@ -678,6 +709,7 @@ impl<'a> CudaStep<'a> {
         };
         dev.route(&stream, &rs, self.buf(logits)?, None, rows, ne, &mut ids, &mut wts).map_err(err)?;
         let n_pairs = rows * k;
+        self.mark(Some(&|| "moe: expert placement".to_string()));
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
         let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
         let (gdw, _) = self.weight(spec.gate_exps)?;
@@ -871,6 +903,7 @@ impl<'a> CudaStep<'a> {
                 }
             }
         }
+        self.mark(Some(&|| format!("moe: experts {}", if grouped { "grouped" } else { "per pair" })));
         let mut out = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
         if float {
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
@@ -946,6 +979,7 @@ impl<'a> CudaStep<'a> {
             drop(g);
         }
         // Weighted sum over slots, in slot order, as the CPU backend does.
+        self.mark(Some(&|| "moe: combine".to_string()));
         let mut y = self.new_val(rows, d_model)?;
         dev.moe_combine(&stream, &out, &wts, rows, k, &mut y).map_err(err)?;
         for b in pbufs {
@@ -971,6 +1005,7 @@ impl Ops for CudaStep<'_> {
     }
     fn embed(&mut self, table: Wt, scale: f32) -> OpResult {
         self.note(&[]);
+        self.mark(Some(&|| "embed".to_string()));
         let r = (|| {
             let (dw, mw) = self.weight(table)?;
             let raw = dw.raw.as_ref().ok_or_else(|| format!("{} is not resident", mw.name))?;
@@ -994,11 +1029,13 @@ impl Ops for CudaStep<'_> {
     }
     fn linear(&mut self, w: Wt, x: Val) -> OpResult {
         self.note(&[x]);
+        self.mark(Some(&|| format!("linear {}", self.model.weights.get(w.0 as usize).map_or("?", |m| short_name(&m.name)))));
         let r = self.linear_w(w, x);
         self.done(r)
     }
     fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
         self.note(&[x]);
+        self.mark(Some(&|| "rms_norm".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let g = group as usize;
@@ -1022,16 +1059,19 @@ impl Ops for CudaStep<'_> {
     }
     fn add(&mut self, a: Val, b: Val) -> OpResult {
         self.note(&[a, b]);
+        self.mark(Some(&|| "add".to_string()));
         let r = self.binary(a, b, 0);
         self.done(r)
     }
     fn mul(&mut self, a: Val, b: Val) -> OpResult {
         self.note(&[a, b]);
+        self.mark(Some(&|| "mul".to_string()));
         let r = self.binary(a, b, 1);
         self.done(r)
     }
     fn scale(&mut self, x: Val, s: f32) -> OpResult {
         self.note(&[x]);
+        self.mark(Some(&|| "scale".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let mut y = self.new_val(rows, cols)?;
@@ -1044,6 +1084,7 @@ impl Ops for CudaStep<'_> {
     fn act(&mut self, x: Val, act: Act) -> OpResult {
         // act(x) = glu(x, 1): the GLU kernel with a ones vector.
         self.note(&[x]);
+        self.mark(Some(&|| "act".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let stream = self.cm.dev.compute().clone();
@@ -1058,6 +1099,7 @@ impl Ops for CudaStep<'_> {
     }
     fn glu(&mut self, gate: Val, up: Val, act: Act) -> OpResult {
         self.note(&[gate, up]);
+        self.mark(Some(&|| "glu".to_string()));
         let r = (|| {
             let (rows, cols) = {
                 let (g, u) = (self.get(gate)?, self.get(up)?);
@@ -1075,6 +1117,7 @@ impl Ops for CudaStep<'_> {
     }
     fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
         self.note(&[x]);
+        self.mark(Some(&|| "rope".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
             if rows != self.positions.len() {
@@ -1095,16 +1138,19 @@ impl Ops for CudaStep<'_> {
     }
     fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> OpResult {
         self.note(&[q, k, v]);
+        self.mark(Some(&|| "attention".to_string()));
         let r = self.do_attention(q, k, v, spec);
         self.done(r)
     }
     fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
         self.note(&[x]);
+        self.mark(Some(&|| "moe: router, top-k".to_string()));
         let r = self.do_moe(x, &spec);
         self.done(r)
     }
     fn output_rows(&mut self, x: Val) -> OpResult {
         self.note(&[x]);
+        self.mark(Some(&|| "output_rows".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let keep = if self.all_rows { rows } else { 1 };
