@@ -24,16 +24,29 @@
 // rpw (1..QV_R) rows per warp: the host picks fewer for short matrices so
 // enough warps stream the weights (a row's dot cannot be split across warps
 // without changing its summation order).
+// sbytes > 0: each warp first copies its rows into sbytes of dynamic shared
+// memory (stage_rows) and dots from there; 0: straight from global memory.
 template <int F>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                          float* __restrict__ Y, int rows, int cols, int rpw, const u64* tab) {
+                                          float* __restrict__ Y, int rows, int cols, int rpw, int sbytes,
+                                          const u64* tab) {
     __shared__ float vals[QV_WARPS][QV_R * VALS_STRIDE];
+    extern __shared__ __align__(16) u8 gemv_stage[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row0 = (blockIdx.x * QV_WARPS + warp) * rpw;
     if (row0 >= rows) return;
     size_t wrb = w_row_bytes<F>(cols);
     int nr = min(rpw, rows - row0);
-    float y = rows_dot<F, QV_R, 1>(W + (size_t)row0 * wrb, wrb, nr, X, 0, 1, cols / 32, tab, vals[warp]);
+    const u8* w = W + (size_t)row0 * wrb;
+    size_t stride = wrb;
+    if (sbytes > 0) {
+        w = stage_rows(gemv_stage + (size_t)warp * sbytes, w, wrb, nr);
+        stride = staged_stride(wrb);
+        cp_async_commit();
+        cp_async_wait0();
+        __syncwarp();
+    }
+    float y = rows_dot<F, QV_R, 1>(w, stride, nr, X, 0, 1, cols / 32, tab, vals[warp]);
     if (lane < nr) Y[row0 + lane] = y;
 }
 
@@ -92,16 +105,6 @@ __device__ __forceinline__ int pick4(const int* q, int i) {
     return i == 0 ? q[0] : i == 1 ? q[1] : i == 2 ? q[2] : q[3];
 }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // Bytes of stage `it` of a weight row / an activation row, and their offsets.
 template <int F> struct Stage {
@@ -272,8 +275,9 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
 // (items[4i + 3] = start | len << 32, len <= 32).
 #define GEMV_ENTRY(NAME, F)                                                                     \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemv_##NAME(                   \
-        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, const u64* tab) {      \
-        gemv_impl<F>(W, X, Y, rows, cols, rpw, tab);                                            \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int sbytes,            \
+        const u64* tab) {                                                                       \
+        gemv_impl<F>(W, X, Y, rows, cols, rpw, sbytes, tab);                                    \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemm_##NAME(                   \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \

@@ -99,10 +99,14 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
+// sbytes > 0: each warp stages its rows in sbytes of dynamic shared memory
+// first (for moe_up: the gate rows, then the up rows at sbytes / 2), all
+// copies in flight at once; 0: the dots read global memory directly.
 template <int F>
 __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
-                                       int cols, int n_slot, int act, int rpw, const u64* tab) {
+                                       int cols, int n_slot, int act, int rpw, int sbytes, const u64* tab) {
     __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
+    extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row0 = (blockIdx.x * MOE_WARPS + warp) * rpw;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
@@ -111,15 +115,28 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
     size_t wrb = w_row_bytes<F>(cols), off = (size_t)row0 * wrb;
     const u8* x = X + (size_t)t * act_row_bytes<F>(cols);
     int units = cols / 32;
-    float g = rows_dot<F, MOE_R, 1>((const u8*)gp + off, wrb, nr, x, 0, 1, units, tab, vals[warp]);
-    float u = rows_dot<F, MOE_R, 1>((const u8*)upp + off, wrb, nr, x, 0, 1, units, tab, vals[warp]);
+    const u8* gw = (const u8*)gp + off;
+    const u8* uw = (const u8*)upp + off;
+    size_t stride = wrb;
+    if (sbytes > 0) {
+        u8* sw = moe_stage + (size_t)warp * sbytes;
+        gw = stage_rows(sw, gw, wrb, nr);
+        uw = stage_rows(sw + sbytes / 2, uw, wrb, nr);
+        stride = staged_stride(wrb);
+        cp_async_commit();
+        cp_async_wait0();
+        __syncwarp();
+    }
+    float g = rows_dot<F, MOE_R, 1>(gw, stride, nr, x, 0, 1, units, tab, vals[warp]);
+    float u = rows_dot<F, MOE_R, 1>(uw, stride, nr, x, 0, 1, units, tab, vals[warp]);
     if (lane < nr) H[(size_t)p * ff + row0 + lane] = __fmul_rn(act_f(act, g), u);
 }
 
 template <int F>
 __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
-                                         int rpw, const u64* tab) {
+                                         int rpw, int sbytes, const u64* tab) {
     __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
+    extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row0 = (blockIdx.x * MOE_WARPS + warp) * rpw;
     u64 dp = down_ptrs[p];
@@ -127,7 +144,16 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
     int nr = min(rpw, d_model - row0);
     size_t wrb = w_row_bytes<F>(ff);
     const u8* h = HQ + (size_t)p * act_row_bytes<F>(ff);
-    float y = rows_dot<F, MOE_R, 1>((const u8*)dp + (size_t)row0 * wrb, wrb, nr, h, 0, 1, ff / 32, tab, vals[warp]);
+    const u8* w = (const u8*)dp + (size_t)row0 * wrb;
+    size_t stride = wrb;
+    if (sbytes > 0) {
+        w = stage_rows(moe_stage + (size_t)warp * sbytes, w, wrb, nr);
+        stride = staged_stride(wrb);
+        cp_async_commit();
+        cp_async_wait0();
+        __syncwarp();
+    }
+    float y = rows_dot<F, MOE_R, 1>(w, stride, nr, h, 0, 1, ff / 32, tab, vals[warp]);
     if (lane < nr) OUT[(size_t)p * d_model + row0 + lane] = y;
 }
 
@@ -135,12 +161,13 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
 #define MOE_ENTRY(NAME, F)                                                                          \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                   \
         moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
-                      int n_slot, int act, int rpw, const u64* tab) {                               \
-        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, tab);                       \
+                      int n_slot, int act, int rpw, int sbytes, const u64* tab) {                   \
+        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, sbytes, tab);               \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##NAME(                  \
-        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, const u64* tab) { \
-        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, tab);                                     \
+        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int sbytes,  \
+        const u64* tab) {                                                                           \
+        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, sbytes, tab);                             \
     }
 
 MOE_ENTRY(q8_0, F_Q8_0)

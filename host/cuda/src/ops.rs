@@ -157,6 +157,28 @@ fn gemv_rows_per_warp(rows: usize) -> usize {
     r
 }
 
+/// Dynamic shared memory a decode warp may stage its weight rows in: four
+/// warps a block stay under the 48 KiB a block gets without opting in (with
+/// the kernels' static `vals`).
+const STAGE_BYTES_PER_WARP: usize = 10 * 1024;
+
+/// Rows per warp and per-warp staging bytes (`sbytes` of the GEMV and decode
+/// expert kernels) for `mats` matrices whose rows are `wrb` bytes: fewer rows
+/// a warp than `rpw` when that is what fits, no staging (0) when one row does
+/// not. Mirrors `staged_bytes` of quant_units.cuh.
+fn stage_plan(rpw: usize, wrb: usize, mats: usize) -> (usize, usize) {
+    let per_mat = |r: usize| (r * (wrb + 16) + 32).next_multiple_of(16);
+    let mut r = rpw.max(1);
+    while r > 1 && mats * per_mat(r) > STAGE_BYTES_PER_WARP {
+        r -= 1;
+    }
+    if mats * per_mat(r) > STAGE_BYTES_PER_WARP {
+        (rpw, 0)
+    } else {
+        (r, mats * per_mat(r))
+    }
+}
+
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
 pub fn grouped_items_len(n: usize, runs: usize) -> usize {
     4 * (n / GROUPED_TILE + runs)
@@ -358,18 +380,19 @@ impl CudaDevice {
             y.device_ptr(),
             self.iq_tables().device_ptr(),
         );
-        let rpw = gemv_rows_per_warp(rows);
-        let (r, c, rw) = (rows as i32, cols as i32, rpw as i32);
+        let (rpw, sb) = stage_plan(gemv_rows_per_warp(rows), weight_bytes(ty, 1, cols)?, 1);
+        let (r, c, rw, sbi) = (rows as i32, cols as i32, rpw as i32, sb as i32);
         let grid = rows.div_ceil(QGEMV_WARPS * rpw) as u32;
-        // SAFETY: (W, X, Y, rows, cols, rpw, tab) as GEMV_ENTRY; sizes checked.
+        // SAFETY: (W, X, Y, rows, cols, rpw, sbytes, tab) as GEMV_ENTRY; sizes
+        // checked; QGEMV_WARPS * sb bytes of dynamic shared memory.
         unsafe {
             self.launch(
                 f,
                 (grid, 1, 1),
                 128,
-                0,
+                (QGEMV_WARPS * sb) as u32,
                 stream,
-                &mut params![wp, xp, yp, r, c, rw, tab],
+                &mut params![wp, xp, yp, r, c, rw, sbi, tab],
             )
         }
     }
@@ -1041,33 +1064,37 @@ impl CudaDevice {
         let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
         let f = self.func(Family::Moe, 1 + 2 * gi)?;
         // Rows per warp from all the pairs' rows, as the GEMV picks them.
-        let (ru, rd) = (gemv_rows_per_warp(ff * n_pairs), gemv_rows_per_warp(d_model * n_pairs));
-        let (rui, rdi) = (ru as i32, rd as i32);
+        // Staged through shared memory when the rows fit (gate and up: two).
+        let (ru, su) = stage_plan(gemv_rows_per_warp(ff * n_pairs), weight_bytes(gate_up_ty, 1, d_model)?, 2);
+        let (rd, sd) = stage_plan(gemv_rows_per_warp(d_model * n_pairs), weight_bytes(down_ty, 1, ff)?, 1);
+        let (rui, rdi, sui, sdi) = (ru as i32, rd as i32, su as i32, sd as i32);
         let grid = (ff.div_ceil(QGEMV_WARPS * ru) as u32, n_pairs as u32, 1);
-        // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked.
+        // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked; QGEMV_WARPS
+        // (= MOE_WARPS) * su bytes of dynamic shared memory.
         unsafe {
             self.launch(
                 f,
                 grid,
                 128,
-                0,
+                (QGEMV_WARPS * su) as u32,
                 stream,
-                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, tab],
+                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, sui, tab],
             )?
         };
         self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
         let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
         let grid = (d_model.div_ceil(QGEMV_WARPS * rd) as u32, n_pairs as u32, 1);
-        // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked.
+        // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked; dynamic
+        // shared memory as above.
         unsafe {
             self.launch(
                 f,
                 grid,
                 128,
-                0,
+                (QGEMV_WARPS * sd) as u32,
                 stream,
-                &mut params![dp, hqp, op, dm, ffi, rdi, tab],
+                &mut params![dp, hqp, op, dm, ffi, rdi, sdi, tab],
             )
         }
     }
