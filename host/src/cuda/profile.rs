@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::time::Instant;
 
 use cudarc::driver::{CudaEvent, CudaStream};
 use pulsar_cuda::CudaDevice;
@@ -14,32 +15,38 @@ use super::CudaBackendError;
 pub struct OpProfile {
     start: CudaEvent,
     end: CudaEvent,
-    /// The segment being timed: (step kind, label).
+    /// The segment being timed: (step kind, label), and when the host began it.
     open: Option<(usize, String)>,
-    /// (kind, label) -> (calls, milliseconds).
-    rows: BTreeMap<(usize, String), (u64, f64)>,
+    began: Instant,
+    /// (kind, label) -> (calls, GPU milliseconds, host milliseconds).
+    rows: BTreeMap<(usize, String), (u64, f64, f64)>,
     /// Steps seen per kind (0 decode, 1 prefill).
     pub steps: [u64; 2],
 }
 
 impl OpProfile {
     pub fn new(dev: &CudaDevice) -> Result<OpProfile, CudaBackendError> {
-        Ok(OpProfile { start: dev.new_event(true)?, end: dev.new_event(true)?, open: None, rows: BTreeMap::new(), steps: [0; 2] })
+        Ok(OpProfile { start: dev.new_event(true)?, end: dev.new_event(true)?, open: None, began: Instant::now(), rows: BTreeMap::new(), steps: [0; 2] })
     }
 
     /// Close the open segment (if any) and, with `label`, open the next one.
     pub fn mark(&mut self, stream: &CudaStream, kind: usize, label: Option<String>) {
         if let Some(key) = self.open.take() {
+            // Host time: from the segment's start to here (its launches, and
+            // any wait for the device inside it), before waiting on the events.
+            let host = self.began.elapsed().as_secs_f64() * 1e3;
             let ms = self.end.record(stream).and_then(|_| self.start.elapsed_ms(&self.end));
             if let Ok(ms) = ms {
                 let e = self.rows.entry(key).or_default();
                 e.0 += 1;
                 e.1 += ms as f64;
+                e.2 += host;
             }
         }
         if let Some(l) = label {
             if stream.synchronize().is_ok() && self.start.record(stream).is_ok() {
                 self.open = Some((kind, l));
+                self.began = Instant::now();
             }
         }
     }
@@ -52,13 +59,14 @@ impl OpProfile {
             if n == 0 {
                 continue;
             }
-            let mut rows: Vec<(&str, u64, f64)> = self.rows.iter().filter(|((k, _), _)| *k == kind).map(|((_, l), &(c, ms))| (l.as_str(), c, ms)).collect();
+            let mut rows: Vec<(&str, u64, f64, f64)> = self.rows.iter().filter(|((k, _), _)| *k == kind).map(|((_, l), &(c, ms, h))| (l.as_str(), c, ms, h)).collect();
             rows.sort_by(|a, b| b.2.total_cmp(&a.2));
             let total: f64 = rows.iter().map(|r| r.2).sum();
-            let _ = writeln!(out, "\n{name}: {n} steps, {:.3} ms of GPU time a step (ops run one at a time)\n", total / n as f64);
-            let _ = writeln!(out, "| op | calls a step | ms a step | share |\n|---|---:|---:|---:|");
-            for (l, c, ms) in rows {
-                let _ = writeln!(out, "| {l} | {:.1} | {:.3} | {:.1}% |", c as f64 / n as f64, ms / n as f64, 100.0 * ms / total.max(1e-12));
+            let host: f64 = rows.iter().map(|r| r.3).sum();
+            let _ = writeln!(out, "\n{name}: {n} steps, {:.3} ms of GPU time and {:.3} ms of host time a step (ops run one at a time)\n", total / n as f64, host / n as f64);
+            let _ = writeln!(out, "| op | calls a step | GPU ms a step | share | host ms a step |\n|---|---:|---:|---:|---:|");
+            for (l, c, ms, h) in rows {
+                let _ = writeln!(out, "| {l} | {:.1} | {:.3} | {:.1}% | {:.3} |", c as f64 / n as f64, ms / n as f64, 100.0 * ms / total.max(1e-12), h / n as f64);
             }
         }
         out

@@ -945,7 +945,9 @@ impl<'a> CudaStep<'a> {
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
             let mut outs = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
-            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, runs.len())).map_err(err)?;
+            // Sized for the most runs a chunk can have (one per expert), so the pool
+            // hands back one buffer instead of allocating one per distinct run count.
+            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, ne.min(n_pairs))).map_err(err)?;
             let mut scratch = pulsar_cuda::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
             let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out);
             self.pools.i32.give(tb);
