@@ -85,6 +85,9 @@ pub struct ExpertPool {
     pinned: Vec<HostRegistration>,
     copy_start: CudaEvent,
     copy_done: CudaEvent,
+    /// Recorded on the compute stream after a prefill layer's expert kernels:
+    /// the copy stream waits on it before reusing their scratch slots.
+    compute_mark: CudaEvent,
     /// A timed copy is in flight since the last layer (read its time at the next).
     timing_pending: bool,
     table_host: [PinnedBuf<u64>; 3],
@@ -171,6 +174,7 @@ impl ExpertPool {
             pinned: Vec::new(),
             copy_start: dev.new_event(true)?,
             copy_done: dev.new_event(true)?,
+            compute_mark: dev.new_event(false)?,
             timing_pending: false,
             table_host: [dev.alloc_pinned::<u64>(n_exp)?, dev.alloc_pinned::<u64>(n_exp)?, dev.alloc_pinned::<u64>(n_exp)?],
             table_dev: [dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?],
@@ -274,6 +278,56 @@ impl ExpertPool {
         if !self.pf.is_empty() {
             // The next layer's plan waits for this (read_copy_time) before
             // any kernel can read the slots.
+            self.copy_done.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
+        }
+        Ok(())
+    }
+
+    /// Prefill, once this layer's expert kernels are queued: copy the rest of
+    /// the next layer's predicted cold slabs (what the free slots could not
+    /// take, see [`prefetch_layer`](Self::prefetch_layer)) into the slots this
+    /// layer's kernels read. The copy stream waits for those kernels on the
+    /// device, so the copies start the moment they finish, during the next
+    /// layer's attention, with no host in the loop. (The copy-time statistic
+    /// then includes that wait.)
+    pub fn prefetch_rest<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        layer: u32,
+        kinds: [SlabKind; 3],
+        experts: &[u32],
+        bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
+    ) -> Result<(), CudaBackendError> {
+        if self.pf_layer != Some(layer) || self.pf_decode || !self.has_pinned() {
+            return Ok(());
+        }
+        let (slot_of, window) = self.window(false, layer);
+        let mut waiting = false;
+        'outer: for &e in experts {
+            for (ki, &k) in kinds.iter().enumerate() {
+                let id = SlabId::new(layer, k, e);
+                if self.hot.slot_of(id).is_some() || self.pf.contains_key(&id) {
+                    continue;
+                }
+                if self.pf.len() >= window {
+                    break 'outer;
+                }
+                let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
+                if !self.is_pinned(b) {
+                    continue;
+                }
+                if !waiting {
+                    self.compute_mark.record(dev.compute()).map_err(pulsar_cuda::CudaError::from)?;
+                    dev.copy().wait(&self.compute_mark).map_err(pulsar_cuda::CudaError::from)?;
+                    waiting = true;
+                }
+                let slot = slot_of(self.pf.len());
+                self.upload(dev, slot, b)?;
+                self.pf.insert(id, (slot, b.len()));
+                self.stats.prefetched += 1;
+            }
+        }
+        if waiting {
             self.copy_done.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
         }
         Ok(())

@@ -738,6 +738,9 @@ impl<'a> CudaStep<'a> {
         // selected expert's (gate, up, down) device addresses.
         let mut h_ids: Vec<i32> = Vec::new();
         let mut host_ptrs: Vec<[u64; 3]> = Vec::new();
+        // Prefill with prefetch: the next layer's predicted experts, their
+        // weights and slab kinds, for the copies that wait for this layer's kernels.
+        let mut prefetch_rest: Option<(Vec<u32>, Vec<usize>, [pulsar_store::SlabKind; 3])> = None;
         // The store's step (streamed experts through the host cache): alive
         // until the uploads and the CPU lane have read its bytes.
         let mut guard: Option<pulsar_store::StepGuard<'a>> = None;
@@ -889,6 +892,9 @@ impl<'a> CudaStep<'a> {
                                 model.file.bytes(&range).map_err(err)
                             })
                             .map_err(err)?;
+                            if grouped {
+                                prefetch_rest = Some((std::mem::take(&mut predicted), nw, kinds));
+                            }
                         }
                     }
                 }
@@ -959,6 +965,16 @@ impl<'a> CudaStep<'a> {
                 self.pools.f32.give(b);
             }
             r.map_err(err)?;
+            if let (Some((predicted, nw, kinds)), Some(pool)) = (prefetch_rest.take(), &cm.experts) {
+                let model = self.model;
+                pool.lock().unwrap_or_else(|e| e.into_inner())
+                    .prefetch_rest(dev, spec.layer + 1, kinds, &predicted, &|ki, e| {
+                        let t = model.tensor(&model.weights[nw[ki]]);
+                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                        model.file.bytes(&range).map_err(err)
+                    })
+                    .map_err(err)?;
+            }
         } else {
             let xqi = self.quantized(x, gfmt)?;
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
