@@ -37,15 +37,8 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __
     if (row0 >= rows) return;
     size_t wrb = w_row_bytes<F>(cols);
     int nr = min(rpw, rows - row0);
-    const u8* w = W + (size_t)row0 * wrb;
-    size_t stride = wrb;
-    if (sbytes > 0) {
-        w = stage_rows(gemv_stage + (size_t)warp * sbytes, w, wrb, nr);
-        stride = staged_stride(wrb);
-        cp_async_commit();
-        cp_async_wait0();
-        __syncwarp();
-    }
+    size_t stride;
+    const u8* w = rows_for_dot(gemv_stage + (size_t)warp * sbytes, sbytes, W + (size_t)row0 * wrb, wrb, nr, stride);
     float y = rows_dot<F, QV_R, 1>(w, stride, nr, X, 0, 1, cols / 32, tab, vals[warp]);
     if (lane < nr) Y[row0 + lane] = y;
 }

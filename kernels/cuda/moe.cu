@@ -123,9 +123,7 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
         gw = stage_rows(sw, gw, wrb, nr);
         uw = stage_rows(sw + sbytes / 2, uw, wrb, nr);
         stride = staged_stride(wrb);
-        cp_async_commit();
-        cp_async_wait0();
-        __syncwarp();
+        stage_wait();
     }
     float g = rows_dot<F, MOE_R, 1>(gw, stride, nr, x, 0, 1, units, tab, vals[warp]);
     float u = rows_dot<F, MOE_R, 1>(uw, stride, nr, x, 0, 1, units, tab, vals[warp]);
@@ -144,15 +142,8 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
     int nr = min(rpw, d_model - row0);
     size_t wrb = w_row_bytes<F>(ff);
     const u8* h = HQ + (size_t)p * act_row_bytes<F>(ff);
-    const u8* w = (const u8*)dp + (size_t)row0 * wrb;
-    size_t stride = wrb;
-    if (sbytes > 0) {
-        w = stage_rows(moe_stage + (size_t)warp * sbytes, w, wrb, nr);
-        stride = staged_stride(wrb);
-        cp_async_commit();
-        cp_async_wait0();
-        __syncwarp();
-    }
+    size_t stride;
+    const u8* w = rows_for_dot(moe_stage + (size_t)warp * sbytes, sbytes, (const u8*)dp + (size_t)row0 * wrb, wrb, nr, stride);
     float y = rows_dot<F, MOE_R, 1>(w, stride, nr, h, 0, 1, ff / 32, tab, vals[warp]);
     if (lane < nr) OUT[(size_t)p * d_model + row0 + lane] = y;
 }

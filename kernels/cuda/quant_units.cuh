@@ -490,6 +490,25 @@ __device__ __forceinline__ const u8* stage_rows(u8* smem, const u8* w, size_t wr
     return s0;
 }
 
+// Wait for this warp's staged rows (every stage_rows since the last wait).
+__device__ __forceinline__ void stage_wait() {
+    cp_async_commit();
+    cp_async_wait0();
+    __syncwarp();
+}
+
+// With sbytes > 0, stage the warp's `nrows` rows at `w` in `smem` and wait
+// for them; returns where the dot reads the rows and sets their stride.
+__device__ __forceinline__ const u8* rows_for_dot(u8* smem, int sbytes, const u8* w, size_t wrb, int nrows,
+                                                  size_t& stride) {
+    stride = wrb;
+    if (sbytes <= 0) return w;
+    const u8* s = stage_rows(smem, w, wrb, nrows);
+    stride = staged_stride(wrb);
+    stage_wait();
+    return s;
+}
+
 // The value of element e (0..31) of a unit.
 template <int F> __device__ __forceinline__ float unit_value(const Unit& u, int e) {
     int q = (int)(i8)((u.q[e >> 2] >> (8 * (e & 3))) & 0xff);

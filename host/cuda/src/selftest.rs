@@ -369,15 +369,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     }
     // A decode graph sizes the split count for a bucket of the context, not
     // the exact length: the extra splits are empty and must change nothing.
-    let padded = AttnParams {
-        n_head: 8,
-        n_kv_head: 2,
-        head_dim_k: 128,
-        head_dim_v: 128,
-        scale: 0.088,
-        window: 0,
-        softcap: 0.0,
-    };
+    let padded = attn[0].1;
     t.push(
         "attention f32 kv",
         "decode, splits sized for 4096",

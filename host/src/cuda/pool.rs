@@ -254,12 +254,33 @@ impl ExpertPool {
         if !(if decode { self.pf_enabled } else { self.has_pinned() }) {
             return Ok(());
         }
-        let (slot_of, window) = self.window(decode, layer);
+        let window = self.window(decode, layer).1;
         let cap = if decode { window } else { window.saturating_sub(self.scratch_next) };
+        self.copy_ahead(dev, layer, kinds, experts, bytes, cap, false)
+    }
+
+    /// Copy the cold, not yet prefetched slabs of `experts` (layer `layer`)
+    /// into its window until `cap` slabs are there; with `after_compute` the
+    /// copy stream first waits for the compute stream's queued work. The next
+    /// layer's plan waits for these copies (read_copy_time) before any kernel
+    /// reads the slots.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_ahead<'b>(
+        &mut self,
+        dev: &CudaDevice,
+        layer: u32,
+        kinds: [SlabKind; 3],
+        experts: &[u32],
+        bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
+        cap: usize,
+        after_compute: bool,
+    ) -> Result<(), CudaBackendError> {
+        let slot_of = self.window(self.pf_decode, layer).0;
+        let mut copied = false;
         'outer: for &e in experts {
             for (ki, &k) in kinds.iter().enumerate() {
                 let id = SlabId::new(layer, k, e);
-                if self.hot.slot_of(id).is_some() {
+                if self.hot.slot_of(id).is_some() || self.pf.contains_key(&id) {
                     continue;
                 }
                 if self.pf.len() >= cap {
@@ -269,15 +290,18 @@ impl ExpertPool {
                 if !self.is_pinned(b) {
                     continue;
                 }
+                if after_compute && !copied {
+                    self.compute_mark.record(dev.compute()).map_err(pulsar_cuda::CudaError::from)?;
+                    dev.copy().wait(&self.compute_mark).map_err(pulsar_cuda::CudaError::from)?;
+                }
                 let slot = slot_of(self.pf.len());
                 self.upload(dev, slot, b)?;
                 self.pf.insert(id, (slot, b.len()));
                 self.stats.prefetched += 1;
+                copied = true;
             }
         }
-        if !self.pf.is_empty() {
-            // The next layer's plan waits for this (read_copy_time) before
-            // any kernel can read the slots.
+        if copied {
             self.copy_done.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
         }
         Ok(())
@@ -301,36 +325,8 @@ impl ExpertPool {
         if self.pf_layer != Some(layer) || self.pf_decode || !self.has_pinned() {
             return Ok(());
         }
-        let (slot_of, window) = self.window(false, layer);
-        let mut waiting = false;
-        'outer: for &e in experts {
-            for (ki, &k) in kinds.iter().enumerate() {
-                let id = SlabId::new(layer, k, e);
-                if self.hot.slot_of(id).is_some() || self.pf.contains_key(&id) {
-                    continue;
-                }
-                if self.pf.len() >= window {
-                    break 'outer;
-                }
-                let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
-                if !self.is_pinned(b) {
-                    continue;
-                }
-                if !waiting {
-                    self.compute_mark.record(dev.compute()).map_err(pulsar_cuda::CudaError::from)?;
-                    dev.copy().wait(&self.compute_mark).map_err(pulsar_cuda::CudaError::from)?;
-                    waiting = true;
-                }
-                let slot = slot_of(self.pf.len());
-                self.upload(dev, slot, b)?;
-                self.pf.insert(id, (slot, b.len()));
-                self.stats.prefetched += 1;
-            }
-        }
-        if waiting {
-            self.copy_done.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
-        }
-        Ok(())
+        let window = self.window(false, layer).1;
+        self.copy_ahead(dev, layer, kinds, experts, bytes, window, true)
     }
 
     /// Copies and zero-copy reads may use this page-locked host range.
