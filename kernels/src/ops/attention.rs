@@ -84,7 +84,7 @@ pub fn attend_rows(
             }));
             let m = e.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             e.iter_mut().for_each(|v| *v = math::exp(*v - m));
-            ml.push((m, block_sum(&e)));
+            ml.push((m, math::block_sum::<f32, ATT_THREADS>(e.iter().copied())));
             for (j, w) in (j0..j1).zip(&e) {
                 let vh = &v_cache[j * vw + kvh * dv..][..dv];
                 for d in 0..dv {
@@ -116,29 +116,6 @@ pub fn attend_rows(
     }
 }
 
-/// The CUDA block's sum of one chunk's `e`: thread `t` of [`ATT_THREADS`] adds
-/// `e[t], e[t + 128], ...`; each warp's 32 partials are halved by the xor
-/// butterfly; the warp sums are added in order.
-fn block_sum(e: &[f32]) -> f32 {
-    let mut part = [0f32; ATT_THREADS];
-    for c in e.chunks(ATT_THREADS) {
-        for (p, &v) in part.iter_mut().zip(c) {
-            *p += v;
-        }
-    }
-    let mut l = 0f32;
-    for w in part.chunks_exact_mut(32) {
-        let mut o = 16;
-        while o > 0 {
-            for i in 0..o {
-                w[i] += w[i + o];
-            }
-            o /= 2;
-        }
-        l += w[0];
-    }
-    l
-}
 
 #[cfg(test)]
 mod tests {

@@ -274,6 +274,31 @@ const COS_C: [f64; 9] = [
 
 /// Every constant by name, for the test that the CUDA twin (common.cuh's
 /// `#define PC_<NAME> 0x...`) holds the same bits.
+/// A CUDA block's sum of `vals` over `N` threads, in the block's order:
+/// thread `t` adds `vals[t], vals[t + N], ...` from zero; each warp's 32
+/// partials are halved by the xor butterfly (lane 0's result); the warp sums
+/// are added in warp order. The CPU twins of the GPU's block reductions
+/// (attention's softmax sum, the RMS norm's sum of squares) use it.
+pub fn block_sum<T: Copy + Default + std::ops::AddAssign, const N: usize>(vals: impl IntoIterator<Item = T>) -> T {
+    let mut part = [T::default(); N];
+    for (i, v) in vals.into_iter().enumerate() {
+        part[i % N] += v;
+    }
+    let mut total = T::default();
+    for w in part.chunks_exact_mut(32) {
+        let mut o = 16;
+        while o > 0 {
+            for l in 0..o {
+                let x = w[l + o];
+                w[l] += x;
+            }
+            o /= 2;
+        }
+        total += w[0];
+    }
+    total
+}
+
 #[cfg(test)]
 pub(crate) fn constants() -> Vec<(String, u64)> {
     let mut v: Vec<(String, u64)> = vec![
@@ -312,6 +337,20 @@ pub(crate) fn constants() -> Vec<(String, u64)> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn block_sum_adds_in_the_cuda_blocks_order() {
+        // Lanes 0 and 16 cancel in the butterfly's first step, so lane 1's 1.0
+        // survives; a sum in index order loses it (1e8 + 1 rounds to 1e8).
+        let mut v = [0f32; 32];
+        (v[0], v[1], v[16]) = (1e8, 1.0, -1e8);
+        assert_eq!(v.iter().fold(0f32, |a, &x| a + x), 0.0);
+        assert_eq!(super::block_sum::<f32, 32>(v), 1.0);
+        // Thread t takes t, t + N, ...: with N = 64, values 0 and 64 meet first.
+        let mut w = vec![0f32; 128];
+        (w[0], w[64], w[1]) = (1e8, -1e8, 1.0);
+        assert_eq!(super::block_sum::<f32, 64>(w), 1.0);
+    }
+
     use super::*;
 
     fn ulps(a: f32, b: f32) -> u32 {

@@ -27,24 +27,7 @@ pub fn rms_norm_rows(x: &mut [f32], group: usize, weight: Option<&[f32]>, eps: f
 
 /// `sum(v^2)` in f64 in the order of the CUDA block (see [`rms_norm_rows`]).
 fn sum_squares(g: &[f32]) -> f64 {
-    let mut part = [0f64; NORM_THREADS];
-    for c in g.chunks(NORM_THREADS) {
-        for (p, &v) in part.iter_mut().zip(c) {
-            *p += (v as f64) * (v as f64);
-        }
-    }
-    let mut tot = 0f64;
-    for w in part.chunks_exact_mut(32) {
-        let mut o = 16;
-        while o > 0 {
-            for l in 0..o {
-                w[l] += w[l + o];
-            }
-            o /= 2;
-        }
-        tot += w[0];
-    }
-    tot
+    super::math::block_sum::<f64, NORM_THREADS>(g.iter().map(|&v| (v as f64) * (v as f64)))
 }
 
 #[cfg(test)]
