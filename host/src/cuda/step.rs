@@ -86,13 +86,6 @@ struct DecodeGraph {
     cols: usize,
 }
 
-/// Counts of decode steps run through a graph.
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
-pub struct GraphStats {
-    pub captures: u64,
-    pub replays: u64,
-}
-
 /// A model session on one GPU.
 pub struct CudaEngine<'m> {
     pub model: &'m Model,
@@ -118,7 +111,6 @@ pub struct CudaEngine<'m> {
     /// experts: a step with no host round trip); off after a capture failed.
     graphs: bool,
     graph: Option<DecodeGraph>,
-    pub graph_stats: GraphStats,
     /// Some: every op's GPU time is measured (`bench --profile-ops`).
     profile: Option<OpProfile>,
 }
@@ -141,7 +133,6 @@ impl<'m> CudaEngine<'m> {
             dec_pos: cm.dev.alloc(1)?,
             graphs: cm.graphs,
             graph: None,
-            graph_stats: GraphStats::default(),
             profile: None,
         })
     }
@@ -239,7 +230,6 @@ impl<'m> CudaEngine<'m> {
             if let (Some(sc), Some(g)) = (split_ctx, &self.graph) {
                 if g.split_ctx == sc && g.all_rows == all {
                     g.graph.launch().map_err(err)?;
-                    self.graph_stats.replays += 1;
                     return download_rows(&stream, &g.out, g.rows, g.cols);
                 }
             }
@@ -314,8 +304,8 @@ impl<'m> CudaEngine<'m> {
         if capture {
             match &result {
                 Ok(_) => {
+                    tracing::debug!("decode step captured as a CUDA graph (attention sized for {} positions)", split_ctx.unwrap_or(0));
                     self.graph = captured;
-                    self.graph_stats.captures += 1;
                 }
                 Err(e) => {
                     // Nothing ran (a capture only records): run the step as usual.
