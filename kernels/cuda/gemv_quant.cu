@@ -10,36 +10,36 @@
 // added in block order. So the GEMV, both GEMMs and the expert kernels give
 // the same bits for the same row and token, and the CPU's scalar dot too.
 //
-// gemv: one warp per QV_R rows (rows_dot).
+// gemv: one warp per 1..8 rows, streamed through shared memory (decode_dot.cuh).
 // gemm: one warp per 4 rows x 8 tokens (rows_dot), any GPU with dp4a.
 // gemm_mma: int8 tensor cores (sm_80+), tiles of 64 rows x 64 tokens staged
 // through shared memory by cp.async, double-buffered; gemm_mma_grouped the
 // same over a list of (expert, 32-token run) work items.
 
 #define QV_WARPS 4
-#define QV_R 8
 #define QM_R 4
 #define QM_T 8
 
-// rpw (1..QV_R) rows per warp: the host picks fewer for short matrices so
-// enough warps stream the weights (a row's dot cannot be split across warps
-// without changing its summation order).
-// sbytes > 0: each warp first copies its rows into sbytes of dynamic shared
-// memory (stage_rows) and dots from there; 0: straight from global memory.
+// gemv: DD_WARPS warps a block, rpw (1..DD_MAX_ROWS) rows a warp, the rows
+// streamed chunk by chunk (decode_dot.cuh). The host picks fewer rows a warp
+// for short matrices so enough warps stream the weights (a row's dot cannot
+// be split across warps without changing its summation order). xsb > 0: the
+// activation row is staged in the first xsb bytes of dynamic shared memory.
 template <int F>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                          float* __restrict__ Y, int rows, int cols, int rpw, int sbytes,
+                                          float* __restrict__ Y, int rows, int cols, int rpw, int xsb,
                                           const u64* tab) {
-    __shared__ float vals[QV_WARPS][QV_R * VALS_STRIDE];
+    __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 gemv_stage[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * QV_WARPS + warp) * rpw;
-    if (row0 >= rows) return;
+    int row0 = (blockIdx.x * DD_WARPS + warp) * rpw;
+    int nr = max(0, min(rpw, rows - row0));
     size_t wrb = w_row_bytes<F>(cols);
-    int nr = min(rpw, rows - row0);
-    size_t stride;
-    const u8* w = rows_for_dot(gemv_stage + (size_t)warp * sbytes, sbytes, W + (size_t)row0 * wrb, wrb, nr, stride);
-    float y = rows_dot<F, QV_R, 1>(w, stride, nr, X, 0, 1, cols / 32, tab, vals[warp]);
+    const u8* w = W + (size_t)min(row0, rows) * wrb;
+    u8* ring;
+    const u8* x = dd_begin<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), w, w, nr, nr, wrb, cols / 32, rpw, ring);
+    if (nr == 0) return;
+    float y = dd_rows<F>(w, w, nr, nr, wrb, x, cols / 32, ring, vals[warp], tab);
     if (lane < nr) Y[row0 + lane] = y;
 }
 
@@ -267,10 +267,10 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
 // 0 gate, 1 up, 2 down) over sorted rows start .. start + len of X / Y
 // (items[4i + 3] = start | len << 32, len <= 32).
 #define GEMV_ENTRY(NAME, F)                                                                     \
-    extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemv_##NAME(                   \
-        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int sbytes,            \
+    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) gemv_##NAME(                   \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int xsb,               \
         const u64* tab) {                                                                       \
-        gemv_impl<F>(W, X, Y, rows, cols, rpw, sbytes, tab);                                    \
+        gemv_impl<F>(W, X, Y, rows, cols, rpw, xsb, tab);                                       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemm_##NAME(                   \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \

@@ -15,7 +15,6 @@
 
 #define ROUTE_THREADS 256
 #define MOE_WARPS 4
-#define MOE_R 8 // rows per warp of the quantized expert kernels (rows_dot)
 
 struct Best {
     float v;
@@ -99,66 +98,66 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
-// sbytes > 0: each warp stages its rows in sbytes of dynamic shared memory
-// first (for moe_up: the gate rows, then the up rows at sbytes / 2), all
-// copies in flight at once; 0: the dots read global memory directly.
+// DD_WARPS warps a block; a warp takes rpw rows (moe_up: rpw gate rows and
+// the same rpw up rows, 2 rpw <= DD_MAX_ROWS), streamed chunk by chunk
+// (decode_dot.cuh). xsb > 0: the pair's activation row is staged in the first
+// xsb bytes of dynamic shared memory.
 template <int F>
 __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
-                                       int cols, int n_slot, int act, int rpw, int sbytes, const u64* tab) {
-    __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
+                                       int cols, int n_slot, int act, int rpw, int xsb, const u64* tab) {
+    __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * MOE_WARPS + warp) * rpw;
+    int row0 = (blockIdx.x * DD_WARPS + warp) * rpw;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
-    if (gp == 0 || upp == 0 || row0 >= ff) return;
-    int t = p / n_slot, nr = min(rpw, ff - row0);
-    size_t wrb = w_row_bytes<F>(cols), off = (size_t)row0 * wrb;
-    const u8* x = X + (size_t)t * act_row_bytes<F>(cols);
+    // The whole block skips a null pair (before any barrier).
+    if (gp == 0 || upp == 0) return;
+    int t = p / n_slot, nr = max(0, min(rpw, ff - row0));
+    size_t wrb = w_row_bytes<F>(cols), off = (size_t)min(row0, ff) * wrb;
     int units = cols / 32;
     const u8* gw = (const u8*)gp + off;
     const u8* uw = (const u8*)upp + off;
-    size_t stride = wrb;
-    if (sbytes > 0) {
-        u8* sw = moe_stage + (size_t)warp * sbytes;
-        gw = stage_rows(sw, gw, wrb, nr);
-        uw = stage_rows(sw + sbytes / 2, uw, wrb, nr);
-        stride = staged_stride(wrb);
-        stage_wait();
-    }
-    float g = rows_dot<F, MOE_R, 1>(gw, stride, nr, x, 0, 1, units, tab, vals[warp]);
-    float u = rows_dot<F, MOE_R, 1>(uw, stride, nr, x, 0, 1, units, tab, vals[warp]);
-    if (lane < nr) H[(size_t)p * ff + row0 + lane] = __fmul_rn(act_f(act, g), u);
+    u8* ring;
+    const u8* x = dd_begin<F>(moe_stage, xsb, X + (size_t)t * act_row_bytes<F>(cols), act_row_bytes<F>(cols), gw,
+                              uw, nr, 2 * nr, wrb, units, 2 * rpw, ring);
+    if (nr == 0) return;
+    float v = dd_rows<F>(gw, uw, nr, 2 * nr, wrb, x, units, ring, vals[warp], tab);
+    // Lane r holds gate row r, lane nr + r the up row r.
+    float u = __shfl_down_sync(FULL_MASK, v, nr);
+    if (lane < nr) H[(size_t)p * ff + row0 + lane] = __fmul_rn(act_f(act, v), u);
 }
 
 template <int F>
 __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
-                                         int rpw, int sbytes, const u64* tab) {
-    __shared__ float vals[MOE_WARPS][MOE_R * VALS_STRIDE];
+                                         int rpw, int xsb, const u64* tab) {
+    __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * MOE_WARPS + warp) * rpw;
+    int row0 = (blockIdx.x * DD_WARPS + warp) * rpw;
     u64 dp = down_ptrs[p];
-    if (dp == 0 || row0 >= d_model) return;
-    int nr = min(rpw, d_model - row0);
+    if (dp == 0) return;
+    int nr = max(0, min(rpw, d_model - row0));
     size_t wrb = w_row_bytes<F>(ff);
-    const u8* h = HQ + (size_t)p * act_row_bytes<F>(ff);
-    size_t stride;
-    const u8* w = rows_for_dot(moe_stage + (size_t)warp * sbytes, sbytes, (const u8*)dp + (size_t)row0 * wrb, wrb, nr, stride);
-    float y = rows_dot<F, MOE_R, 1>(w, stride, nr, h, 0, 1, ff / 32, tab, vals[warp]);
+    const u8* w = (const u8*)dp + (size_t)min(row0, d_model) * wrb;
+    u8* ring;
+    const u8* h = dd_begin<F>(moe_stage, xsb, HQ + (size_t)p * act_row_bytes<F>(ff), act_row_bytes<F>(ff), w, w, nr,
+                              nr, wrb, ff / 32, rpw, ring);
+    if (nr == 0) return;
+    float y = dd_rows<F>(w, w, nr, nr, wrb, h, ff / 32, ring, vals[warp], tab);
     if (lane < nr) OUT[(size_t)p * d_model + row0 + lane] = y;
 }
 
-// rpw (1..MOE_R): rows per warp, chosen by the host from the pairs' total rows.
+// rpw: rows per warp, chosen by the host from the pairs' total rows.
 #define MOE_ENTRY(NAME, F)                                                                          \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                   \
+    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                    \
         moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
-                      int n_slot, int act, int rpw, int sbytes, const u64* tab) {                   \
-        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, sbytes, tab);               \
+                      int n_slot, int act, int rpw, int xsb, const u64* tab) {                      \
+        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, xsb, tab);                  \
     }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_down_##NAME(                  \
-        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int sbytes,  \
+    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) moe_down_##NAME(                   \
+        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int xsb,     \
         const u64* tab) {                                                                           \
-        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, sbytes, tab);                             \
+        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, xsb, tab);                                \
     }
 
 MOE_ENTRY(q8_0, F_Q8_0)

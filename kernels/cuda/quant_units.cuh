@@ -458,57 +458,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
-// Row stride of staged rows: wrb plus one granule, so each row keeps its
-// global address's phase within 16 bytes (its 16-byte copies line up) and a
-// row's last granule never overlaps the next row's first.
-__device__ __forceinline__ size_t staged_stride(size_t wrb) { return wrb + 16; }
-
-// Shared-memory bytes a warp needs to stage `nrows` rows of `wrb` bytes.
-// (The host's twin is stage_bytes in host/cuda/src/ops.rs.)
-__device__ __forceinline__ size_t staged_bytes(size_t wrb, int nrows) {
-    return (size_t)nrows * staged_stride(wrb) + 32;
-}
-
-// Start copying `nrows` weight rows (`wrb` bytes apart from `w`) into this
-// warp's shared memory `smem` (16-aligned, staged_bytes long) as whole 16-byte
-// granules, all at once: every lane has many copies in flight, coalesced,
-// instead of scattered word loads each waiting on the last. Returns where
-// the first row lands; rows are staged_stride apart. The caller commits,
-// waits and __syncwarp()s before reading. Granules may reach up to 15 bytes
-// past a row's ends; they stay inside the 16-byte-aligned span around it.
-__device__ __forceinline__ const u8* stage_rows(u8* smem, const u8* w, size_t wrb, int nrows) {
-    int lane = threadIdx.x & 31;
-    size_t g0 = (size_t)w;
-    u8* s0 = smem + (g0 & 15);
-    size_t stride = staged_stride(wrb);
-    for (int r = 0; r < nrows; r++) {
-        size_t gr = g0 + (size_t)r * wrb;
-        size_t first = gr >> 4, ng = ((gr + wrb - 1) >> 4) - first + 1;
-        u8* sb = (u8*)((size_t)(s0 + (size_t)r * stride) & ~(size_t)15);
-        for (size_t i = lane; i < ng; i += 32) cp_async16(sb + 16 * i, (const void*)((first + i) << 4));
-    }
-    return s0;
-}
-
-// Wait for this warp's staged rows (every stage_rows since the last wait).
-__device__ __forceinline__ void stage_wait() {
-    cp_async_commit();
-    cp_async_wait0();
-    __syncwarp();
-}
-
-// With sbytes > 0, stage the warp's `nrows` rows at `w` in `smem` and wait
-// for them; returns where the dot reads the rows and sets their stride.
-__device__ __forceinline__ const u8* rows_for_dot(u8* smem, int sbytes, const u8* w, size_t wrb, int nrows,
-                                                  size_t& stride) {
-    stride = wrb;
-    if (sbytes <= 0) return w;
-    const u8* s = stage_rows(smem, w, wrb, nrows);
-    stride = staged_stride(wrb);
-    stage_wait();
-    return s;
-}
-
 // The value of element e (0..31) of a unit.
 template <int F> __device__ __forceinline__ float unit_value(const Unit& u, int e) {
     int q = (int)(i8)((u.q[e >> 2] >> (8 * (e & 3))) & 0xff);

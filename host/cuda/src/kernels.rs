@@ -53,13 +53,13 @@ impl Family {
     /// The full translation unit NVRTC compiles: the shared prelude(s) then the file.
     pub fn source(self) -> &'static str {
         match self {
-            Family::GemvQuant => cuda_src!("common.cuh", "quant_units.cuh", "gemv_quant.cu"),
+            Family::GemvQuant => cuda_src!("common.cuh", "quant_units.cuh", "decode_dot.cuh", "gemv_quant.cu"),
             Family::GemvFloat => cuda_src!("common.cuh", "gemv_float.cu"),
             Family::NormRope => cuda_src!("common.cuh", "norm_rope.cu"),
             Family::Act => cuda_src!("common.cuh", "act.cu"),
             Family::Embed => cuda_src!("common.cuh", "quant_units.cuh", "embed.cu"),
             Family::Attention => cuda_src!("common.cuh", "attention.cu"),
-            Family::Moe => cuda_src!("common.cuh", "quant_units.cuh", "moe.cu"),
+            Family::Moe => cuda_src!("common.cuh", "quant_units.cuh", "decode_dot.cuh", "moe.cu"),
         }
     }
 
@@ -187,15 +187,24 @@ pub(crate) const MMA_GROUPED_SMEM_BYTES: u32 = 2 * (64 * 304 + 32 * 336);
 /// The dynamic shared memory above the default 48 KiB that entry `index` of
 /// `family` needs opted in at load.
 pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
-    if family != Family::GemvQuant || index >= QUANTIZE_Q8_0 {
-        return None;
-    }
-    match index % 4 {
-        2 => Some(MMA_SMEM_BYTES),
-        3 => Some(MMA_GROUPED_SMEM_BYTES),
+    match family {
+        Family::GemvQuant if index < QUANTIZE_Q8_0 => match index % 4 {
+            0 => Some(DECODE_SMEM_MAX),
+            2 => Some(MMA_SMEM_BYTES),
+            3 => Some(MMA_GROUPED_SMEM_BYTES),
+            _ => None,
+        },
+        // The quantized moe_up / moe_down entries.
+        Family::Moe if (1..MOE_GATHER_PTRS).contains(&index) => Some(DECODE_SMEM_MAX),
         _ => None,
     }
 }
+
+/// The most dynamic shared memory a decode kernel (gemv_*, moe_up_*,
+/// moe_down_*) is launched with: its staged activation row and eight warps'
+/// rings (decode_dot.cuh). With the kernels' 8.25 KiB of static `vals` it
+/// stays within the 99 KiB a block may have on sm_86 / sm_89.
+pub(crate) const DECODE_SMEM_MAX: u32 = 88 * 1024;
 
 const GEMV_FLOAT: &[&str] = &[
     "gemv_f32",
@@ -286,7 +295,10 @@ mod tests {
             assert_eq!(GEMV_QUANT[gemm_mma_grouped_entry(i)], format!("gemm_mma_grouped_{n}"));
             assert_eq!(large_smem(Family::GemvQuant, gemm_mma_entry(i)), Some(MMA_SMEM_BYTES));
             assert_eq!(large_smem(Family::GemvQuant, gemm_mma_grouped_entry(i)), Some(MMA_GROUPED_SMEM_BYTES));
-            assert_eq!(large_smem(Family::GemvQuant, gemv_entry(i)), None);
+            assert_eq!(large_smem(Family::GemvQuant, gemv_entry(i)), Some(DECODE_SMEM_MAX));
+            assert_eq!(large_smem(Family::Moe, 1 + 2 * i), Some(DECODE_SMEM_MAX));
+            assert_eq!(large_smem(Family::Moe, 2 + 2 * i), Some(DECODE_SMEM_MAX));
+            assert_eq!(large_smem(Family::GemvQuant, gemm_entry(i)), None);
             assert_eq!(EMBED[3 + i], format!("embed_{n}"));
             assert_eq!(MOE[1 + 2 * i], format!("moe_up_{n}"));
             assert_eq!(MOE[2 + 2 * i], format!("moe_down_{n}"));

@@ -25,8 +25,6 @@ macro_rules! params {
 
 const GEMV_ROWS_PER_BLOCK: usize = 4; // FG_WARPS / MOE_WARPS of the float kernels
 const GEMM_TOKENS: usize = 8; // FG_TT
-const QGEMV_WARPS: usize = 4; // QV_WARPS
-const QGEMV_MAX_RPW: usize = 8; // QV_R
 const QGEMM_ROWS_PER_BLOCK: usize = 16; // QV_WARPS * QM_R
 const QGEMM_TOKENS: usize = 8; // QM_T
 const MMA_ROWS_PER_BLOCK: usize = 64; // MM_ROWS
@@ -146,37 +144,52 @@ fn check_pairs(op: &'static str, pairs: &MoePairs<'_>, h_len: usize, ff: usize, 
     Ok(n_pairs)
 }
 
-/// Rows per warp of the quantized GEMV: as many as keep about 2048 warps
-/// streaming (a warp sums its rows' blocks one after another, so short
-/// matrices need fewer rows per warp to fill the device), at most QV_R.
-fn gemv_rows_per_warp(rows: usize) -> usize {
-    let mut r = 1;
-    while r < QGEMV_MAX_RPW && rows / (2 * r) >= 2048 {
-        r *= 2;
-    }
-    r
+/// Warps a block of the decode kernels (gemv_*, moe_up_*, moe_down_*): DD_WARPS.
+const DECODE_WARPS: usize = 8;
+/// Rows one warp of a decode kernel holds at most (DD_MAX_ROWS).
+const DECODE_MAX_ROWS: usize = 8;
+/// A warp's ring of staged row chunks is kept to this, so that four blocks of
+/// eight warps fit an SM's shared memory.
+const DECODE_RING_BUDGET: usize = 6 * 1024;
+/// Warps worth keeping busy before a warp takes more rows: about one wave of
+/// 32 resident warps on each of ~130 SMs.
+const DECODE_WARPS_WANTED: usize = 4096;
+
+/// The launch shape of one decode kernel: rows a warp (per matrix), the
+/// activation row's staging bytes (0: read from global memory) and the
+/// block's dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DecodePlan {
+    rpw: usize,
+    xsb: usize,
+    smem: usize,
 }
 
-/// Dynamic shared memory a decode warp may stage its weight rows in: four
-/// warps a block stay under the 48 KiB a block gets without opting in (with
-/// the kernels' static `vals`).
-const STAGE_BYTES_PER_WARP: usize = 10 * 1024;
+/// Bytes of one warp's two-slot ring for `nrows` rows (decode_dot.cuh's
+/// dd_ring_bytes): a chunk is 8 superblocks or 32 blocks of a row, plus a
+/// granule so it keeps its phase.
+fn decode_ring_bytes(ty: GgmlType, nrows: usize) -> usize {
+    let (be, bb) = (ty.block_elems() as usize, ty.block_bytes() as usize);
+    let bps = if be == 256 { 8 } else { 32 };
+    2 * nrows * (bps * bb + 16)
+}
 
-/// Rows per warp and per-warp staging bytes (`sbytes` of the GEMV and decode
-/// expert kernels) for `mats` matrices whose rows are `wrb` bytes: fewer rows
-/// a warp than `rpw` when that is what fits, no staging (0) when one row does
-/// not. Mirrors `staged_bytes` of quant_units.cuh.
-fn stage_plan(rpw: usize, wrb: usize, mats: usize) -> (usize, usize) {
-    let per_mat = |r: usize| (r * (wrb + 16) + 32).next_multiple_of(16);
-    let mut r = rpw.max(1);
-    while r > 1 && mats * per_mat(r) > STAGE_BYTES_PER_WARP {
-        r -= 1;
+/// Plan a decode launch over `total_rows` rows (all pairs together) of
+/// `mats` matrices read side by side (moe_up: gate and up), rows of `cols`
+/// values, against activation rows of `x_bytes`. A warp takes more rows only
+/// while enough warps remain to stream the weights and its ring stays in budget.
+fn decode_plan(ty: GgmlType, total_rows: usize, mats: usize, x_bytes: usize) -> DecodePlan {
+    let mut rpw = 1;
+    while mats * rpw * 2 <= DECODE_MAX_ROWS
+        && decode_ring_bytes(ty, mats * rpw * 2) <= DECODE_RING_BUDGET
+        && total_rows / (rpw * 2) >= DECODE_WARPS_WANTED
+    {
+        rpw *= 2;
     }
-    if mats * per_mat(r) > STAGE_BYTES_PER_WARP {
-        (rpw, 0)
-    } else {
-        (r, mats * per_mat(r))
-    }
+    let rings = DECODE_WARPS * decode_ring_bytes(ty, mats * rpw);
+    let staged = (x_bytes + 32).next_multiple_of(16);
+    let xsb = if staged + rings <= crate::kernels::DECODE_SMEM_MAX as usize { staged } else { 0 };
+    DecodePlan { rpw, xsb, smem: xsb + rings }
 }
 
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
@@ -380,19 +393,19 @@ impl CudaDevice {
             y.device_ptr(),
             self.iq_tables().device_ptr(),
         );
-        let (rpw, sb) = stage_plan(gemv_rows_per_warp(rows), weight_bytes(ty, 1, cols)?, 1);
-        let (r, c, rw, sbi) = (rows as i32, cols as i32, rpw as i32, sb as i32);
-        let grid = rows.div_ceil(QGEMV_WARPS * rpw) as u32;
-        // SAFETY: (W, X, Y, rows, cols, rpw, sbytes, tab) as GEMV_ENTRY; sizes
-        // checked; QGEMV_WARPS * sb bytes of dynamic shared memory.
+        let plan = decode_plan(ty, rows, 1, x.len());
+        let (r, c, rw, xsb) = (rows as i32, cols as i32, plan.rpw as i32, plan.xsb as i32);
+        let grid = rows.div_ceil(DECODE_WARPS * plan.rpw) as u32;
+        // SAFETY: (W, X, Y, rows, cols, rpw, xsb, tab) as GEMV_ENTRY; sizes
+        // checked; plan.smem bytes of dynamic shared memory (opted in at load).
         unsafe {
             self.launch(
                 f,
                 (grid, 1, 1),
-                128,
-                (QGEMV_WARPS * sb) as u32,
+                (DECODE_WARPS * 32) as u32,
+                plan.smem as u32,
                 stream,
-                &mut params![wp, xp, yp, r, c, rw, sbi, tab],
+                &mut params![wp, xp, yp, r, c, rw, xsb, tab],
             )
         }
     }
@@ -1063,38 +1076,38 @@ impl CudaDevice {
         );
         let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
         let f = self.func(Family::Moe, 1 + 2 * gi)?;
-        // Rows per warp from all the pairs' rows, as the GEMV picks them.
-        // Staged through shared memory when the rows fit (gate and up: two).
-        let (ru, su) = stage_plan(gemv_rows_per_warp(ff * n_pairs), weight_bytes(gate_up_ty, 1, d_model)?, 2);
-        let (rd, sd) = stage_plan(gemv_rows_per_warp(d_model * n_pairs), weight_bytes(down_ty, 1, ff)?, 1);
-        let (rui, rdi, sui, sdi) = (ru as i32, rd as i32, su as i32, sd as i32);
-        let grid = (ff.div_ceil(QGEMV_WARPS * ru) as u32, n_pairs as u32, 1);
-        // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked; QGEMV_WARPS
-        // (= MOE_WARPS) * su bytes of dynamic shared memory.
+        // Rows per warp from all the pairs' rows, as the GEMV picks them
+        // (moe_up reads gate and up rows side by side: two matrices).
+        let up = decode_plan(gate_up_ty, ff * n_pairs, 2, act_bytes(gfmt, 1, d_model)?);
+        let down = decode_plan(down_ty, d_model * n_pairs, 1, act_bytes(dfmt, 1, ff)?);
+        let (rui, rdi, xui, xdi) = (up.rpw as i32, down.rpw as i32, up.xsb as i32, down.xsb as i32);
+        let grid = (ff.div_ceil(DECODE_WARPS * up.rpw) as u32, n_pairs as u32, 1);
+        // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked; up.smem
+        // bytes of dynamic shared memory (opted in at load).
         unsafe {
             self.launch(
                 f,
                 grid,
-                128,
-                (QGEMV_WARPS * su) as u32,
+                (DECODE_WARPS * 32) as u32,
+                up.smem as u32,
                 stream,
-                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, sui, tab],
+                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, xui, tab],
             )?
         };
         self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
         let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
-        let grid = (d_model.div_ceil(QGEMV_WARPS * rd) as u32, n_pairs as u32, 1);
+        let grid = (d_model.div_ceil(DECODE_WARPS * down.rpw) as u32, n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked; dynamic
         // shared memory as above.
         unsafe {
             self.launch(
                 f,
                 grid,
-                128,
-                (QGEMV_WARPS * sd) as u32,
+                (DECODE_WARPS * 32) as u32,
+                down.smem as u32,
                 stream,
-                &mut params![dp, hqp, op, dm, ffi, rdi, sdi, tab],
+                &mut params![dp, hqp, op, dm, ffi, rdi, xdi, tab],
             )
         }
     }
@@ -1348,5 +1361,42 @@ impl CudaDevice {
                 &mut params![op, wp, nt, ns, dm, yp],
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_plans_fit_their_budgets() {
+        for ty in [GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ3_XXS, GgmlType::Q4_0] {
+            for total_rows in [1usize, 64, 512, 4096, 8192, 32768, 151_936] {
+                for mats in [1usize, 2] {
+                    for x_bytes in [34usize, 4672, 8704, 60_000] {
+                        let p = decode_plan(ty, total_rows, mats, x_bytes);
+                        assert!(p.rpw >= 1 && mats * p.rpw <= DECODE_MAX_ROWS, "{ty} {total_rows} {mats}: {p:?}");
+                        assert!(p.smem <= crate::kernels::DECODE_SMEM_MAX as usize, "{ty}: {p:?}");
+                        assert!(p.xsb == 0 || p.xsb >= x_bytes + 32, "{ty}: {p:?}");
+                        assert_eq!(p.xsb % 16, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_plans_of_the_benchmark_shapes() {
+        // attn_q of qwen3-235b (8192 x 4096 q8_0): 4096 warps of two rows.
+        let q = decode_plan(GgmlType::Q8_0, 8192, 1, 4 * 34 * 32);
+        assert_eq!((q.rpw, q.xsb), (2, (4352 + 32usize).next_multiple_of(16)));
+        // Eight experts' gate + up (1536 rows each, q2_K): two rows of each a warp.
+        assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 1536, 2, 16 * 292).rpw, 2);
+        // Their down rows (4096 each): four a warp.
+        assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 4096, 1, 6 * 292).rpw, 4);
+        // A small matrix keeps one row a warp.
+        assert_eq!(decode_plan(GgmlType::Q8_0, 512, 1, 4352).rpw, 1);
+        // An activation row too large to stage is read from global memory.
+        assert_eq!(decode_plan(GgmlType::Q8_0, 512, 1, 200_000).xsb, 0);
     }
 }

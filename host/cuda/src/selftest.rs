@@ -186,6 +186,13 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             format!("131x{}", 3 * cols),
             quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 131, 3 * cols, 1, next()),
         );
+        // Enough rows that a warp takes two (and the last block is part empty).
+        t.push(
+            "gemv",
+            &fmt_name(ty),
+            format!("8200x{cols}"),
+            quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 8200, cols, 1, next()),
+        );
         let mut kernels = vec![("gemm dp4a", GemmKernel::Dp4a)];
         if dev.compute_capability().0 >= 8 {
             kernels.push(("gemm mma", GemmKernel::TensorCore));
@@ -210,6 +217,15 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
                 gemm_gemv_case(dev, kernel, ty, 67, cols, 70, next()),
             );
         }
+    }
+    // An activation row too large to stage in shared memory: read in place.
+    for ty in [GgmlType::Q8_0, GgmlType::Q2_K] {
+        t.push(
+            "gemv (x unstaged)",
+            &fmt_name(ty),
+            "33x90112".into(),
+            quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 33, 90112, 1, next()),
+        );
     }
     for ty in FLOAT_TYPES {
         t.push(
@@ -433,7 +449,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             "moe_ffn (null slots skipped)",
             &f,
             "3 tok x 4 slot, d512 ff512".into(),
-            moe_case(dev, &pool, &k, gu, dn, next()),
+            moe_case(dev, &pool, &k, gu, dn, MoeShape::SMALL, next()),
         );
         for n_tok in [6usize, 40] {
             t.push(
@@ -443,6 +459,15 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
                 grouped_case(dev, gu, dn, n_tok, next()),
             );
         }
+    }
+    // Enough pairs that a warp takes two gate + up rows and four down rows.
+    for (gu, dn) in [(GgmlType::Q2_K, GgmlType::Q2_K), (GgmlType::Q4_K, GgmlType::Q6_K), (GgmlType::Q8_0, GgmlType::Q8_0)] {
+        t.push(
+            "moe_ffn (null slots skipped)",
+            &format!("{}/{}", fmt_name(gu), fmt_name(dn)),
+            "4 tok x 8 slot, d1024 ff1280".into(),
+            moe_case(dev, &pool, &k, gu, dn, MoeShape::WIDE, next()),
+        );
     }
     for (ty, act) in [
         (GgmlType::F32, Activation::Silu),
@@ -1052,15 +1077,33 @@ fn pair_tables(
     Ok((bufs, tables))
 }
 
+/// The geometry of a [`moe_case`].
+#[derive(Clone, Copy)]
+struct MoeShape {
+    d_model: usize,
+    ff: usize,
+    n_tok: usize,
+    n_slot: usize,
+    n_exp: usize,
+}
+
+impl MoeShape {
+    const SMALL: MoeShape = MoeShape { d_model: 512, ff: 512, n_tok: 3, n_slot: 4, n_exp: 5 };
+    /// 32 pairs: 40960 gate/up rows and 32768 down rows, so the decode
+    /// kernels' warps take more than one row.
+    const WIDE: MoeShape = MoeShape { d_model: 1024, ff: 1280, n_tok: 4, n_slot: 8, n_exp: 10 };
+}
+
 fn moe_case(
     dev: &CudaDevice,
     pool: &rayon::ThreadPool,
     k: &Kernels,
     gu: GgmlType,
     dn: GgmlType,
+    shape: MoeShape,
     seed: u64,
 ) -> Result<Cmp, CudaError> {
-    let (d_model, ff, n_tok, n_slot, n_exp) = (512usize, 512usize, 3usize, 4usize, 5usize);
+    let MoeShape { d_model, ff, n_tok, n_slot, n_exp } = shape;
     let nb = |ty: GgmlType, r: usize, c: usize| r * c / ty.block_elems() as usize;
     let gates: Vec<Vec<u8>> = (0..n_exp)
         .map(|e| random_blocks(gu, nb(gu, ff, d_model), seed + e as u64))
@@ -1243,6 +1286,14 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
             }
         }
     }
+    // qwen3-235b's decode shapes: attention q / output / k (q8_0), and one
+    // token's eight experts (q2_K, q4_K).
+    for (rows, cols) in [(8192usize, 4096usize), (4096, 8192), (512, 4096)] {
+        out.push(bench_gemv(dev, GgmlType::Q8_0, rows, cols).unwrap_or_else(|e| failed_row("gemv", e)));
+    }
+    for ty in [GgmlType::Q2_K, GgmlType::Q4_K] {
+        out.push(bench_moe(dev, ty, 4096, 1536, 8).unwrap_or_else(|e| failed_row("moe_ffn", e)));
+    }
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
     for ty in [
         GgmlType::Q4_K,
@@ -1278,6 +1329,49 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         }
     }
     out
+}
+
+fn failed_row(op: &str, e: CudaError) -> BenchRow {
+    BenchRow { op: format!("{op} failed: {e}"), format: String::new(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }
+}
+
+/// One decode token's routed experts: `n_pairs` distinct experts of `ty`
+/// (gate, up: ff x d_model; down: d_model x ff), the whole moe_ffn (up,
+/// quantize, down) per call; GB/s over the experts' weight bytes.
+fn bench_moe(dev: &CudaDevice, ty: GgmlType, d_model: usize, ff: usize, n_pairs: usize) -> Result<BenchRow, CudaError> {
+    let nb = ff * d_model / ty.block_elems() as usize;
+    let mats: Vec<Vec<u8>> = (0..3 * n_pairs).map(|i| random_blocks(ty, nb, 40 + i as u64)).collect::<Result<_, _>>()?;
+    let bufs: Vec<DeviceBuf<u8>> = mats.iter().map(|m| dev.upload(m)).collect::<Result<_, _>>()?;
+    let table = |k: usize| dev.upload(&(0..n_pairs).map(|p| bufs[3 * p + k].device_ptr()).collect::<Vec<u64>>());
+    let (gp, up, dp) = (table(0)?, table(1)?, table(2)?);
+    let pairs = MoePairs { gate: &gp, up: &up, down: &dp, n_tok: 1, n_slot: n_pairs };
+    let fmt = ActFormat::for_weight(ty).ok_or(CudaError::Unsupported { op: "moe", ty })?;
+    let xd = dev.upload(Activations::for_weight(ty, &random_values(d_model, 3), d_model)?.as_bytes())?;
+    let mut h = dev.alloc::<f32>(n_pairs * ff)?;
+    let mut hq = dev.alloc::<u8>(crate::ops::act_bytes(fmt, n_pairs, ff)?)?;
+    let mut out = dev.alloc::<f32>(n_pairs * d_model)?;
+    let s = dev.compute();
+    let mut run = || dev.moe_ffn(s, ty, ty, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out);
+    for _ in 0..3 {
+        run()?;
+    }
+    let reps = 50;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    e0.record(s)?;
+    for _ in 0..reps {
+        run()?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    let bytes: usize = mats.iter().map(|m| m.len()).sum();
+    Ok(BenchRow {
+        op: "moe_ffn (decode)".into(),
+        format: fmt_name(ty),
+        shape: format!("{n_pairs} experts, d{d_model} ff{ff}"),
+        us,
+        gb_per_s: bytes as f64 / (us * 1e-6) / 1e9,
+    })
 }
 
 fn bench_gemv(
