@@ -8,16 +8,18 @@
 // - the activation row is staged once per block in shared memory (every warp
 //   of the block reads the same row; from global memory it cost as many
 //   bytes as the weights);
-// - a warp walks its rows chunk by chunk (DD_BPS blocks of each row), the next
-//   chunk's cp.async copies in flight while this one is summed;
+// - a warp walks its rows group by group and each group chunk by chunk
+//   (DD<F>::BPS blocks of each row), the next two steps' cp.async copies in
+//   flight while one is summed;
 // - the K and IQ formats give each superblock to four lanes (lane 4g + q
 //   holds units 2q and 2q + 1 of superblock g of the chunk), so a lane keeps
 //   two units, not eight rows' worth of them: few registers, many warps.
-// A warp takes `nrows` <= DD_MAX_ROWS rows, from up to two matrices (moe_up's
-// gate and up rows: rows 0..per-1 of the first, then of the second).
+// A group holds <= DD_MAX_ROWS rows, from up to two matrices (moe_up's gate
+// and up rows side by side).
 
 #define DD_WARPS 8
-#define DD_MAX_ROWS 8
+#define DD_MAX_ROWS 4 // rows of one group, all matrices together
+#define DD_SLOTS 3    // ring slots: two steps in flight while one is summed
 
 template <int F> struct DD {
     enum {
@@ -29,9 +31,9 @@ template <int F> struct DD {
     };
 };
 
-// Shared-memory bytes of one warp's ring for `nrows` rows (host twin:
-// decode_ring_bytes in host/cuda/src/ops.rs).
-template <int F> __device__ __forceinline__ int dd_ring_bytes(int nrows) { return 2 * nrows * DD<F>::RSTRIDE; }
+// Shared-memory bytes of one warp's ring for groups of `nrows` rows (host
+// twin: decode_ring_bytes in host/cuda/src/ops.rs).
+template <int F> __device__ __forceinline__ int dd_ring_bytes(int nrows) { return DD_SLOTS * nrows * DD<F>::RSTRIDE; }
 
 // Block-cooperative: copy `len` bytes at `src` into `dst` (16-aligned, len +
 // 32 bytes long) as whole granules, keeping the phase; returns where the
@@ -43,50 +45,93 @@ __device__ __forceinline__ const u8* stage_block(u8* dst, const u8* src, size_t 
     return dst + (a & 15);
 }
 
-// Row r of the warp's rows: matrix r / per (of w0, w1), row r % per of it.
-__device__ __forceinline__ const u8* dd_row(const u8* w0, const u8* w1, int per, size_t wrb, int r) {
-    return (r < per ? w0 : w1) + (size_t)(r < per ? r : r - per) * wrb;
-}
+// One warp's work: `count` consecutive rows (from row `first`) of each of
+// `mats` matrices (w0, w1: moe_up's gate and up), taken in groups of
+// `gr` rows a matrix. A group's rows are summed side by side (lane r ends
+// with row r of the group: matrix r / n, row r % n, n its rows a matrix);
+// the steps (group, chunk) stream through the ring in order.
+struct DDWork {
+    const u8 *w0, *w1; // (two fields, not an array: a run-time index would put it in local memory)
+    int mats, first, count, gr;
+    size_t wrb;
+    __device__ __forceinline__ int groups() const { return count <= 0 ? 0 : (count + gr - 1) / gr; }
+    __device__ __forceinline__ int rows_of(int g) const { return min(gr, count - g * gr); }
+    // Row r of group g (n = rows_of(g)).
+    __device__ __forceinline__ const u8* row(int g, int n, int r) const {
+        return (r < n ? w0 : w1) + (size_t)(first + g * gr + (r < n ? r : r - n)) * wrb;
+    }
+};
 
-// Issue the copies of chunk c of every row into ring slot `slot`.
+// Issue the copies of step s (group s / chunks, chunk s % chunks) into its
+// ring slot; nothing when s is past the last step. The caller commits.
 template <int F>
-__device__ __forceinline__ void dd_issue(u8* slot, const u8* w0, const u8* w1, int per, int nrows, size_t wrb,
-                                         int c, int blocks) {
+__device__ __forceinline__ void dd_issue(u8* ring, const DDWork& wk, int s, int chunks, int blocks) {
+    if (s >= wk.groups() * chunks) return;
     int lane = threadIdx.x & 31;
+    int g = s / chunks, c = s % chunks, n = wk.rows_of(g);
+    u8* slot = ring + (s % DD_SLOTS) * (wk.mats * wk.gr) * DD<F>::RSTRIDE;
     int bytes = min((int)DD<F>::BPS, blocks - c * DD<F>::BPS) * Fmt<F>::BYTES;
     size_t off = (size_t)c * DD<F>::CHUNK;
-    for (int r = 0; r < nrows; r++) {
-        size_t g = (size_t)(dd_row(w0, w1, per, wrb, r) + off);
-        size_t first = g >> 4, ng = ((g + bytes - 1) >> 4) - first + 1;
+    for (int r = 0; r < wk.mats * n; r++) {
+        size_t a = (size_t)(wk.row(g, n, r) + off);
+        size_t gi = a >> 4, ng = ((a + bytes - 1) >> 4) - gi + 1;
         u8* dst = slot + r * DD<F>::RSTRIDE;
-        for (size_t i = lane; i < ng; i += 32) cp_async16(dst + 16 * i, (const void*)((first + i) << 4));
+        for (size_t i = lane; i < ng; i += 32) cp_async16(dst + 16 * i, (const void*)((gi + i) << 4));
     }
 }
 
-// The canonical dots of the warp's rows against the staged activation row
-// `x` (`units` units). `ring`: this warp's dd_ring_bytes(nrows); `vals`:
-// DD_MAX_ROWS * VALS_STRIDE floats. Chunk 0 is already issued and committed
-// into slot 0 (dd_begin). Returns lane r's finished dot of row r (lanes >=
-// nrows: garbage to ignore).
+// Dynamic shared memory of the decode kernels: the staged activation row (xsb
+// bytes, 0 when x is read from global memory), then DD_WARPS rings of
+// dd_ring_bytes(mats * gr). Stages x and the first DD_SLOTS - 1 steps of this
+// warp's work, then syncs the block so every warp may read x. Every thread of
+// the block must call it (before any thread returns).
 template <int F>
-__device__ __forceinline__ float dd_rows(const u8* w0, const u8* w1, int per, int nrows, size_t wrb,
-                                         const u8* x, int units, u8* ring, float* vals, const u64* tab) {
+__device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, size_t xlen, const DDWork& wk,
+                                              int units, u8*& ring) {
+    int warp = threadIdx.x >> 5;
+    ring = smem + xsb + warp * dd_ring_bytes<F>(wk.mats * wk.gr);
+    const u8* xs = x;
+    if (xsb > 0) {
+        xs = stage_block(smem, x, xlen);
+        cp_async_commit();
+    }
+    int blocks = units / Fmt<F>::UNITS, chunks = (blocks + DD<F>::BPS - 1) / DD<F>::BPS;
+#pragma unroll
+    for (int s = 0; s < DD_SLOTS - 1; s++) {
+        dd_issue<F>(ring, wk, s, chunks, blocks);
+        cp_async_commit();
+    }
+    if (xsb > 0) {
+        // x was copied by every thread: wait for its group (the steps may
+        // still fly), then for the block.
+        cp_async_wait<DD_SLOTS - 1>();
+        __syncthreads();
+    }
+    return xs;
+}
+
+// The canonical dots of the warp's work against the (staged) activation row
+// `x` of `units` units; `ring` from dd_begin, `vals` DD_MAX_ROWS *
+// VALS_STRIDE floats of this warp. After each group, every lane calls
+// store(g, n, v): lane r < mats * n holds the finished dot of the group's row r.
+template <int F, class Store>
+__device__ __forceinline__ void dd_run(const DDWork& wk, const u8* x, int units, u8* ring, float* vals,
+                                       const u64* tab, Store store) {
     const int lane = threadIdx.x & 31;
     const int UN = Fmt<F>::UNITS, LPB = DD<F>::LPB, UPL = DD<F>::UPL, BPS = DD<F>::BPS;
     const int blocks = units / UN;
     const int chunks = (blocks + BPS - 1) / BPS;
     const int sb = lane / LPB, part = lane % LPB;
+    const int steps = wk.groups() * chunks;
     float acc = 0.0f;
-    for (int c = 0; c < chunks; c++) {
-        u8* cur = ring + (c & 1) * nrows * DD<F>::RSTRIDE;
-        if (c + 1 < chunks) {
-            dd_issue<F>(ring + ((c + 1) & 1) * nrows * DD<F>::RSTRIDE, w0, w1, per, nrows, wrb, c + 1, blocks);
-            cp_async_commit();
-            cp_async_wait1();
-        } else {
-            cp_async_wait0();
-        }
+    for (int s = 0; s < steps; s++) {
+        // Keep DD_SLOTS - 1 steps in flight; step s's copies are then done.
+        dd_issue<F>(ring, wk, s + DD_SLOTS - 1, chunks, blocks);
+        cp_async_commit();
+        cp_async_wait<DD_SLOTS - 1>();
         __syncwarp();
+        int g = s / chunks, c = s % chunks, n = wk.rows_of(g), nrows = wk.mats * n;
+        const u8* cur = ring + (s % DD_SLOTS) * (wk.mats * wk.gr) * DD<F>::RSTRIDE;
         int b = c * BPS + sb;
         bool ok = b < blocks;
         XUnit xv[UPL];
@@ -97,17 +142,17 @@ __device__ __forceinline__ float dd_rows(const u8* w0, const u8* w1, int per, in
         size_t off = (size_t)c * DD<F>::CHUNK;
         for (int r = 0; r < nrows; r++) {
             // The chunk keeps its global phase within its 16-byte granules.
-            const u8* wr = cur + r * DD<F>::RSTRIDE + ((size_t)(dd_row(w0, w1, per, wrb, r) + off) & 15);
+            const u8* wr = cur + r * DD<F>::RSTRIDE + ((size_t)(wk.row(g, n, r) + off) & 15);
             int S = 0, M = 0;
             float d = 0.0f, dm = 0.0f;
             if (ok) {
 #pragma unroll
                 for (int i = 0; i < UPL; i++) {
                     Unit u = load_unit<F>(wr, sb * UN + part * UPL + i, tab);
-                    int s, m;
-                    unit_sums<F>(u, xv[i], s, m);
-                    S += s;
-                    M += m;
+                    int su, mu;
+                    unit_sums<F>(u, xv[i], su, mu);
+                    S += su;
+                    M += mu;
                     d = u.d;
                     dm = u.dm;
                 }
@@ -129,34 +174,12 @@ __device__ __forceinline__ float dd_rows(const u8* w0, const u8* w1, int per, in
             const float* v = vals + lane * VALS_STRIDE;
             for (int j = 0; j < nb; j++) acc = __fadd_rn(acc, v[j]);
         }
-        // The ring slot and vals are rewritten next chunk.
+        if (c == chunks - 1) {
+            store(g, n, finish_dot<F>(acc));
+            acc = 0.0f;
+        }
+        // The ring slot and vals are rewritten by later steps.
         __syncwarp();
     }
-    return finish_dot<F>(acc);
-}
-
-// Dynamic shared memory layout of the decode kernels: the staged activation
-// row (xsb bytes, 0 when x is read from global memory), then DD_WARPS rings.
-// Stages x (when xsb > 0) and chunk 0 of this warp's rows, then syncs the
-// block so every warp may read x. Every warp of the block must call it.
-template <int F>
-__device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, size_t xlen, const u8* w0,
-                                              const u8* w1, int per, int nrows, size_t wrb, int units,
-                                              int rows_per_warp, u8*& ring) {
-    int warp = threadIdx.x >> 5;
-    ring = smem + xsb + warp * dd_ring_bytes<F>(rows_per_warp);
-    const u8* xs = x;
-    if (xsb > 0) {
-        xs = stage_block(smem, x, xlen);
-        cp_async_commit();
-    }
-    if (nrows > 0) dd_issue<F>(ring, w0, w1, per, nrows, wrb, 0, units / Fmt<F>::UNITS);
-    cp_async_commit();
-    if (xsb > 0) {
-        // x was copied by every thread: wait for its group (chunk 0 may still
-        // fly), then for the block.
-        cp_async_wait1();
-        __syncthreads();
-    }
-    return xs;
+    cp_async_wait<0>();
 }

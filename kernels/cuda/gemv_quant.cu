@@ -20,27 +20,26 @@
 #define QM_R 4
 #define QM_T 8
 
-// gemv: DD_WARPS warps a block, rpw (1..DD_MAX_ROWS) rows a warp, the rows
-// streamed chunk by chunk (decode_dot.cuh). The host picks fewer rows a warp
-// for short matrices so enough warps stream the weights (a row's dot cannot
-// be split across warps without changing its summation order). xsb > 0: the
-// activation row is staged in the first xsb bytes of dynamic shared memory.
+// gemv: DD_WARPS warps a block; a warp takes ng groups of rpw rows
+// (decode_dot.cuh), streamed step by step through its shared-memory ring. The
+// host picks fewer rows a warp for short matrices so enough warps stream the
+// weights (a row's dot cannot be split across warps without changing its
+// summation order). xsb > 0: the activation row is staged in the first xsb
+// bytes of dynamic shared memory.
 template <int F>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                          float* __restrict__ Y, int rows, int cols, int rpw, int xsb,
+                                          float* __restrict__ Y, int rows, int cols, int rpw, int ng, int xsb,
                                           const u64* tab) {
     __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 gemv_stage[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * DD_WARPS + warp) * rpw;
-    int nr = max(0, min(rpw, rows - row0));
-    size_t wrb = w_row_bytes<F>(cols);
-    const u8* w = W + (size_t)min(row0, rows) * wrb;
+    int first = (blockIdx.x * DD_WARPS + warp) * rpw * ng;
+    DDWork wk{W, W, 1, first, min(rpw * ng, rows - first), rpw, w_row_bytes<F>(cols)};
     u8* ring;
-    const u8* x = dd_begin<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), w, w, nr, nr, wrb, cols / 32, rpw, ring);
-    if (nr == 0) return;
-    float y = dd_rows<F>(w, w, nr, nr, wrb, x, cols / 32, ring, vals[warp], tab);
-    if (lane < nr) Y[row0 + lane] = y;
+    const u8* x = dd_begin<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), wk, cols / 32, ring);
+    dd_run<F>(wk, x, cols / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
+        if (lane < n) Y[first + g * rpw + lane] = v;
+    });
 }
 
 template <int F>
@@ -268,9 +267,9 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
 // (items[4i + 3] = start | len << 32, len <= 32).
 #define GEMV_ENTRY(NAME, F)                                                                     \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) gemv_##NAME(                   \
-        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int xsb,               \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int ng, int xsb,       \
         const u64* tab) {                                                                       \
-        gemv_impl<F>(W, X, Y, rows, cols, rpw, xsb, tab);                                       \
+        gemv_impl<F>(W, X, Y, rows, cols, rpw, ng, xsb, tab);                                   \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemm_##NAME(                   \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \

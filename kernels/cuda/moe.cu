@@ -98,66 +98,62 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
-// DD_WARPS warps a block; a warp takes rpw rows (moe_up: rpw gate rows and
-// the same rpw up rows, 2 rpw <= DD_MAX_ROWS), streamed chunk by chunk
-// (decode_dot.cuh). xsb > 0: the pair's activation row is staged in the first
-// xsb bytes of dynamic shared memory.
+// DD_WARPS warps a block; a warp takes ng groups of rpw rows (moe_up: rpw
+// gate rows and the same rpw up rows side by side, 2 rpw <= DD_MAX_ROWS),
+// streamed step by step (decode_dot.cuh). xsb > 0: the pair's activation row
+// is staged in the first xsb bytes of dynamic shared memory.
 template <int F>
 __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
-                                       int cols, int n_slot, int act, int rpw, int xsb, const u64* tab) {
+                                       int cols, int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) {
     __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * DD_WARPS + warp) * rpw;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
     // The whole block skips a null pair (before any barrier).
     if (gp == 0 || upp == 0) return;
-    int t = p / n_slot, nr = max(0, min(rpw, ff - row0));
-    size_t wrb = w_row_bytes<F>(cols), off = (size_t)min(row0, ff) * wrb;
-    int units = cols / 32;
-    const u8* gw = (const u8*)gp + off;
-    const u8* uw = (const u8*)upp + off;
+    int t = p / n_slot, first = (blockIdx.x * DD_WARPS + warp) * rpw * ng;
+    DDWork wk{(const u8*)gp, (const u8*)upp, 2, first, min(rpw * ng, ff - first), rpw, w_row_bytes<F>(cols)};
+    size_t xrb = act_row_bytes<F>(cols);
     u8* ring;
-    const u8* x = dd_begin<F>(moe_stage, xsb, X + (size_t)t * act_row_bytes<F>(cols), act_row_bytes<F>(cols), gw,
-                              uw, nr, 2 * nr, wrb, units, 2 * rpw, ring);
-    if (nr == 0) return;
-    float v = dd_rows<F>(gw, uw, nr, 2 * nr, wrb, x, units, ring, vals[warp], tab);
-    // Lane r holds gate row r, lane nr + r the up row r.
-    float u = __shfl_down_sync(FULL_MASK, v, nr);
-    if (lane < nr) H[(size_t)p * ff + row0 + lane] = __fmul_rn(act_f(act, v), u);
+    const u8* x = dd_begin<F>(moe_stage, xsb, X + (size_t)t * xrb, xrb, wk, cols / 32, ring);
+    float* h = H + (size_t)p * ff + first;
+    dd_run<F>(wk, x, cols / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
+        // Lane r holds gate row r of the group, lane n + r its up row.
+        float u = __shfl_down_sync(FULL_MASK, v, n);
+        if (lane < n) h[g * rpw + lane] = __fmul_rn(act_f(act, v), u);
+    });
 }
 
 template <int F>
 __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
-                                         int rpw, int xsb, const u64* tab) {
+                                         int rpw, int ng, int xsb, const u64* tab) {
     __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * DD_WARPS + warp) * rpw;
     u64 dp = down_ptrs[p];
     if (dp == 0) return;
-    int nr = max(0, min(rpw, d_model - row0));
-    size_t wrb = w_row_bytes<F>(ff);
-    const u8* w = (const u8*)dp + (size_t)min(row0, d_model) * wrb;
+    int first = (blockIdx.x * DD_WARPS + warp) * rpw * ng;
+    DDWork wk{(const u8*)dp, (const u8*)dp, 1, first, min(rpw * ng, d_model - first), rpw, w_row_bytes<F>(ff)};
+    size_t hrb = act_row_bytes<F>(ff);
     u8* ring;
-    const u8* h = dd_begin<F>(moe_stage, xsb, HQ + (size_t)p * act_row_bytes<F>(ff), act_row_bytes<F>(ff), w, w, nr,
-                              nr, wrb, ff / 32, rpw, ring);
-    if (nr == 0) return;
-    float y = dd_rows<F>(w, w, nr, nr, wrb, h, ff / 32, ring, vals[warp], tab);
-    if (lane < nr) OUT[(size_t)p * d_model + row0 + lane] = y;
+    const u8* h = dd_begin<F>(moe_stage, xsb, HQ + (size_t)p * hrb, hrb, wk, ff / 32, ring);
+    float* out = OUT + (size_t)p * d_model + first;
+    dd_run<F>(wk, h, ff / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
+        if (lane < n) out[g * rpw + lane] = v;
+    });
 }
 
-// rpw: rows per warp, chosen by the host from the pairs' total rows.
+// rpw, ng: rows a group and groups a warp, chosen by the host from the pairs' total rows.
 #define MOE_ENTRY(NAME, F)                                                                          \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                    \
         moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
-                      int n_slot, int act, int rpw, int xsb, const u64* tab) {                      \
-        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, xsb, tab);                  \
+                      int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) {              \
+        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, ng, xsb, tab);              \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) moe_down_##NAME(                   \
-        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int xsb,     \
-        const u64* tab) {                                                                           \
-        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, xsb, tab);                                \
+        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int ng,      \
+        int xsb, const u64* tab) {                                                                  \
+        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, ng, xsb, tab);                            \
     }
 
 MOE_ENTRY(q8_0, F_Q8_0)

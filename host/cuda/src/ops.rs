@@ -146,38 +146,50 @@ fn check_pairs(op: &'static str, pairs: &MoePairs<'_>, h_len: usize, ff: usize, 
 
 /// Warps a block of the decode kernels (gemv_*, moe_up_*, moe_down_*): DD_WARPS.
 const DECODE_WARPS: usize = 8;
-/// Rows one warp of a decode kernel holds at most (DD_MAX_ROWS).
-const DECODE_MAX_ROWS: usize = 8;
+/// Rows of one group of a decode warp, all matrices together (DD_MAX_ROWS).
+const DECODE_MAX_ROWS: usize = 4;
+/// Ring slots of a decode warp (DD_SLOTS).
+const DECODE_SLOTS: usize = 3;
 /// A warp's ring of staged row chunks is kept to this, so that four blocks of
 /// eight warps fit an SM's shared memory.
-const DECODE_RING_BUDGET: usize = 6 * 1024;
-/// Warps worth keeping busy before a warp takes more rows: about one wave of
-/// 32 resident warps on each of ~130 SMs.
+const DECODE_RING_BUDGET: usize = 5 * 1024;
+/// Warps worth keeping busy: about one wave of ~32 resident warps on each of
+/// ~130 SMs. Past it a warp takes more rows a group, then more groups.
 const DECODE_WARPS_WANTED: usize = 4096;
 
-/// The launch shape of one decode kernel: rows a warp (per matrix), the
-/// activation row's staging bytes (0: read from global memory) and the
-/// block's dynamic shared memory.
+/// The launch shape of one decode kernel: rows a group (per matrix), groups a
+/// warp, the activation row's staging bytes (0: read from global memory) and
+/// the block's dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct DecodePlan {
     rpw: usize,
+    groups: usize,
     xsb: usize,
     smem: usize,
 }
 
-/// Bytes of one warp's two-slot ring for `nrows` rows (decode_dot.cuh's
-/// dd_ring_bytes): a chunk is 8 superblocks or 32 blocks of a row, plus a
-/// granule so it keeps its phase.
+impl DecodePlan {
+    /// Blocks along x for `rows` rows a matrix (and pair).
+    fn blocks(&self, rows: usize) -> u32 {
+        rows.div_ceil(DECODE_WARPS * self.rpw * self.groups) as u32
+    }
+}
+
+/// Bytes of one warp's ring for groups of `nrows` rows (decode_dot.cuh's
+/// dd_ring_bytes): a slot holds a chunk (8 superblocks or 32 blocks) of
+/// each row plus a granule, so it keeps its phase.
 fn decode_ring_bytes(ty: GgmlType, nrows: usize) -> usize {
     let (be, bb) = (ty.block_elems() as usize, ty.block_bytes() as usize);
     let bps = if be == 256 { 8 } else { 32 };
-    2 * nrows * (bps * bb + 16)
+    DECODE_SLOTS * nrows * (bps * bb + 16)
 }
 
 /// Plan a decode launch over `total_rows` rows (all pairs together) of
-/// `mats` matrices read side by side (moe_up: gate and up), rows of `cols`
-/// values, against activation rows of `x_bytes`. A warp takes more rows only
-/// while enough warps remain to stream the weights and its ring stays in budget.
+/// `mats` matrices read side by side (moe_up: gate and up), against
+/// activation rows of `x_bytes`. A group takes more rows while enough warps
+/// remain and the ring stays in budget; then a warp takes more groups (one
+/// warp streams its groups back to back, two steps ahead) until about
+/// DECODE_WARPS_WANTED warps remain.
 fn decode_plan(ty: GgmlType, total_rows: usize, mats: usize, x_bytes: usize) -> DecodePlan {
     let mut rpw = 1;
     while mats * rpw * 2 <= DECODE_MAX_ROWS
@@ -186,10 +198,11 @@ fn decode_plan(ty: GgmlType, total_rows: usize, mats: usize, x_bytes: usize) -> 
     {
         rpw *= 2;
     }
+    let groups = (total_rows / rpw / DECODE_WARPS_WANTED).max(1);
     let rings = DECODE_WARPS * decode_ring_bytes(ty, mats * rpw);
     let staged = (x_bytes + 32).next_multiple_of(16);
     let xsb = if staged + rings <= crate::kernels::DECODE_SMEM_MAX as usize { staged } else { 0 };
-    DecodePlan { rpw, xsb, smem: xsb + rings }
+    DecodePlan { rpw, groups, xsb, smem: xsb + rings }
 }
 
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
@@ -394,9 +407,9 @@ impl CudaDevice {
             self.iq_tables().device_ptr(),
         );
         let plan = decode_plan(ty, rows, 1, x.len());
-        let (r, c, rw, xsb) = (rows as i32, cols as i32, plan.rpw as i32, plan.xsb as i32);
-        let grid = rows.div_ceil(DECODE_WARPS * plan.rpw) as u32;
-        // SAFETY: (W, X, Y, rows, cols, rpw, xsb, tab) as GEMV_ENTRY; sizes
+        let (r, c, rw, ng, xsb) = (rows as i32, cols as i32, plan.rpw as i32, plan.groups as i32, plan.xsb as i32);
+        let grid = plan.blocks(rows);
+        // SAFETY: (W, X, Y, rows, cols, rpw, ng, xsb, tab) as GEMV_ENTRY; sizes
         // checked; plan.smem bytes of dynamic shared memory (opted in at load).
         unsafe {
             self.launch(
@@ -405,7 +418,7 @@ impl CudaDevice {
                 (DECODE_WARPS * 32) as u32,
                 plan.smem as u32,
                 stream,
-                &mut params![wp, xp, yp, r, c, rw, xsb, tab],
+                &mut params![wp, xp, yp, r, c, rw, ng, xsb, tab],
             )
         }
     }
@@ -1080,8 +1093,9 @@ impl CudaDevice {
         // (moe_up reads gate and up rows side by side: two matrices).
         let up = decode_plan(gate_up_ty, ff * n_pairs, 2, act_bytes(gfmt, 1, d_model)?);
         let down = decode_plan(down_ty, d_model * n_pairs, 1, act_bytes(dfmt, 1, ff)?);
-        let (rui, rdi, xui, xdi) = (up.rpw as i32, down.rpw as i32, up.xsb as i32, down.xsb as i32);
-        let grid = (ff.div_ceil(DECODE_WARPS * up.rpw) as u32, n_pairs as u32, 1);
+        let (rui, gui, xui) = (up.rpw as i32, up.groups as i32, up.xsb as i32);
+        let (rdi, gdi, xdi) = (down.rpw as i32, down.groups as i32, down.xsb as i32);
+        let grid = (up.blocks(ff), n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked; up.smem
         // bytes of dynamic shared memory (opted in at load).
         unsafe {
@@ -1091,13 +1105,13 @@ impl CudaDevice {
                 (DECODE_WARPS * 32) as u32,
                 up.smem as u32,
                 stream,
-                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, xui, tab],
+                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, gui, xui, tab],
             )?
         };
         self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
         let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
-        let grid = (d_model.div_ceil(DECODE_WARPS * down.rpw) as u32, n_pairs as u32, 1);
+        let grid = (down.blocks(d_model), n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked; dynamic
         // shared memory as above.
         unsafe {
@@ -1107,7 +1121,7 @@ impl CudaDevice {
                 (DECODE_WARPS * 32) as u32,
                 down.smem as u32,
                 stream,
-                &mut params![dp, hqp, op, dm, ffi, rdi, xdi, tab],
+                &mut params![dp, hqp, op, dm, ffi, rdi, gdi, xdi, tab],
             )
         }
     }
@@ -1375,7 +1389,9 @@ mod tests {
                 for mats in [1usize, 2] {
                     for x_bytes in [34usize, 4672, 8704, 60_000] {
                         let p = decode_plan(ty, total_rows, mats, x_bytes);
-                        assert!(p.rpw >= 1 && mats * p.rpw <= DECODE_MAX_ROWS, "{ty} {total_rows} {mats}: {p:?}");
+                        assert!(p.rpw >= 1 && p.groups >= 1 && mats * p.rpw <= DECODE_MAX_ROWS, "{ty} {total_rows} {mats}: {p:?}");
+                        // Every row is some warp's.
+                        assert!(p.blocks(total_rows) as usize * DECODE_WARPS * p.rpw * p.groups >= total_rows);
                         assert!(p.smem <= crate::kernels::DECODE_SMEM_MAX as usize, "{ty}: {p:?}");
                         assert!(p.xsb == 0 || p.xsb >= x_bytes + 32, "{ty}: {p:?}");
                         assert_eq!(p.xsb % 16, 0);
@@ -1387,15 +1403,19 @@ mod tests {
 
     #[test]
     fn decode_plans_of_the_benchmark_shapes() {
-        // attn_q of qwen3-235b (8192 x 4096 q8_0): 4096 warps of two rows.
-        let q = decode_plan(GgmlType::Q8_0, 8192, 1, 4 * 34 * 32);
-        assert_eq!((q.rpw, q.xsb), (2, (4352 + 32usize).next_multiple_of(16)));
-        // Eight experts' gate + up (1536 rows each, q2_K): two rows of each a warp.
-        assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 1536, 2, 16 * 292).rpw, 2);
-        // Their down rows (4096 each): four a warp.
-        assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 4096, 1, 6 * 292).rpw, 4);
+        // attn_q of qwen3-235b (8192 x 4096 q8_0): 4096 warps of two one-row groups.
+        let q = decode_plan(GgmlType::Q8_0, 8192, 1, 4352);
+        assert_eq!((q.rpw, q.groups, q.xsb), (1, 2, (4352 + 32usize).next_multiple_of(16)));
+        assert_eq!(q.blocks(8192), 512);
+        // Eight experts' gate + up (1536 rows each, q2_K): one row of each a group, three groups a warp.
+        let up = decode_plan(GgmlType::Q2_K, 8 * 1536, 2, 16 * 292);
+        assert_eq!((up.rpw, up.groups), (1, 3));
+        assert_eq!(up.blocks(1536), 64);
+        // Their down rows (4096 each): two a group, four groups a warp.
+        assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 4096, 1, 6 * 292).rpw, 2);
         // A small matrix keeps one row a warp.
-        assert_eq!(decode_plan(GgmlType::Q8_0, 512, 1, 4352).rpw, 1);
+        let kv = decode_plan(GgmlType::Q8_0, 512, 1, 4352);
+        assert_eq!((kv.rpw, kv.groups), (1, 1));
         // An activation row too large to stage is read from global memory.
         assert_eq!(decode_plan(GgmlType::Q8_0, 512, 1, 200_000).xsb, 0);
     }

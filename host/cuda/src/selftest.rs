@@ -186,12 +186,13 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             format!("131x{}", 3 * cols),
             quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 131, 3 * cols, 1, next()),
         );
-        // Enough rows that a warp takes two (and the last block is part empty).
+        // Enough rows that a warp takes several groups (of two rows for the
+        // small K formats), the last group short and the last block part empty.
         t.push(
             "gemv",
             &fmt_name(ty),
-            format!("8200x{cols}"),
-            quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 8200, cols, 1, next()),
+            format!("16389x{cols}"),
+            quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 16389, cols, 1, next()),
         );
         let mut kernels = vec![("gemm dp4a", GemmKernel::Dp4a)];
         if dev.compute_capability().0 >= 8 {
