@@ -17,7 +17,7 @@
 // A group holds <= DD_MAX_ROWS rows, from up to two matrices (moe_up's gate
 // and up rows side by side).
 
-#define DD_WARPS 8
+#define DD_WARPS 8 // the most warps a block (the host launches 4 for small matrices)
 #define DD_MAX_ROWS 4 // rows of one group, all matrices together
 #define DD_SLOTS 3    // ring slots: two steps in flight while one is summed
 
@@ -81,7 +81,7 @@ __device__ __forceinline__ void dd_issue(u8* ring, const DDWork& wk, int s, int 
 }
 
 // Dynamic shared memory of the decode kernels: the staged activation row (xsb
-// bytes, 0 when x is read from global memory), then DD_WARPS rings of
+// bytes, 0 when x is read from global memory), then one ring a warp of
 // dd_ring_bytes(mats * gr). Stages x and the first DD_SLOTS - 1 steps of this
 // warp's work, then syncs the block so every warp may read x. Every thread of
 // the block must call it (before any thread returns).

@@ -20,7 +20,7 @@
 #define QM_R 4
 #define QM_T 8
 
-// gemv: DD_WARPS warps a block; a warp takes ng groups of rpw rows
+// gemv: up to DD_WARPS warps a block; a warp takes ng groups of rpw rows
 // (decode_dot.cuh), streamed step by step through its shared-memory ring. The
 // host picks fewer rows a warp for short matrices so enough warps stream the
 // weights (a row's dot cannot be split across warps without changing its
@@ -33,7 +33,7 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __
     __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
     extern __shared__ __align__(16) u8 gemv_stage[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int first = (blockIdx.x * DD_WARPS + warp) * rpw * ng;
+    int first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{W, W, 1, first, min(rpw * ng, rows - first), rpw, w_row_bytes<F>(cols)};
     u8* ring;
     const u8* x = dd_begin<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), wk, cols / 32, ring);

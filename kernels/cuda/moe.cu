@@ -98,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
-// DD_WARPS warps a block; a warp takes ng groups of rpw rows (moe_up: rpw
+// Up to DD_WARPS warps a block; a warp takes ng groups of rpw rows (moe_up: rpw
 // gate rows and the same rpw up rows side by side, 2 rpw <= DD_MAX_ROWS),
 // streamed step by step (decode_dot.cuh). xsb > 0: the pair's activation row
 // is staged in the first xsb bytes of dynamic shared memory.
@@ -111,7 +111,7 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
     // The whole block skips a null pair (before any barrier).
     if (gp == 0 || upp == 0) return;
-    int t = p / n_slot, first = (blockIdx.x * DD_WARPS + warp) * rpw * ng;
+    int t = p / n_slot, first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{(const u8*)gp, (const u8*)upp, 2, first, min(rpw * ng, ff - first), rpw, w_row_bytes<F>(cols)};
     size_t xrb = act_row_bytes<F>(cols);
     u8* ring;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u64 dp = down_ptrs[p];
     if (dp == 0) return;
-    int first = (blockIdx.x * DD_WARPS + warp) * rpw * ng;
+    int first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{(const u8*)dp, (const u8*)dp, 1, first, min(rpw * ng, d_model - first), rpw, w_row_bytes<F>(ff)};
     size_t hrb = act_row_bytes<F>(ff);
     u8* ring;

@@ -144,8 +144,11 @@ fn check_pairs(op: &'static str, pairs: &MoePairs<'_>, h_len: usize, ff: usize, 
     Ok(n_pairs)
 }
 
-/// Warps a block of the decode kernels (gemv_*, moe_up_*, moe_down_*): DD_WARPS.
+/// Most warps a block of the decode kernels (gemv_*, moe_up_*, moe_down_*): DD_WARPS.
 const DECODE_WARPS: usize = 8;
+/// Warps a block when a launch has fewer warps than an SM-wide wave: more,
+/// smaller blocks spread a small matrix over more SMs.
+const DECODE_WARPS_SMALL: usize = 4;
 /// Rows of one group of a decode warp, all matrices together (DD_MAX_ROWS).
 const DECODE_MAX_ROWS: usize = 4;
 /// Ring slots of a decode warp (DD_SLOTS).
@@ -164,6 +167,7 @@ const DECODE_WARPS_WANTED: usize = 4096;
 struct DecodePlan {
     rpw: usize,
     groups: usize,
+    warps: usize,
     xsb: usize,
     smem: usize,
 }
@@ -171,7 +175,10 @@ struct DecodePlan {
 impl DecodePlan {
     /// Blocks along x for `rows` rows a matrix (and pair).
     fn blocks(&self, rows: usize) -> u32 {
-        rows.div_ceil(DECODE_WARPS * self.rpw * self.groups) as u32
+        rows.div_ceil(self.warps * self.rpw * self.groups) as u32
+    }
+    fn threads(&self) -> u32 {
+        (self.warps * 32) as u32
     }
 }
 
@@ -199,10 +206,11 @@ fn decode_plan(ty: GgmlType, total_rows: usize, mats: usize, x_bytes: usize) -> 
         rpw *= 2;
     }
     let groups = (total_rows / rpw / DECODE_WARPS_WANTED).max(1);
-    let rings = DECODE_WARPS * decode_ring_bytes(ty, mats * rpw);
+    let warps = if total_rows / (rpw * groups) < DECODE_WARPS_WANTED / 2 { DECODE_WARPS_SMALL } else { DECODE_WARPS };
+    let rings = warps * decode_ring_bytes(ty, mats * rpw);
     let staged = (x_bytes + 32).next_multiple_of(16);
     let xsb = if staged + rings <= crate::kernels::DECODE_SMEM_MAX as usize { staged } else { 0 };
-    DecodePlan { rpw, groups, xsb, smem: xsb + rings }
+    DecodePlan { rpw, groups, warps, xsb, smem: xsb + rings }
 }
 
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
@@ -415,7 +423,7 @@ impl CudaDevice {
             self.launch(
                 f,
                 (grid, 1, 1),
-                (DECODE_WARPS * 32) as u32,
+                plan.threads(),
                 plan.smem as u32,
                 stream,
                 &mut params![wp, xp, yp, r, c, rw, ng, xsb, tab],
@@ -1102,7 +1110,7 @@ impl CudaDevice {
             self.launch(
                 f,
                 grid,
-                (DECODE_WARPS * 32) as u32,
+                up.threads(),
                 up.smem as u32,
                 stream,
                 &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, gui, xui, tab],
@@ -1118,7 +1126,7 @@ impl CudaDevice {
             self.launch(
                 f,
                 grid,
-                (DECODE_WARPS * 32) as u32,
+                down.threads(),
                 down.smem as u32,
                 stream,
                 &mut params![dp, hqp, op, dm, ffi, rdi, gdi, xdi, tab],
@@ -1391,7 +1399,8 @@ mod tests {
                         let p = decode_plan(ty, total_rows, mats, x_bytes);
                         assert!(p.rpw >= 1 && p.groups >= 1 && mats * p.rpw <= DECODE_MAX_ROWS, "{ty} {total_rows} {mats}: {p:?}");
                         // Every row is some warp's.
-                        assert!(p.blocks(total_rows) as usize * DECODE_WARPS * p.rpw * p.groups >= total_rows);
+                        assert!(p.blocks(total_rows) as usize * p.warps * p.rpw * p.groups >= total_rows);
+                        assert!(p.warps == DECODE_WARPS || p.warps == DECODE_WARPS_SMALL);
                         assert!(p.smem <= crate::kernels::DECODE_SMEM_MAX as usize, "{ty}: {p:?}");
                         assert!(p.xsb == 0 || p.xsb >= x_bytes + 32, "{ty}: {p:?}");
                         assert_eq!(p.xsb % 16, 0);
@@ -1415,7 +1424,8 @@ mod tests {
         assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 4096, 1, 6 * 292).rpw, 2);
         // A small matrix keeps one row a warp.
         let kv = decode_plan(GgmlType::Q8_0, 512, 1, 4352);
-        assert_eq!((kv.rpw, kv.groups), (1, 1));
+        assert_eq!((kv.rpw, kv.groups, kv.warps), (1, 1, DECODE_WARPS_SMALL));
+        assert_eq!(kv.blocks(512), 128);
         // An activation row too large to stage is read from global memory.
         assert_eq!(decode_plan(GgmlType::Q8_0, 512, 1, 200_000).xsb, 0);
     }
