@@ -91,11 +91,64 @@ __device__ __forceinline__ void mma_s8_16816(int (&c)[4], int a0, int a1, int b0
         : "r"(a0), "r"(a1), "r"(b0));
 }
 
+__device__ __forceinline__ void mma_s8_16832(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // q[i] for a run-time i in 0..3 without indexing a register array (which
 // would spill the array to local memory).
 __device__ __forceinline__ int pick4(const int* q, int i) {
     return i == 0 ? q[0] : i == 1 ? q[1] : i == 2 ? q[2] : q[3];
 }
+
+// The two words of unit k one MMA lane feeds: words t (values 4t..4t+3) and
+// 4 + t (values 16 + 4t..), with the unit's scales, mins and floats.
+struct UnitWords {
+    int lo, hi;
+    int s0, s1, m0, m1;
+    float d, dm;
+};
+
+// Any format: the whole unit, then the lane's two words.
+template <int F> __device__ __forceinline__ UnitWords unit_words(const u8* w, int k, int t, const u64* tab) {
+    Unit u = load_unit<F>(w, k, tab);
+    return UnitWords{pick4(u.q, t), pick4(u.q + 4, t), u.s0, u.s1, u.m0, u.m1, u.d, u.dm};
+}
+// The formats of the benchmarks unpack only those two words (the same bits
+// load_unit gives them).
+template <> __device__ __forceinline__ UnitWords unit_words<F_Q8_0>(const u8* w, int k, int t, const u64*) {
+    const u8* b = w + 34 * k;
+    return UnitWords{(int)rd32_a2(b + 2 + 4 * t), (int)rd32_a2(b + 18 + 4 * t), 1, 1, 0, 0, rdh(b), 0.0f};
+}
+template <> __device__ __forceinline__ UnitWords unit_words<F_Q2_K>(const u8* w, int k, int t, const u64*) {
+    const u8* b = w + 84 * (k >> 3);
+    int j = k & 7, c = j >> 2, s = j & 3;
+    const u8* q = b + 16 + 32 * c + 4 * t;
+    u32 sa = b[2 * j], sb = b[2 * j + 1];
+    return UnitWords{(int)((rd32_a4(q) >> (2 * s)) & 0x03030303u), (int)((rd32_a4(q + 16) >> (2 * s)) & 0x03030303u),
+                     (int)(sa & 0xf), (int)(sb & 0xf), (int)(sa >> 4), (int)(sb >> 4), rdh(b + 80), rdh(b + 82)};
+}
+template <> __device__ __forceinline__ UnitWords unit_words<F_Q4_K>(const u8* w, int k, int t, const u64*) {
+    const u8* b = w + 144 * (k >> 3);
+    int j = k & 7;
+    const u8* q = b + 16 + 32 * (j >> 1) + 4 * t;
+    int sh = 4 * (j & 1), sc, m;
+    k4_scale_min(b + 4, j, sc, m);
+    return UnitWords{(int)((rd32_a4(q) >> sh) & 0x0f0f0f0fu), (int)((rd32_a4(q + 16) >> sh) & 0x0f0f0f0fu), sc, sc, m, m,
+                     rdh(b), rdh(b + 2)};
+}
+
+// How a unit meets the int8 MMA: one m16n8k32 accumulating the block's
+// integer sum S in place (the 32-value formats: scales 1), one whose sum the
+// unit's single scale then multiplies (EQ), one on levels pre-multiplied by
+// their half's scale (PRESCALE, q2_K: levels 0..3 times scales 0..15 stay
+// below 128, bytewise with no carry), else two m16n8k16 for the halves.
+template <int F> struct MmaKind {
+    enum { PRESCALE = F == F_Q2_K };
+};
 
 
 // Bytes of stage `it` of a weight row / an activation row, and their offsets.
@@ -195,10 +248,16 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
             }
         }
         for (int u = 0; u < st.units; u++) {
-            Unit ua = load_unit<F>(wa, u, tab);
-            Unit ub = load_unit<F>(wbr, u, tab);
-            int alo0 = pick4(ua.q, t), alo1 = pick4(ub.q, t);
-            int ahi0 = pick4(ua.q + 4, t), ahi1 = pick4(ub.q + 4, t);
+            UnitWords ua = unit_words<F>(wa, u, t, tab);
+            UnitWords ub = unit_words<F>(wbr, u, t, tab);
+            int alo0 = ua.lo, alo1 = ub.lo, ahi0 = ua.hi, ahi1 = ub.hi;
+            if (MmaKind<F>::PRESCALE) {
+                // Levels <= 3 times scales <= 15: each byte's product stays in its byte.
+                alo0 = (int)((u32)alo0 * (u32)ua.s0);
+                ahi0 = (int)((u32)ahi0 * (u32)ua.s1);
+                alo1 = (int)((u32)alo1 * (u32)ub.s0);
+                ahi1 = (int)((u32)ahi1 * (u32)ub.s1);
+            }
             int mlo0 = (int)((u32)ua.m0 * 0x01010101u), mlo1 = (int)((u32)ub.m0 * 0x01010101u);
             int mhi0 = (int)((u32)ua.m1 * 0x01010101u), mhi1 = (int)((u32)ub.m1 * 0x01010101u);
 #pragma unroll
@@ -206,14 +265,12 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
                 const u8* xq = xb + xb_off[n] + (Fmt<F>::K ? 4 + 32 * u : 2 + 34 * u);
                 int blo = Fmt<F>::K ? *(const int*)(xq + 4 * t) : (int)rd32_a2(xq + 4 * t);
                 int bhi = Fmt<F>::K ? *(const int*)(xq + 16 + 4 * t) : (int)rd32_a2(xq + 16 + 4 * t);
-                if (Fmt<F>::UNITS == 1) {
-                    // Scales are 1: the block's sum accumulates in place.
-                    mma_s8_16816(S[n], alo0, alo1, blo);
-                    mma_s8_16816(S[n], ahi0, ahi1, bhi);
+                if (Fmt<F>::UNITS == 1 || MmaKind<F>::PRESCALE) {
+                    // Scales 1 (or folded into the levels): the block's sum accumulates in place.
+                    mma_s8_16832(S[n], alo0, alo1, ahi0, ahi1, blo, bhi);
                 } else if (Fmt<F>::EQ) {
                     int c[4] = {0, 0, 0, 0};
-                    mma_s8_16816(c, alo0, alo1, blo);
-                    mma_s8_16816(c, ahi0, ahi1, bhi);
+                    mma_s8_16832(c, alo0, alo1, ahi0, ahi1, blo, bhi);
                     S[n][0] += ua.s0 * c[0];
                     S[n][1] += ua.s0 * c[1];
                     S[n][2] += ub.s0 * c[2];
@@ -227,10 +284,7 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
                     S[n][2] += ub.s0 * c[2] + ub.s1 * e[2];
                     S[n][3] += ub.s0 * c[3] + ub.s1 * e[3];
                 }
-                if (Fmt<F>::MINS) {
-                    mma_s8_16816(M[n], mlo0, mlo1, blo);
-                    mma_s8_16816(M[n], mhi0, mhi1, bhi);
-                }
+                if (Fmt<F>::MINS) mma_s8_16832(M[n], mlo0, mlo1, mhi0, mhi1, blo, bhi);
             }
             if (Fmt<F>::UNITS == 1 || u == 7) {
                 // The block ends: its value joins each output's sum.
