@@ -444,19 +444,7 @@ __device__ __forceinline__ float rows_dot(const u8* w, size_t wrb, int nrows, co
     return finish_dot<F>(acc);
 }
 
-// ---- staging weight rows in shared memory (cp.async, sm_80+) ----
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// ---- staging weight rows in shared memory (cp.async: common.cuh) ----
 
 // Row stride of staged rows: wrb plus one granule, so each row keeps its
 // global address's phase within 16 bytes (its 16-byte copies line up) and a
