@@ -7,6 +7,56 @@
 // per group; the sum of squares in f64. x may alias y. The CPU twin adds the
 // squares in this kernel's order (thread-strided partials, warp butterfly,
 // warp sums in order), so both give the same bits.
+//
+// V > 0 (group <= V * NORM_THREADS): a thread's values of x and w are loaded
+// into registers up front, every load in flight before the first add, and the
+// output pass reuses them. Re-reading x after the sum made each output load
+// wait for the store before it (x may alias y), one round trip per value.
+// V == 0: any group, straight from memory. Same operations, same order.
+template <int V>
+__device__ __forceinline__ void rms_norm_group(const float* xg, float* yg, const float* w, int group, float eps,
+                                               double* part) {
+    int t = threadIdx.x;
+    float xv[V > 0 ? V : 1], wv[V > 0 ? V : 1];
+    double ss = 0.0;
+    if (V > 0) {
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            int i = t + j * NORM_THREADS;
+            xv[j] = i < group ? xg[i] : 0.0f;
+            wv[j] = w && i < group ? w[i] : 1.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (t + j * NORM_THREADS < group) ss = __dadd_rn(ss, __dmul_rn((double)xv[j], (double)xv[j]));
+    } else {
+        for (int i = t; i < group; i += NORM_THREADS) ss = __dadd_rn(ss, __dmul_rn((double)xg[i], (double)xg[i]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(FULL_MASK, ss, o));
+    if ((t & 31) == 0) part[t >> 5] = ss;
+    __syncthreads();
+    double tot = 0.0;
+#pragma unroll
+    for (int i = 0; i < NORM_THREADS / 32; i++) tot = __dadd_rn(tot, part[i]);
+    float scale = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(__ddiv_rn(tot, (double)group), (double)eps))));
+    if (V > 0) {
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            int i = t + j * NORM_THREADS;
+            if (i < group) {
+                float v = __fmul_rn(xv[j], scale);
+                yg[i] = w ? __fmul_rn(v, wv[j]) : v;
+            }
+        }
+    } else {
+        for (int i = t; i < group; i += NORM_THREADS) {
+            float v = __fmul_rn(xg[i], scale);
+            yg[i] = w ? __fmul_rn(v, w[i]) : v;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* x, float* y, const float* w, int group, int n_groups, float eps) {
     __shared__ double part[NORM_THREADS / 32];
@@ -14,20 +64,19 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     if (g >= n_groups) return;
     const float* xg = x + (size_t)g * group;
     float* yg = y + (size_t)g * group;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < group; i += NORM_THREADS) ss = __dadd_rn(ss, __dmul_rn((double)xg[i], (double)xg[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(FULL_MASK, ss, o));
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    double tot = 0.0;
-#pragma unroll
-    for (int i = 0; i < NORM_THREADS / 32; i++) tot = __dadd_rn(tot, part[i]);
-    float scale = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(__ddiv_rn(tot, (double)group), (double)eps))));
-    for (int i = threadIdx.x; i < group; i += NORM_THREADS) {
-        float v = __fmul_rn(xg[i], scale);
-        yg[i] = w ? __fmul_rn(v, w[i]) : v;
-    }
+    // Up to 32 values a thread (8192 a group) in registers; beyond, the loop.
+    if (group <= NORM_THREADS)
+        rms_norm_group<1>(xg, yg, w, group, eps, part);
+    else if (group <= 4 * NORM_THREADS)
+        rms_norm_group<4>(xg, yg, w, group, eps, part);
+    else if (group <= 8 * NORM_THREADS)
+        rms_norm_group<8>(xg, yg, w, group, eps, part);
+    else if (group <= 16 * NORM_THREADS)
+        rms_norm_group<16>(xg, yg, w, group, eps, part);
+    else if (group <= 32 * NORM_THREADS)
+        rms_norm_group<32>(xg, yg, w, group, eps, part);
+    else
+        rms_norm_group<0>(xg, yg, w, group, eps, part);
 }
 
 // In place over rows of `width` values (heads of head_dim), row r at
