@@ -79,30 +79,38 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         rms_norm_group<0>(xg, yg, w, group, eps, part);
 }
 
-// In place over rows of `width` values (heads of head_dim), row r at
-// positions[r]. kind 0 = neox (i, i + n_rot/2), 1 = interleaved (2i, 2i+1).
-// One thread per (row, head, pair).
-extern "C" __global__ void rope(float* x, int width, const u32* positions, int n_rows, int head_dim,
-                                int n_rot, float base, float linear_factor, int kind) {
+// Rows of `width` values (heads of head_dim), row r at positions[r], from x
+// into y; y == x rotates in place. kind 0 = neox (i, i + n_rot/2), 1 =
+// interleaved (2i, 2i+1). One thread per (row, head, slot): slots below
+// n_rot/2 rotate a pair; out of place, the head_dim - n_rot slots after them
+// copy the unrotated tail, so no copy of the row has to come first.
+extern "C" __global__ void rope(const float* x, float* y, int width, const u32* positions, int n_rows,
+                                int head_dim, int n_rot, float base, float linear_factor, int kind) {
     int half = n_rot / 2;
+    int per = half + (x == y ? 0 : head_dim - n_rot);
     int heads = width / head_dim;
-    size_t total = (size_t)n_rows * heads * half;
+    size_t total = (size_t)n_rows * heads * per;
     size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (tid >= total) return;
-    int i = (int)(tid % half);
-    size_t rh = tid / half;
+    int i = (int)(tid % per);
+    size_t rh = tid / per;
     int h = (int)(rh % heads);
     int r = (int)(rh / heads);
+    size_t off = (size_t)r * width + (size_t)h * head_dim;
+    if (i >= half) {
+        size_t d = off + n_rot + (i - half);
+        y[d] = x[d];
+        return;
+    }
     // The shared f64 formulas of ops::math (rope_inv_freq, rope_cos_sin), not
     // pow/cosf/sinf, whose last bits differ from the CPU's.
     float inv_freq = rope_inv_freq_c(base, i, n_rot);
     float t = __fdiv_rn((float)positions[r], linear_factor);
     float c, s;
     rope_cos_sin_c(__fmul_rn(t, inv_freq), &c, &s);
-    float* head = x + (size_t)r * width + (size_t)h * head_dim;
-    int ia = kind == 0 ? i : 2 * i;
-    int ib = kind == 0 ? i + half : 2 * i + 1;
-    float x0 = head[ia], x1 = head[ib];
-    head[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    head[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    size_t ia = off + (kind == 0 ? i : 2 * i);
+    size_t ib = off + (kind == 0 ? i + half : 2 * i + 1);
+    float x0 = x[ia], x1 = x[ib];
+    y[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    y[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
 }

@@ -619,12 +619,39 @@ impl CudaDevice {
         }
     }
 
-    /// Rotate every head of every row of `x` (`[positions.len(), width]`) in
-    /// place. Twin: `ops::rope_rows`.
+    /// Rotate every head of every row of `x` (`[positions.len(), width]`) into
+    /// `y`, the dims past `n_rot` copied. Twin: `ops::rope_rows`.
     pub fn rope(
         &self,
         stream: &CudaStream,
+        x: &DeviceBuf<f32>,
+        y: &mut DeviceBuf<f32>,
+        width: usize,
+        positions: &DeviceBuf<u32>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        want("rope", "y", y.len(), x.len())?;
+        self.rope_ptrs(stream, x, y.device_ptr(), width, positions, p)
+    }
+
+    /// [`CudaDevice::rope`] in place.
+    pub fn rope_in_place(
+        &self,
+        stream: &CudaStream,
         x: &mut DeviceBuf<f32>,
+        width: usize,
+        positions: &DeviceBuf<u32>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        let yp = x.device_ptr();
+        self.rope_ptrs(stream, x, yp, width, positions, p)
+    }
+
+    fn rope_ptrs(
+        &self,
+        stream: &CudaStream,
+        x: &DeviceBuf<f32>,
+        yp: u64,
         width: usize,
         positions: &DeviceBuf<u32>,
         p: &RopeParams,
@@ -637,10 +664,13 @@ impl CudaDevice {
             ));
         }
         want(OP, "x", x.len(), width * positions.len())?;
-        let total = positions.len() * (width / p.head_dim) * (p.n_rot / 2);
-        to_i32(OP, "pairs", total)?;
+        let xp = x.device_ptr();
+        // Threads a head, as the kernel counts them: out of place, the tail too.
+        let per = p.n_rot / 2 + if xp == yp { 0 } else { p.head_dim - p.n_rot };
+        let total = positions.len() * (width / p.head_dim) * per;
+        to_i32(OP, "threads", total)?;
         let f = self.func(Family::NormRope, 1)?;
-        let (xp, pp) = (x.device_ptr(), positions.device_ptr());
+        let pp = positions.device_ptr();
         let (w, n, hd, nr) = (
             width as i32,
             positions.len() as i32,
@@ -653,7 +683,7 @@ impl CudaDevice {
         };
         let (base, lf) = (p.base, p.linear_factor);
         let grid = total.div_ceil(256) as u32;
-        // SAFETY: (x, width, positions, n_rows, head_dim, n_rot, base, lf, kind) as rope.
+        // SAFETY: (x, y, width, positions, n_rows, head_dim, n_rot, base, lf, kind) as rope.
         unsafe {
             self.launch(
                 f,
@@ -661,7 +691,7 @@ impl CudaDevice {
                 256,
                 0,
                 stream,
-                &mut params![xp, w, pp, n, hd, nr, base, lf, kind],
+                &mut params![xp, yp, w, pp, n, hd, nr, base, lf, kind],
             )
         }
     }

@@ -727,8 +727,13 @@ fn rope_case(
     let mut cpu = x.clone();
     ops::rope_rows(&mut cpu, width, &pos, *p);
     let (mut xd, pd) = (dev.upload(&x)?, dev.upload(&pos)?);
-    dev.rope(dev.compute(), &mut xd, width, &pd, p)?;
-    Ok(compare(&dev.download(&xd)?, &cpu, 0.0))
+    // Out of place into a poisoned buffer (the unrotated tail is copied), then in place.
+    let mut y = poisoned::<f32>(dev, x.len())?;
+    dev.rope(dev.compute(), &xd, &mut y, width, &pd, p)?;
+    let r1 = compare(&dev.download(&y)?, &cpu, 0.0);
+    dev.rope_in_place(dev.compute(), &mut xd, width, &pd, p)?;
+    let r2 = compare(&dev.download(&xd)?, &cpu, 0.0);
+    Ok(if r2.abs > r1.abs || !r2.pass { r2 } else { r1 })
 }
 
 fn glu_case(dev: &CudaDevice, act: Activation, n: usize, seed: u64) -> Result<Cmp, CudaError> {
