@@ -228,7 +228,8 @@ const EMBED: &[&str] = &[
 
 // route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i, then
 // the pointer gather and the slot combine, then the float experts (FLOAT_TYPES
-// order): moe_up_<fmt> at MOE_FLOAT + 2i, moe_down_<fmt> at MOE_FLOAT + 2i + 1.
+// order): moe_up_<fmt> at MOE_FLOAT + 2i, moe_down_<fmt> at MOE_FLOAT + 2i + 1;
+// then the one-warp-a-token router (ROUTE_WARP).
 const MOE: &[&str] = &[
     "route_topk",
     "moe_up_q8_0",
@@ -265,12 +266,14 @@ const MOE: &[&str] = &[
     "moe_down_f16",
     "moe_up_bf16",
     "moe_down_bf16",
+    "route_topk_warp",
 ];
 pub(crate) const ACT_GATHER_ROWS: usize = 4;
 pub(crate) const ACT_SCATTER_ROWS: usize = 5;
 pub(crate) const MOE_GATHER_PTRS: usize = 27;
 pub(crate) const MOE_COMBINE: usize = 28;
 pub(crate) const MOE_FLOAT: usize = 29;
+pub(crate) const ROUTE_WARP: usize = 35;
 
 #[cfg(test)]
 mod tests {
@@ -302,6 +305,8 @@ mod tests {
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_K], "quantize_q8_k");
         assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
         assert_eq!(MOE[MOE_COMBINE], "moe_combine");
+        assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
+        assert_eq!(MOE.len(), ROUTE_WARP + 1);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
     float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES,
-    MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K,
+    MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
@@ -62,6 +62,10 @@ pub const MAX_GEMM_TOKENS: usize = 512 * 64;
 pub const MAX_TOP_K: usize = 64;
 /// Most experts a router scores (two floats each in shared memory).
 pub const MAX_EXPERTS: usize = 4096;
+
+/// Most experts route_topk_warp scores (eight a lane: ROUTE_WARP_MAX).
+pub const ROUTE_WARP_MAX_EXPERTS: usize = 256;
+const ROUTE_WARP_TOKENS: usize = 4; // ROUTE_WARPS
 
 /// Gating function of a MoE router.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -993,6 +997,26 @@ impl CudaDevice {
         ids: &mut DeviceBuf<i32>,
         weights: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
+        self.route_with(stream, true, spec, logits, bias, n_tok, n_exp, ids, weights)
+    }
+
+    /// [`CudaDevice::route`] with the kernel chosen: `warp` runs one warp a
+    /// token (route_topk_warp) when there are at most
+    /// [`ROUTE_WARP_MAX_EXPERTS`] experts, else one block a token
+    /// (route_topk). Both give the same ids and weight bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_with(
+        &self,
+        stream: &CudaStream,
+        warp: bool,
+        spec: &RouterSpec,
+        logits: &DeviceBuf<f32>,
+        bias: Option<&DeviceBuf<f32>>,
+        n_tok: usize,
+        n_exp: usize,
+        ids: &mut DeviceBuf<i32>,
+        weights: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "route";
         if spec.k == 0 || spec.k > MAX_TOP_K || spec.k > n_exp || n_exp > MAX_EXPERTS {
             return Err(shape(OP, format!("top-{} of {n_exp} experts", spec.k)));
@@ -1015,18 +1039,17 @@ impl CudaDevice {
             ids.device_ptr(),
             weights.device_ptr(),
         );
-        let f = self.func(Family::Moe, 0)?;
-        let smem = (2 * n_exp * 4) as u32;
-        // SAFETY: parameters as route_topk; sizes checked.
-        unsafe {
-            self.launch(
-                f,
-                (n_tok as u32, 1, 1),
-                256,
-                smem,
-                stream,
-                &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp],
-            )
+        let args = &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp];
+        if warp && n_exp <= ROUTE_WARP_MAX_EXPERTS {
+            let f = self.func(Family::Moe, ROUTE_WARP)?;
+            let grid = n_tok.div_ceil(ROUTE_WARP_TOKENS) as u32;
+            // SAFETY: parameters as route_topk_warp (those of route_topk); sizes checked.
+            unsafe { self.launch(f, (grid, 1, 1), 32 * ROUTE_WARP_TOKENS as u32, 0, stream, args) }
+        } else {
+            let f = self.func(Family::Moe, 0)?;
+            let smem = (2 * n_exp * 4) as u32;
+            // SAFETY: parameters as route_topk; sizes checked.
+            unsafe { self.launch(f, (n_tok as u32, 1, 1), 256, smem, stream, args) }
         }
     }
 
