@@ -197,6 +197,8 @@ pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
     }
 }
 
+// Per float format i (FLOAT_TYPES order): gemv_<fmt> at 2i, gemm_<fmt> at
+// 2i + 1; then the one-row-a-block staged GEMVs at GEMV_STAGED + i.
 const GEMV_FLOAT: &[&str] = &[
     "gemv_f32",
     "gemm_f32",
@@ -204,7 +206,11 @@ const GEMV_FLOAT: &[&str] = &[
     "gemm_f16",
     "gemv_bf16",
     "gemm_bf16",
+    "gemv_staged_f32",
+    "gemv_staged_f16",
+    "gemv_staged_bf16",
 ];
+pub(crate) const GEMV_STAGED: usize = 6;
 
 // Float formats first (FLOAT_TYPES order), then QUANT_TYPES order.
 const EMBED: &[&str] = &[
@@ -297,6 +303,8 @@ mod tests {
         for (i, ty) in FLOAT_TYPES.iter().enumerate() {
             let n = ty.name().to_ascii_lowercase();
             assert_eq!(GEMV_FLOAT[2 * i], format!("gemv_{n}"));
+            assert_eq!(GEMV_FLOAT[2 * i + 1], format!("gemm_{n}"));
+            assert_eq!(GEMV_FLOAT[GEMV_STAGED + i], format!("gemv_staged_{n}"));
             assert_eq!(EMBED[i], format!("embed_{n}"));
             assert_eq!(MOE[MOE_FLOAT + 2 * i], format!("moe_up_{n}"));
             assert_eq!(MOE[MOE_FLOAT + 2 * i + 1], format!("moe_down_{n}"));
@@ -306,6 +314,7 @@ mod tests {
         assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
         assert_eq!(MOE[MOE_COMBINE], "moe_combine");
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
+        assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
         assert_eq!(MOE.len(), ROUTE_WARP + 1);
     }
 
@@ -333,7 +342,7 @@ mod tests {
             let name = args.split(',').next().unwrap_or("").trim();
             let prefixes: &[&str] = match mac.trim() {
                 "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_", "gemm_mma_grouped_"],
-                "FGEMV_ENTRY" => &["gemv_", "gemm_"],
+                "FGEMV_ENTRY" => &["gemv_", "gemm_", "gemv_staged_"],
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],
                 "MOE_ENTRY" | "MOE_FENTRY" => &["moe_up_", "moe_down_"],

@@ -14,8 +14,8 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
-    float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES,
-    MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
+    float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, GEMV_STAGED, MMA_GROUPED_SMEM_BYTES,
+    MMA_SMEM_BYTES, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
@@ -181,6 +181,42 @@ fn stage_plan(rpw: usize, wrb: usize, mats: usize) -> (usize, usize) {
     } else {
         (r, mats * per_mat(r))
     }
+}
+
+/// Most rows a float GEMV runs on the staged kernel (one row a block): up to
+/// here four rows a block leave too few loads in flight to fill the GPU.
+pub const FLOAT_STAGED_MAX_ROWS: usize = 1024;
+/// Values of one staged chunk of gemv_staged_* (a multiple of 32); two chunks
+/// are in flight at once.
+const FLOAT_STAGE_CHUNK: usize = 2048;
+
+/// Chunk length and dynamic shared memory of gemv_staged_* for rows of `cols`
+/// values of `wb` bytes: one buffer (`ch` weights and `ch` activations, each
+/// with 32 bytes of granule slack: fgs_buf_bytes) a chunk, at most two.
+fn float_stage_plan(cols: usize, wb: usize) -> (usize, u32) {
+    let ch = cols.next_multiple_of(32).clamp(32, FLOAT_STAGE_CHUNK);
+    let bufs = cols.div_ceil(ch).min(2);
+    (ch, (bufs * (ch * wb + 32 + ch * 4 + 32)) as u32)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_float_mm(
+    op: &'static str,
+    ty: GgmlType,
+    w: &DeviceBuf<u8>,
+    rows: usize,
+    cols: usize,
+    x: &DeviceBuf<f32>,
+    n_tok: usize,
+    y: &DeviceBuf<f32>,
+) -> Result<usize, CudaError> {
+    let fi = float_index(ty).ok_or(CudaError::Unsupported { op, ty })?;
+    want(op, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
+    want(op, "x", x.len(), n_tok * cols)?;
+    want(op, "y", y.len(), n_tok * rows)?;
+    to_i32(op, "rows", rows)?;
+    to_i32(op, "cols", cols)?;
+    Ok(fi)
 }
 
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
@@ -510,7 +546,8 @@ impl CudaDevice {
     }
 
     /// Float-weight (f32/f16/bf16) product on f32 activations: `y` is
-    /// `[n_tok, rows]`; `n_tok == 1` runs the GEMV kernel.
+    /// `[n_tok, rows]`; `n_tok == 1` runs a GEMV kernel: the staged one for up
+    /// to [`FLOAT_STAGED_MAX_ROWS`] rows, else four rows a block.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_float(
         &self,
@@ -524,38 +561,52 @@ impl CudaDevice {
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "gemm_float";
-        let fi = float_index(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
-        want(OP, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
-        want(OP, "x", x.len(), n_tok * cols)?;
-        want(OP, "y", y.len(), n_tok * rows)?;
+        if n_tok == 1 {
+            return self.gemv_float_with(stream, rows <= FLOAT_STAGED_MAX_ROWS, ty, w, rows, cols, x, y);
+        }
+        let fi = check_float_mm(OP, ty, w, rows, cols, x, n_tok, y)?;
         if n_tok > MAX_GEMM_TOKENS {
             return Err(shape(OP, format!("{n_tok} tokens in one launch")));
         }
-        let (r, c, n) = (
-            to_i32(OP, "rows", rows)?,
-            to_i32(OP, "cols", cols)?,
-            n_tok as i32,
-        );
+        let (r, c, n) = (rows as i32, cols as i32, n_tok as i32);
         let (wp, xp, yp) = (w.device_ptr(), x.device_ptr(), y.device_ptr());
-        let gx = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
-        if n_tok == 1 {
-            let f = self.func(Family::GemvFloat, 2 * fi)?;
-            // SAFETY: (W, x, y, rows, cols) as FGEMV_ENTRY; sizes checked.
-            unsafe {
-                self.launch(
-                    f,
-                    (gx, 1, 1),
-                    128,
-                    0,
-                    stream,
-                    &mut params![wp, xp, yp, r, c],
-                )
-            }
+        let f = self.func(Family::GemvFloat, 2 * fi + 1)?;
+        let grid = (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
+        // SAFETY: (W, X, Y, rows, cols, n_tok) as FGEMV_ENTRY; sizes checked.
+        unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n]) }
+    }
+
+    /// The float GEMV (`y = W x`, one token) on the kernel chosen: `staged`,
+    /// one row a one-warp block with the row and `x` copied to shared memory
+    /// (gemv_staged_*), or four rows a block reading global memory (gemv_*).
+    /// Both give the same bits; [`CudaDevice::gemm_float`] picks by row count.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_float_with(
+        &self,
+        stream: &CudaStream,
+        staged: bool,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<f32>,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        let fi = check_float_mm("gemv_float", ty, w, rows, cols, x, 1, y)?;
+        let (r, c) = (rows as i32, cols as i32);
+        let (wp, xp, yp) = (w.device_ptr(), x.device_ptr(), y.device_ptr());
+        if staged {
+            let f = self.func(Family::GemvFloat, GEMV_STAGED + fi)?;
+            let (ch, smem) = float_stage_plan(cols, if fi == 0 { 4 } else { 2 });
+            let chi = ch as i32;
+            // SAFETY: (W, x, y, rows, cols, ch) as gemv_staged_*; sizes checked;
+            // smem bytes as the kernel's min(2, chunks) * fgs_buf_bytes(ch).
+            unsafe { self.launch(f, (rows as u32, 1, 1), 32, smem, stream, &mut params![wp, xp, yp, r, c, chi]) }
         } else {
-            let f = self.func(Family::GemvFloat, 2 * fi + 1)?;
-            let grid = (gx, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
-            // SAFETY: (W, X, Y, rows, cols, n_tok) as FGEMV_ENTRY; sizes checked.
-            unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n]) }
+            let f = self.func(Family::GemvFloat, 2 * fi)?;
+            let grid = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
+            // SAFETY: (W, x, y, rows, cols) as FGEMV_ENTRY; sizes checked.
+            unsafe { self.launch(f, (grid, 1, 1), 128, 0, stream, &mut params![wp, xp, yp, r, c]) }
         }
     }
 
