@@ -19,6 +19,8 @@ use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
 use crate::ops::{attention_workspace_len, Gating, GemmKernel, MoePairs, RouterSpec};
 
+mod small_ops;
+
 /// One line of the self-test table.
 #[derive(Clone, Debug)]
 pub struct SelfTestRow {
@@ -456,6 +458,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             moe_float_case(dev, &pool, &k, ty, act, next()),
         );
     }
+    small_ops::cases(dev, &mut t, &pool, &k, &mut next);
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -1248,6 +1251,7 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
             }
         }
     }
+    small_ops::bench(dev, &mut out);
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
     for ty in [
         GgmlType::Q4_K,
