@@ -903,7 +903,7 @@ fn route_case(
         let mut p = row.to_vec();
         match spec.gating {
             Gating::Softmax => ops::softmax_in_place(&mut p),
-            Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            Gating::Sigmoid => p.iter_mut().for_each(|v| *v = ops::math::sigmoid(*v)),
         }
         let choice: Vec<f32> = if with_bias {
             p.iter().zip(&bias).map(|(a, b)| a + b).collect()
