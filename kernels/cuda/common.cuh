@@ -83,6 +83,45 @@ __device__ __forceinline__ int warp_sum_i(int v) {
     return v;
 }
 
+// ---- cp.async (sm_80+): copies into shared memory that need no registers,
+// many in flight per thread. .cg bypasses L1 (weights, read once); .ca keeps
+// the line in L1 (activations that other blocks on the SM read too).
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async16_ca(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait1() { cp_async_wait<1>(); }
+__device__ __forceinline__ void cp_async_wait0() { cp_async_wait<0>(); }
+
+// Start copying the `bytes` (> 0) bytes at `src` into `dst` (16-aligned,
+// bytes + 32 long) as the whole 16-byte granules that hold them, this warp's
+// lanes taking every 32nd; returns where src[0] lands (dst + (src & 15)).
+// Granules reach at most 15 bytes past either end, inside the aligned span.
+// l1: keep the lines in L1 (cp_async16_ca). The caller commits and waits.
+__device__ __forceinline__ const u8* stage_span(u8* dst, const void* src, size_t bytes, bool l1) {
+    size_t a = (size_t)src, first = a >> 4, ng = ((a + bytes - 1) >> 4) - first + 1;
+    for (size_t i = threadIdx.x & 31; i < ng; i += 32) {
+        const void* g = (const void*)((first + i) << 4);
+        if (l1)
+            cp_async16_ca(dst + 16 * i, g);
+        else
+            cp_async16(dst + 16 * i, g);
+    }
+    return dst + (a & 15);
+}
+
 // ---- The shared transcendentals. Twins, bit for bit: pulsar_kernels::ops::math
 // (kernels/src/ops/math.rs), whose test checks that every PC_* constant below
 // holds the bits of the Rust one. Every operation is a round-to-nearest

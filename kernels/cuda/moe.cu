@@ -98,6 +98,118 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
+// route_topk_warp — route_topk's results, bit for bit, for n_exp <= 256: one
+// warp a token (ROUTE_WARPS tokens a block), V <= 8 scores a lane in
+// registers, no block barriers. Lane l holds experts l, l + 32, ... Every
+// value is formed by the same operations in the same order: the max (fmaxf
+// over the same values: its result does not depend on the order; a max of
+// either zero gives the same exp_c(x - max)), exp_c, the sum in index order
+// (every lane runs thread 0's chain from shared memory), 1 / sum, the product,
+// the bias add. Each round's pick is the maximum of the same total order
+// (larger value, then lower index; NaN keys never win, removed keys become
+// -inf and can be picked again, nothing left picks 0), which no reduction
+// order changes; the renormalising sum adds the k weights in pick order.
+#define ROUTE_WARPS 4
+#define ROUTE_WARP_MAX 256
+
+template <int V>
+__device__ __forceinline__ void route_warp(const float* logits, const float* bias, int n_tok, int n_exp, int k,
+                                           int gating, int renorm, float scale, int* ids, float* weights,
+                                           float* sp) {
+    int lane = threadIdx.x & 31;
+    int t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= n_tok) return;
+    const float* x = logits + (size_t)t * n_exp;
+    float p[V], c[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) p[j] = j * 32 + lane < n_exp ? x[j * 32 + lane] : 0.0f;
+    if (gating == 1) {
+#pragma unroll
+        for (int j = 0; j < V; j++) p[j] = sigmoid_c(p[j]);
+    } else {
+        float m = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (j * 32 + lane < n_exp) m = fmaxf(m, p[j]);
+        m = warp_max(m);
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            p[j] = exp_c(__fsub_rn(p[j], m));
+            if (j * 32 + lane < n_exp) sp[j * 32 + lane] = p[j];
+        }
+        __syncwarp();
+        float s = 0.0f;
+        int e = 0;
+        for (; e + 4 <= n_exp; e += 4) {
+            float4 q = *(const float4*)(sp + e);
+            s = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(s, q.x), q.y), q.z), q.w);
+        }
+        for (; e < n_exp; e++) s = __fadd_rn(s, sp[e]);
+        float inv = __fdiv_rn(1.0f, s);
+#pragma unroll
+        for (int j = 0; j < V; j++) p[j] = __fmul_rn(p[j], inv);
+        // Every lane's sum has read sp before the weights overwrite it.
+        __syncwarp();
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+        int e = j * 32 + lane;
+        if (e < n_exp) sp[e] = p[j];
+        c[j] = e < n_exp && bias ? __fadd_rn(p[j], bias[e]) : p[j];
+    }
+    __syncwarp();
+    float s = 0.0f, w_lo = 0.0f, w_hi = 0.0f;
+    int id_lo = 0, id_hi = 0;
+    for (int r = 0; r < k; r++) {
+        Best b = {NEG_INF, 1 << 30};
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (j * 32 + lane < n_exp) b = better(b, Best{c[j], j * 32 + lane});
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            Best other = {__shfl_xor_sync(FULL_MASK, b.v, o), __shfl_xor_sync(FULL_MASK, b.i, o)};
+            b = better(b, other);
+        }
+        int id = b.i < n_exp ? b.i : 0;
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (j * 32 + lane == id) c[j] = NEG_INF;
+        float w = sp[id];
+        s = __fadd_rn(s, w);
+        if (lane == (r & 31)) {
+            if (r < 32) {
+                id_lo = id;
+                w_lo = w;
+            } else {
+                id_hi = id;
+                w_hi = w;
+            }
+        }
+    }
+    for (int r = lane; r < k; r += 32) {
+        float w = r < 32 ? w_lo : w_hi;
+        w = renorm && s > 0.0f ? __fdiv_rn(w, s) : w;
+        ids[(size_t)t * k + r] = r < 32 ? id_lo : id_hi;
+        weights[(size_t)t * k + r] = __fmul_rn(w, scale);
+    }
+}
+
+// Parameters as route_topk (n_exp <= ROUTE_WARP_MAX); no dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    route_topk_warp(const float* logits, const float* bias, int n_tok, int n_exp, int k, int gating, int renorm,
+                    float scale, int* ids, float* weights) {
+    __shared__ __align__(16) float sp[ROUTE_WARPS][ROUTE_WARP_MAX];
+    float* s = sp[threadIdx.x >> 5];
+    if (n_exp <= 32)
+        route_warp<1>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+    else if (n_exp <= 64)
+        route_warp<2>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+    else if (n_exp <= 128)
+        route_warp<4>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+    else
+        route_warp<8>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+}
+
 // Up to DD_WARPS warps a block; a warp takes ng groups of rpw rows (moe_up: rpw
 // gate rows and the same rpw up rows side by side, 2 rpw <= DD_MAX_ROWS),
 // streamed step by step (decode_dot.cuh). xsb > 0: the pair's activation row

@@ -444,23 +444,6 @@ __device__ __forceinline__ float rows_dot(const u8* w, size_t wrb, int nrows, co
     return finish_dot<F>(acc);
 }
 
-// ---- staging weight rows in shared memory (cp.async, sm_80+) ----
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Wait until at most N of this thread's committed groups are in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait1() { cp_async_wait<1>(); }
-
 // The value of element e (0..31) of a unit.
 template <int F> __device__ __forceinline__ float unit_value(const Unit& u, int e) {
     int q = (int)(i8)((u.q[e >> 2] >> (8 * (e & 3))) & 0xff);

@@ -202,10 +202,12 @@ pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
 
 /// The most dynamic shared memory a decode kernel (gemv_*, moe_up_*,
 /// moe_down_*) is launched with: its staged activation row and eight warps'
-/// rings (decode_dot.cuh). With the kernels' 8.25 KiB of static `vals` it
+/// rings (decode_dot.cuh). With the kernels' 4.1 KiB of static `vals` it
 /// stays within the 99 KiB a block may have on sm_86 / sm_89.
 pub(crate) const DECODE_SMEM_MAX: u32 = 88 * 1024;
 
+// Per float format i (FLOAT_TYPES order): gemv_<fmt> at 2i, gemm_<fmt> at
+// 2i + 1; then the one-row-a-block staged GEMVs at GEMV_STAGED + i.
 const GEMV_FLOAT: &[&str] = &[
     "gemv_f32",
     "gemm_f32",
@@ -213,7 +215,11 @@ const GEMV_FLOAT: &[&str] = &[
     "gemm_f16",
     "gemv_bf16",
     "gemm_bf16",
+    "gemv_staged_f32",
+    "gemv_staged_f16",
+    "gemv_staged_bf16",
 ];
+pub(crate) const GEMV_STAGED: usize = 6;
 
 // Float formats first (FLOAT_TYPES order), then QUANT_TYPES order.
 const EMBED: &[&str] = &[
@@ -237,7 +243,8 @@ const EMBED: &[&str] = &[
 
 // route_topk, then moe_up_<fmt> at 1 + 2i and moe_down_<fmt> at 2 + 2i, then
 // the pointer gather and the slot combine, then the float experts (FLOAT_TYPES
-// order): moe_up_<fmt> at MOE_FLOAT + 2i, moe_down_<fmt> at MOE_FLOAT + 2i + 1.
+// order): moe_up_<fmt> at MOE_FLOAT + 2i, moe_down_<fmt> at MOE_FLOAT + 2i + 1;
+// then the one-warp-a-token router (ROUTE_WARP).
 const MOE: &[&str] = &[
     "route_topk",
     "moe_up_q8_0",
@@ -274,12 +281,14 @@ const MOE: &[&str] = &[
     "moe_down_f16",
     "moe_up_bf16",
     "moe_down_bf16",
+    "route_topk_warp",
 ];
 pub(crate) const ACT_GATHER_ROWS: usize = 4;
 pub(crate) const ACT_SCATTER_ROWS: usize = 5;
 pub(crate) const MOE_GATHER_PTRS: usize = 27;
 pub(crate) const MOE_COMBINE: usize = 28;
 pub(crate) const MOE_FLOAT: usize = 29;
+pub(crate) const ROUTE_WARP: usize = 35;
 
 #[cfg(test)]
 mod tests {
@@ -306,6 +315,8 @@ mod tests {
         for (i, ty) in FLOAT_TYPES.iter().enumerate() {
             let n = ty.name().to_ascii_lowercase();
             assert_eq!(GEMV_FLOAT[2 * i], format!("gemv_{n}"));
+            assert_eq!(GEMV_FLOAT[2 * i + 1], format!("gemm_{n}"));
+            assert_eq!(GEMV_FLOAT[GEMV_STAGED + i], format!("gemv_staged_{n}"));
             assert_eq!(EMBED[i], format!("embed_{n}"));
             assert_eq!(MOE[MOE_FLOAT + 2 * i], format!("moe_up_{n}"));
             assert_eq!(MOE[MOE_FLOAT + 2 * i + 1], format!("moe_down_{n}"));
@@ -314,6 +325,9 @@ mod tests {
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_K], "quantize_q8_k");
         assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
         assert_eq!(MOE[MOE_COMBINE], "moe_combine");
+        assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
+        assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
+        assert_eq!(MOE.len(), ROUTE_WARP + 1);
     }
 
     #[test]
@@ -340,7 +354,7 @@ mod tests {
             let name = args.split(',').next().unwrap_or("").trim();
             let prefixes: &[&str] = match mac.trim() {
                 "GEMV_ENTRY" => &["gemv_", "gemm_", "gemm_mma_", "gemm_mma_grouped_"],
-                "FGEMV_ENTRY" => &["gemv_", "gemm_"],
+                "FGEMV_ENTRY" => &["gemv_", "gemm_", "gemv_staged_"],
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],
                 "MOE_ENTRY" | "MOE_FENTRY" => &["moe_up_", "moe_down_"],

@@ -14,8 +14,8 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
-    float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES,
-    MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K,
+    float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, GEMV_STAGED, MMA_GROUPED_SMEM_BYTES,
+    MMA_SMEM_BYTES, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
@@ -60,6 +60,10 @@ pub const MAX_GEMM_TOKENS: usize = 512 * 64;
 pub const MAX_TOP_K: usize = 64;
 /// Most experts a router scores (two floats each in shared memory).
 pub const MAX_EXPERTS: usize = 4096;
+
+/// Most experts route_topk_warp scores (eight a lane: ROUTE_WARP_MAX).
+pub const ROUTE_WARP_MAX_EXPERTS: usize = 256;
+const ROUTE_WARP_TOKENS: usize = 4; // ROUTE_WARPS
 
 /// Gating function of a MoE router.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,6 +215,42 @@ fn decode_plan(ty: GgmlType, total_rows: usize, mats: usize, x_bytes: usize) -> 
     let staged = (x_bytes + 32).next_multiple_of(16);
     let xsb = if staged + rings <= crate::kernels::DECODE_SMEM_MAX as usize { staged } else { 0 };
     DecodePlan { rpw, groups, warps, xsb, smem: xsb + rings }
+}
+
+/// Most rows a float GEMV runs on the staged kernel (one row a block): up to
+/// here four rows a block leave too few loads in flight to fill the GPU.
+pub const FLOAT_STAGED_MAX_ROWS: usize = 1024;
+/// Values of one staged chunk of gemv_staged_* (a multiple of 32); two chunks
+/// are in flight at once.
+const FLOAT_STAGE_CHUNK: usize = 2048;
+
+/// Chunk length and dynamic shared memory of gemv_staged_* for rows of `cols`
+/// values of `wb` bytes: one buffer (`ch` weights and `ch` activations, each
+/// with 32 bytes of granule slack: fgs_buf_bytes) a chunk, at most two.
+fn float_stage_plan(cols: usize, wb: usize) -> (usize, u32) {
+    let ch = cols.next_multiple_of(32).clamp(32, FLOAT_STAGE_CHUNK);
+    let bufs = cols.div_ceil(ch).min(2);
+    (ch, (bufs * (ch * wb + 32 + ch * 4 + 32)) as u32)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_float_mm(
+    op: &'static str,
+    ty: GgmlType,
+    w: &DeviceBuf<u8>,
+    rows: usize,
+    cols: usize,
+    x: &DeviceBuf<f32>,
+    n_tok: usize,
+    y: &DeviceBuf<f32>,
+) -> Result<usize, CudaError> {
+    let fi = float_index(ty).ok_or(CudaError::Unsupported { op, ty })?;
+    want(op, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
+    want(op, "x", x.len(), n_tok * cols)?;
+    want(op, "y", y.len(), n_tok * rows)?;
+    to_i32(op, "rows", rows)?;
+    to_i32(op, "cols", cols)?;
+    Ok(fi)
 }
 
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
@@ -540,7 +580,8 @@ impl CudaDevice {
     }
 
     /// Float-weight (f32/f16/bf16) product on f32 activations: `y` is
-    /// `[n_tok, rows]`; `n_tok == 1` runs the GEMV kernel.
+    /// `[n_tok, rows]`; `n_tok == 1` runs a GEMV kernel: the staged one for up
+    /// to [`FLOAT_STAGED_MAX_ROWS`] rows, else four rows a block.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_float(
         &self,
@@ -554,38 +595,52 @@ impl CudaDevice {
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "gemm_float";
-        let fi = float_index(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
-        want(OP, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
-        want(OP, "x", x.len(), n_tok * cols)?;
-        want(OP, "y", y.len(), n_tok * rows)?;
+        if n_tok == 1 {
+            return self.gemv_float_with(stream, rows <= FLOAT_STAGED_MAX_ROWS, ty, w, rows, cols, x, y);
+        }
+        let fi = check_float_mm(OP, ty, w, rows, cols, x, n_tok, y)?;
         if n_tok > MAX_GEMM_TOKENS {
             return Err(shape(OP, format!("{n_tok} tokens in one launch")));
         }
-        let (r, c, n) = (
-            to_i32(OP, "rows", rows)?,
-            to_i32(OP, "cols", cols)?,
-            n_tok as i32,
-        );
+        let (r, c, n) = (rows as i32, cols as i32, n_tok as i32);
         let (wp, xp, yp) = (w.device_ptr(), x.device_ptr(), y.device_ptr());
-        let gx = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
-        if n_tok == 1 {
-            let f = self.func(Family::GemvFloat, 2 * fi)?;
-            // SAFETY: (W, x, y, rows, cols) as FGEMV_ENTRY; sizes checked.
-            unsafe {
-                self.launch(
-                    f,
-                    (gx, 1, 1),
-                    128,
-                    0,
-                    stream,
-                    &mut params![wp, xp, yp, r, c],
-                )
-            }
+        let f = self.func(Family::GemvFloat, 2 * fi + 1)?;
+        let grid = (rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
+        // SAFETY: (W, X, Y, rows, cols, n_tok) as FGEMV_ENTRY; sizes checked.
+        unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n]) }
+    }
+
+    /// The float GEMV (`y = W x`, one token) on the kernel chosen: `staged`,
+    /// one row a one-warp block with the row and `x` copied to shared memory
+    /// (gemv_staged_*), or four rows a block reading global memory (gemv_*).
+    /// Both give the same bits; [`CudaDevice::gemm_float`] picks by row count.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_float_with(
+        &self,
+        stream: &CudaStream,
+        staged: bool,
+        ty: GgmlType,
+        w: &DeviceBuf<u8>,
+        rows: usize,
+        cols: usize,
+        x: &DeviceBuf<f32>,
+        y: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        let fi = check_float_mm("gemv_float", ty, w, rows, cols, x, 1, y)?;
+        let (r, c) = (rows as i32, cols as i32);
+        let (wp, xp, yp) = (w.device_ptr(), x.device_ptr(), y.device_ptr());
+        if staged {
+            let f = self.func(Family::GemvFloat, GEMV_STAGED + fi)?;
+            let (ch, smem) = float_stage_plan(cols, if fi == 0 { 4 } else { 2 });
+            let chi = ch as i32;
+            // SAFETY: (W, x, y, rows, cols, ch) as gemv_staged_*; sizes checked;
+            // smem bytes as the kernel's min(2, chunks) * fgs_buf_bytes(ch).
+            unsafe { self.launch(f, (rows as u32, 1, 1), 32, smem, stream, &mut params![wp, xp, yp, r, c, chi]) }
         } else {
-            let f = self.func(Family::GemvFloat, 2 * fi + 1)?;
-            let grid = (gx, n_tok.div_ceil(GEMM_TOKENS) as u32, 1);
-            // SAFETY: (W, X, Y, rows, cols, n_tok) as FGEMV_ENTRY; sizes checked.
-            unsafe { self.launch(f, grid, 128, 0, stream, &mut params![wp, xp, yp, r, c, n]) }
+            let f = self.func(Family::GemvFloat, 2 * fi)?;
+            let grid = rows.div_ceil(GEMV_ROWS_PER_BLOCK) as u32;
+            // SAFETY: (W, x, y, rows, cols) as FGEMV_ENTRY; sizes checked.
+            unsafe { self.launch(f, (grid, 1, 1), 128, 0, stream, &mut params![wp, xp, yp, r, c]) }
         }
     }
 
@@ -653,12 +708,39 @@ impl CudaDevice {
         }
     }
 
-    /// Rotate every head of every row of `x` (`[positions.len(), width]`) in
-    /// place. Twin: `ops::rope_rows`.
+    /// Rotate every head of every row of `x` (`[positions.len(), width]`) into
+    /// `y`, the dims past `n_rot` copied. Twin: `ops::rope_rows`.
     pub fn rope(
         &self,
         stream: &CudaStream,
+        x: &DeviceBuf<f32>,
+        y: &mut DeviceBuf<f32>,
+        width: usize,
+        positions: &DeviceBuf<u32>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        want("rope", "y", y.len(), x.len())?;
+        self.rope_ptrs(stream, x, y.device_ptr(), width, positions, p)
+    }
+
+    /// [`CudaDevice::rope`] in place.
+    pub fn rope_in_place(
+        &self,
+        stream: &CudaStream,
         x: &mut DeviceBuf<f32>,
+        width: usize,
+        positions: &DeviceBuf<u32>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        let yp = x.device_ptr();
+        self.rope_ptrs(stream, x, yp, width, positions, p)
+    }
+
+    fn rope_ptrs(
+        &self,
+        stream: &CudaStream,
+        x: &DeviceBuf<f32>,
+        yp: u64,
         width: usize,
         positions: &DeviceBuf<u32>,
         p: &RopeParams,
@@ -671,10 +753,13 @@ impl CudaDevice {
             ));
         }
         want(OP, "x", x.len(), width * positions.len())?;
-        let total = positions.len() * (width / p.head_dim) * (p.n_rot / 2);
-        to_i32(OP, "pairs", total)?;
+        let xp = x.device_ptr();
+        // Threads a head, as the kernel counts them: out of place, the tail too.
+        let per = p.n_rot / 2 + if xp == yp { 0 } else { p.head_dim - p.n_rot };
+        let total = positions.len() * (width / p.head_dim) * per;
+        to_i32(OP, "threads", total)?;
         let f = self.func(Family::NormRope, 1)?;
-        let (xp, pp) = (x.device_ptr(), positions.device_ptr());
+        let pp = positions.device_ptr();
         let (w, n, hd, nr) = (
             width as i32,
             positions.len() as i32,
@@ -687,7 +772,7 @@ impl CudaDevice {
         };
         let (base, lf) = (p.base, p.linear_factor);
         let grid = total.div_ceil(256) as u32;
-        // SAFETY: (x, width, positions, n_rows, head_dim, n_rot, base, lf, kind) as rope.
+        // SAFETY: (x, y, width, positions, n_rows, head_dim, n_rot, base, lf, kind) as rope.
         unsafe {
             self.launch(
                 f,
@@ -695,7 +780,7 @@ impl CudaDevice {
                 256,
                 0,
                 stream,
-                &mut params![xp, w, pp, n, hd, nr, base, lf, kind],
+                &mut params![xp, yp, w, pp, n, hd, nr, base, lf, kind],
             )
         }
     }
@@ -997,6 +1082,26 @@ impl CudaDevice {
         ids: &mut DeviceBuf<i32>,
         weights: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
+        self.route_with(stream, true, spec, logits, bias, n_tok, n_exp, ids, weights)
+    }
+
+    /// [`CudaDevice::route`] with the kernel chosen: `warp` runs one warp a
+    /// token (route_topk_warp) when there are at most
+    /// [`ROUTE_WARP_MAX_EXPERTS`] experts, else one block a token
+    /// (route_topk). Both give the same ids and weight bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_with(
+        &self,
+        stream: &CudaStream,
+        warp: bool,
+        spec: &RouterSpec,
+        logits: &DeviceBuf<f32>,
+        bias: Option<&DeviceBuf<f32>>,
+        n_tok: usize,
+        n_exp: usize,
+        ids: &mut DeviceBuf<i32>,
+        weights: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "route";
         if spec.k == 0 || spec.k > MAX_TOP_K || spec.k > n_exp || n_exp > MAX_EXPERTS {
             return Err(shape(OP, format!("top-{} of {n_exp} experts", spec.k)));
@@ -1019,18 +1124,17 @@ impl CudaDevice {
             ids.device_ptr(),
             weights.device_ptr(),
         );
-        let f = self.func(Family::Moe, 0)?;
-        let smem = (2 * n_exp * 4) as u32;
-        // SAFETY: parameters as route_topk; sizes checked.
-        unsafe {
-            self.launch(
-                f,
-                (n_tok as u32, 1, 1),
-                256,
-                smem,
-                stream,
-                &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp],
-            )
+        let args = &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp];
+        if warp && n_exp <= ROUTE_WARP_MAX_EXPERTS {
+            let f = self.func(Family::Moe, ROUTE_WARP)?;
+            let grid = n_tok.div_ceil(ROUTE_WARP_TOKENS) as u32;
+            // SAFETY: parameters as route_topk_warp (those of route_topk); sizes checked.
+            unsafe { self.launch(f, (grid, 1, 1), 32 * ROUTE_WARP_TOKENS as u32, 0, stream, args) }
+        } else {
+            let f = self.func(Family::Moe, 0)?;
+            let smem = (2 * n_exp * 4) as u32;
+            // SAFETY: parameters as route_topk; sizes checked.
+            unsafe { self.launch(f, (n_tok as u32, 1, 1), 256, smem, stream, args) }
         }
     }
 

@@ -19,6 +19,8 @@ use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
 use crate::ops::{attention_workspace_len, Gating, GemmKernel, MoePairs, RouterSpec};
 
+mod small_ops;
+
 /// One line of the self-test table.
 #[derive(Clone, Debug)]
 pub struct SelfTestRow {
@@ -482,6 +484,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             moe_float_case(dev, &pool, &k, ty, act, next()),
         );
     }
+    small_ops::cases(dev, &mut t, &pool, &k, &mut next);
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -753,8 +756,13 @@ fn rope_case(
     let mut cpu = x.clone();
     ops::rope_rows(&mut cpu, width, &pos, *p);
     let (mut xd, pd) = (dev.upload(&x)?, dev.upload(&pos)?);
-    dev.rope(dev.compute(), &mut xd, width, &pd, p)?;
-    Ok(compare(&dev.download(&xd)?, &cpu, 0.0))
+    // Out of place into a poisoned buffer (the unrotated tail is copied), then in place.
+    let mut y = poisoned::<f32>(dev, x.len())?;
+    dev.rope(dev.compute(), &xd, &mut y, width, &pd, p)?;
+    let r1 = compare(&dev.download(&y)?, &cpu, 0.0);
+    dev.rope_in_place(dev.compute(), &mut xd, width, &pd, p)?;
+    let r2 = compare(&dev.download(&xd)?, &cpu, 0.0);
+    Ok(if r2.abs > r1.abs || !r2.pass { r2 } else { r1 })
 }
 
 fn glu_case(dev: &CudaDevice, act: Activation, n: usize, seed: u64) -> Result<Cmp, CudaError> {
@@ -921,7 +929,7 @@ fn route_case(
         let mut p = row.to_vec();
         match spec.gating {
             Gating::Softmax => ops::softmax_in_place(&mut p),
-            Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            Gating::Sigmoid => p.iter_mut().for_each(|v| *v = ops::math::sigmoid(*v)),
         }
         let choice: Vec<f32> = if with_bias {
             p.iter().zip(&bias).map(|(a, b)| a + b).collect()
@@ -1295,6 +1303,7 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     for ty in [GgmlType::Q2_K, GgmlType::Q4_K] {
         out.push(bench_moe(dev, ty, 4096, 1536, 8).unwrap_or_else(|e| failed_row("moe_ffn", e)));
     }
+    small_ops::bench(dev, &mut out);
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
     for ty in [
         GgmlType::Q4_K,

@@ -1132,14 +1132,14 @@ impl Ops for CudaStep<'_> {
                 return Err(format!("rope: {rows} rows for {} positions", self.positions.len()));
             }
             let mut y = self.new_val(rows, cols)?;
-            self.copy_rows(y.device_ptr(), self.buf(x)?.device_ptr(), rows * cols * 4)?;
             let kind = match spec.mode {
                 RopeMode::Neox => RopeKind::Neox,
                 RopeMode::Interleaved => RopeKind::Interleaved,
             };
             let p = RopeParams { head_dim: spec.head_dim as usize, n_rot: spec.n_rot as usize, base: spec.base, linear_factor: spec.linear_factor, kind };
             let stream = self.cm.dev.compute().clone();
-            self.cm.dev.rope(&stream, &mut y, cols, self.pos_buf, &p).map_err(err)?;
+            // Out of place: one kernel reads x and writes every value of y.
+            self.cm.dev.rope(&stream, self.buf(x)?, &mut y, cols, self.pos_buf, &p).map_err(err)?;
             self.push(y, rows, cols)
         })();
         self.done(r)
