@@ -98,7 +98,8 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_partial_##NAME(                \
         const float* q, const u32* positions, const void* k, const void* v, float* part, int n_q,  \
         int n_head, int n_kv_head, int dk, int dv, int n_ctx, float scale, int window,            \
-        float softcap, int chunk, int n_split) {                                                  \
+        float softcap, int chunk, int n_split) { \
+        pdl_begin(); \
         attn_partial<KV>(q, positions, k, v, part, n_q, n_head, n_kv_head, dk, dv, n_ctx, scale,  \
                          window, softcap, chunk, n_split);                                        \
     }
@@ -108,6 +109,7 @@ ATT_ENTRY(f16, 1)
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_combine(const float* part, float* out, int n_q, int n_head, int dv, int n_split) {
+    pdl_begin();
     int h = blockIdx.x, t = blockIdx.y;
     const float* pp = part + ((size_t)t * n_head + h) * n_split * (dv + 2);
     float M = NEG_INF;
@@ -134,6 +136,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // n_ctx is skipped (the host refuses such steps before they run).
 extern "C" __global__ void kv_write(const float* k, const float* v, const u32* positions, float* kc, float* vc,
                                     int kw, int vw, int n_ctx) {
+    pdl_begin();
     int r = blockIdx.y;
     u32 pos = positions[r];
     if (pos >= (u32)n_ctx) return;

@@ -17,6 +17,18 @@ typedef long long i64;
 #define WARP 32
 #define FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch (sm_90+; the host launches with it there): a
+// kernel may be scheduled while the previous kernel on its stream still runs.
+// Every entry point calls this first: it waits until that kernel has finished
+// and its writes are visible, then lets the next kernel be scheduled. Without
+// the launch attribute (or before sm_90) both steps are no-ops.
+__device__ __forceinline__ void pdl_begin() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

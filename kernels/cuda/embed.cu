@@ -40,11 +40,13 @@ __device__ __forceinline__ void embed_f(const u8* table, const u32* ids, float* 
 #define EMBED_Q(NAME, F)                                                                        \
     extern "C" __global__ void __launch_bounds__(EMBED_THREADS) embed_##NAME(                  \
         const u8* table, const u32* ids, float* out, int n, int cols, int n_vocab, const u64* tab) { \
+        pdl_begin(); \
         embed_q<F>(table, ids, out, n, cols, n_vocab, tab);                                     \
     }
 #define EMBED_F(NAME, T)                                                                        \
     extern "C" __global__ void __launch_bounds__(EMBED_THREADS) embed_##NAME(                  \
         const u8* table, const u32* ids, float* out, int n, int cols, int n_vocab, const u64*) { \
+        pdl_begin(); \
         embed_f<T>(table, ids, out, n, cols, n_vocab);                                          \
     }
 

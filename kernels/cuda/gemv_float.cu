@@ -106,15 +106,18 @@ __device__ __forceinline__ void fgemm(const u8* W, const float* X, float* Y, int
 
 #define FGEMV_ENTRY(NAME, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(FG_WARPS * 32)                                  \
-        gemv_##NAME(const u8* W, const float* x, float* y, int rows, int cols) {                 \
+        gemv_##NAME(const u8* W, const float* x, float* y, int rows, int cols) { \
+        pdl_begin(); \
         fgemv<T>(W, x, y, rows, cols);                                                            \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(FG_WARPS * 32)                                  \
-        gemm_##NAME(const u8* W, const float* X, float* Y, int rows, int cols, int n_tok) {      \
+        gemm_##NAME(const u8* W, const float* X, float* Y, int rows, int cols, int n_tok) { \
+        pdl_begin(); \
         fgemm<T>(W, X, Y, rows, cols, n_tok);                                                     \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(32)                                             \
-        gemv_staged_##NAME(const u8* W, const float* x, float* y, int rows, int cols, int ch) {  \
+        gemv_staged_##NAME(const u8* W, const float* x, float* y, int rows, int cols, int ch) { \
+        pdl_begin(); \
         fgemv_staged<T>(W, x, y, rows, cols, ch);                                                 \
     }
 

@@ -322,19 +322,23 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
 #define GEMV_ENTRY(NAME, F)                                                                     \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) gemv_##NAME(                   \
         const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int ng, int xsb,       \
-        const u64* tab) {                                                                       \
+        const u64* tab) { \
+        pdl_begin(); \
         gemv_impl<F>(W, X, Y, rows, cols, rpw, ng, xsb, tab);                                   \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemm_##NAME(                   \
-        const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) { \
+        pdl_begin(); \
         gemm_impl<F>(W, X, Y, rows, cols, n_tok, tab);                                          \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) gemm_mma_##NAME(               \
-        const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) {    \
+        const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) { \
+        pdl_begin(); \
         gemm_mma_impl<F, 8>(W, X, Y, rows, cols, blockIdx.y * 64, n_tok, tab);                  \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32) gemm_mma_grouped_##NAME(       \
         const u64* items, int which, const u8* X, float* Y, int rows, int cols, const u64* tab) { \
+        pdl_begin(); \
         const u64* it = items + 4 * (size_t)blockIdx.y;                                         \
         int start = (int)(it[3] & 0xffffffffu), len = (int)(it[3] >> 32);                       \
         gemm_mma_impl<F, 4>((const u8*)it[which], X, Y, rows, cols, start, start + len, tab);   \
@@ -359,6 +363,7 @@ GEMV_ENTRY(iq3_xxs, F_IQ3_XXS)
 // q8_0: one warp per block of 32 (lane = value). d = amax / 127, q = round(x / d)
 // (ties away from zero), d stored as f16 (kernels/src/quant/q8_0.rs).
 extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u8* __restrict__ out, int n_blocks) {
+    pdl_begin();
     int blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;
     int lane = threadIdx.x & 31;
@@ -382,6 +387,7 @@ extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u8* __rest
 // q = round_ties_even(iscale x), d = 1 / iscale; 16-value sums kept
 // (kernels/src/quant/q8_k.rs).
 extern "C" __global__ void quantize_q8_k(const float* __restrict__ x, u8* __restrict__ out, int n_blocks) {
+    pdl_begin();
     int blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;
     int lane = threadIdx.x & 31;

@@ -31,6 +31,7 @@ __device__ __forceinline__ Best better(Best a, Best b) {
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     route_topk(const float* logits, const float* bias, int n_tok, int n_exp, int k, int gating, int renorm,
                float scale, int* ids, float* weights) {
+    pdl_begin();
     extern __shared__ float smem[];
     float* p = smem;          // scores
     float* c = smem + n_exp;  // selection keys
@@ -198,6 +199,7 @@ __device__ __forceinline__ void route_warp(const float* logits, const float* bia
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     route_topk_warp(const float* logits, const float* bias, int n_tok, int n_exp, int k, int gating, int renorm,
                     float scale, int* ids, float* weights) {
+    pdl_begin();
     __shared__ __align__(16) float sp[ROUTE_WARPS][ROUTE_WARP_MAX];
     float* s = sp[threadIdx.x >> 5];
     if (n_exp <= 32)
@@ -259,12 +261,14 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
 #define MOE_ENTRY(NAME, F)                                                                          \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                    \
         moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
-                      int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) {              \
+                      int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) { \
+        pdl_begin(); \
         moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, ng, xsb, tab);              \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) moe_down_##NAME(                   \
         const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int ng,      \
-        int xsb, const u64* tab) {                                                                  \
+        int xsb, const u64* tab) { \
+        pdl_begin(); \
         moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, ng, xsb, tab);                            \
     }
 
@@ -289,6 +293,7 @@ MOE_ENTRY(iq3_xxs, F_IQ3_XXS)
 // Twin: the host's table lookup.
 extern "C" __global__ void moe_gather_ptrs(const int* ids, int n_pairs, int n_exp, const u64* tg, const u64* tu,
                                            const u64* td, u64* pg, u64* pu, u64* pd) {
+    pdl_begin();
     int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= n_pairs) return;
     int e = ids[p];
@@ -303,6 +308,7 @@ extern "C" __global__ void moe_gather_ptrs(const int* ids, int n_pairs, int n_ex
 // Twin: the CPU MoE op's slot sum.
 extern "C" __global__ void moe_combine(const float* out, const float* w, int n_tok, int n_slot, int d_model,
                                        float* y) {
+    pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int t = blockIdx.y;
     if (c >= d_model || t >= n_tok) return;
@@ -364,11 +370,13 @@ __device__ __forceinline__ void moe_down_float(const u64* down_ptrs, const float
 #define MOE_FENTRY(NAME, T)                                                                               \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_up_##NAME(                           \
         const u64* gate_ptrs, const u64* up_ptrs, const float* X, float* H, int ff, int cols, int n_slot, \
-        int act) {                                                                                        \
+        int act) { \
+        pdl_begin(); \
         moe_up_float<T>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act);                                 \
     }                                                                                                     \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                          \
-        moe_down_##NAME(const u64* down_ptrs, const float* H, float* OUT, int d_model, int ff) {          \
+        moe_down_##NAME(const u64* down_ptrs, const float* H, float* OUT, int d_model, int ff) { \
+        pdl_begin(); \
         moe_down_float<T>(down_ptrs, H, OUT, d_model, ff);                                                \
     }
 

@@ -59,6 +59,7 @@ __device__ __forceinline__ void rms_norm_group(const float* xg, float* yg, const
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* x, float* y, const float* w, int group, int n_groups, float eps) {
+    pdl_begin();
     __shared__ double part[NORM_THREADS / 32];
     int g = blockIdx.x;
     if (g >= n_groups) return;
@@ -86,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // copy the unrotated tail, so no copy of the row has to come first.
 extern "C" __global__ void rope(const float* x, float* y, int width, const u32* positions, int n_rows,
                                 int head_dim, int n_rot, float base, float linear_factor, int kind) {
+    pdl_begin();
     int half = n_rot / 2;
     int per = half + (x == y ? 0 : head_dim - n_rot);
     int heads = width / head_dim;

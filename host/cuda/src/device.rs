@@ -33,6 +33,10 @@ pub struct CudaDevice {
     cache_dir: Option<PathBuf>,
     modules: [OnceLock<Loaded>; Family::ALL.len()],
     iq_tables: DeviceBuf<u64>,
+    /// Launch kernels with programmatic dependent launch (sm_90+): each may
+    /// start while its predecessor on the stream finishes, and waits for it
+    /// on the device (every kernel begins with `pdl_begin`, common.cuh).
+    pdl: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -106,6 +110,7 @@ impl CudaDevice {
             cache_dir,
             modules: std::array::from_fn(|_| OnceLock::new()),
             iq_tables: iq,
+            pdl: std::sync::atomic::AtomicBool::new(cc.0 >= 9),
         })
     }
 
@@ -118,6 +123,15 @@ impl CudaDevice {
     /// (major, minor), e.g. (9, 0) on an H100/H200.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.cc
+    }
+    /// Turn programmatic dependent launch on or off (it is on by default
+    /// where the device has it, sm_90+; off elsewhere whatever is asked).
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.pdl.store(on && self.cc.0 >= 9, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Whether kernels launch with programmatic dependent launch.
+    pub fn programmatic_launch(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
     }
     /// The NVRTC target, e.g. `sm_90`.
     pub fn arch(&self) -> &str {

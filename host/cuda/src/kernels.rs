@@ -345,6 +345,24 @@ mod tests {
         }
     }
 
+    /// Kernels are launched with programmatic dependent launch on sm_90+, so
+    /// one that touched memory before `pdl_begin` would race its predecessor.
+    #[test]
+    fn every_kernel_waits_for_its_predecessor_first() {
+        for f in Family::ALL {
+            let src = f.source();
+            let mut defs = 0;
+            for (at, _) in src.match_indices("extern \"C\" __global__") {
+                let body = &src[at..];
+                let open = body.find('{').expect("a kernel body");
+                let first = body[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                assert!(first.starts_with("pdl_begin();"), "{}: a kernel does not start with pdl_begin: {}", f.file(), &body[..open]);
+                defs += 1;
+            }
+            assert!(defs > 0, "{}: no kernels found", f.file());
+        }
+    }
+
     /// `gemv_q4_k` is defined by `GEMV_ENTRY(q4_k, ...)` (prefix `gemv_##NAME`).
     fn macro_defines(src: &str, entry: &str) -> bool {
         src.lines().filter_map(|l| l.strip_suffix(')')).any(|l| {

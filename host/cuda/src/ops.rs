@@ -357,16 +357,39 @@ impl CudaDevice {
             ));
         }
         self.context().bind_to_thread()?;
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                grid,
-                (block, 1, 1),
-                smem,
-                stream.cu_stream(),
-                args,
-            )
-        }?;
+        if self.programmatic_launch() {
+            use cudarc::driver::sys;
+            // SAFETY: a zeroed attribute is a valid "ignore"; the id and the
+            // union field set below are the documented pair.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: smem,
+                hStream: stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: the caller's contract on `args`; `cfg` and `attr` outlive the call.
+            unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }.result()?;
+        } else {
+            unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    grid,
+                    (block, 1, 1),
+                    smem,
+                    stream.cu_stream(),
+                    args,
+                )
+            }?;
+        }
         Ok(())
     }
 

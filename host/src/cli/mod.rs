@@ -45,6 +45,10 @@ pub struct GpuArgs {
     /// captured CUDA graph (graphs are used when the experts are resident).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Launch each kernel only after the previous one has finished (no
+    /// programmatic dependent launch; it is used on sm_90+ GPUs)
+    #[arg(long)]
+    pub no_pdl: bool,
     /// Stream experts on this GPU (default: the fastest measured link).
     #[arg(long, env = "PULSAR_GPU", value_name = "N")]
     pub gpu: Option<usize>,
@@ -106,6 +110,7 @@ impl GpuArgs {
             no_pin: self.no_pin || cached_store,
             no_prefetch: self.no_prefetch,
             no_graphs: self.no_cuda_graphs,
+            no_pdl: self.no_pdl,
         }
     }
 }

@@ -116,6 +116,8 @@ pub struct LoadOptions {
     pub no_prefetch: bool,
     /// Never capture decode steps as CUDA graphs.
     pub no_graphs: bool,
+    /// Never launch kernels with programmatic dependent launch.
+    pub no_pdl: bool,
 }
 
 /// Free device memory minus a reserve for activations, KV and the driver.
@@ -220,6 +222,7 @@ impl CudaModel {
             None => (None, crate::cold::CostModel::default()),
         };
         let graphs = experts.is_none() && !opts.no_graphs;
+        dev.set_programmatic_launch(!opts.no_pdl);
         Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident, max_chunk, activation_reserve, graphs })
     }
 
