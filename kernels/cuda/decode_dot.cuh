@@ -20,6 +20,9 @@
 #define DD_WARPS 8 // the most warps a block (the host launches 4 for small matrices)
 #define DD_MAX_ROWS 4 // rows of one group, all matrices together
 #define DD_SLOTS 3    // ring slots: two steps in flight while one is summed
+// A row's block values in `vals`: 16-byte aligned rows (the ordered sum reads
+// four at a time) whose starts still fall in different banks.
+#define DD_VALS_STRIDE 36
 
 template <int F> struct DD {
     enum {
@@ -112,7 +115,7 @@ __device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, si
 
 // The canonical dots of the warp's work against the (staged) activation row
 // `x` of `units` units; `ring` from dd_begin, `vals` DD_MAX_ROWS *
-// VALS_STRIDE floats of this warp. After each group, every lane calls
+// DD_VALS_STRIDE floats of this warp (16-byte aligned). After each group, every lane calls
 // store(g, n, v): lane r < mats * n holds the finished dot of the group's row r.
 template <int F, class Store>
 __device__ __forceinline__ void dd_run(const DDWork& wk, const u8* x, int units, u8* ring, float* vals,
@@ -166,13 +169,18 @@ __device__ __forceinline__ void dd_run(const DDWork& wk, const u8* x, int units,
                     M += __shfl_xor_sync(FULL_MASK, M, 2);
                 }
             }
-            if (ok && part == 0) vals[r * VALS_STRIDE + sb] = block_value<F>(xv[0].d, d, dm, S, M);
+            if (ok && part == 0) vals[r * DD_VALS_STRIDE + sb] = block_value<F>(xv[0].d, d, dm, S, M);
         }
         __syncwarp();
         if (lane < nrows) {
-            int nb = min(BPS, blocks - c * BPS);
-            const float* v = vals + lane * VALS_STRIDE;
-            for (int j = 0; j < nb; j++) acc = __fadd_rn(acc, v[j]);
+            // In block order, one after another; read four at a time.
+            int nb = min(BPS, blocks - c * BPS), j = 0;
+            const float* v = vals + lane * DD_VALS_STRIDE;
+            for (; j + 4 <= nb; j += 4) {
+                float4 q = *(const float4*)(v + j);
+                acc = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(acc, q.x), q.y), q.z), q.w);
+            }
+            for (; j < nb; j++) acc = __fadd_rn(acc, v[j]);
         }
         if (c == chunks - 1) {
             store(g, n, finish_dot<F>(acc));

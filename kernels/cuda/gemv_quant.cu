@@ -30,7 +30,7 @@ template <int F>
 __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
                                           float* __restrict__ Y, int rows, int cols, int rpw, int ng, int xsb,
                                           const u64* tab) {
-    __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
+    __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 gemv_stage[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;

@@ -219,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 template <int F>
 __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
                                        int cols, int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) {
-    __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
+    __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
@@ -241,7 +241,7 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
 template <int F>
 __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
                                          int rpw, int ng, int xsb, const u64* tab) {
-    __shared__ float vals[DD_WARPS][DD_MAX_ROWS * VALS_STRIDE];
+    __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u64 dp = down_ptrs[p];

@@ -157,9 +157,11 @@ const DECODE_WARPS_SMALL: usize = 4;
 const DECODE_MAX_ROWS: usize = 4;
 /// Ring slots of a decode warp (DD_SLOTS).
 const DECODE_SLOTS: usize = 3;
-/// A warp's ring of staged row chunks is kept to this, so that four blocks of
-/// eight warps fit an SM's shared memory.
-const DECODE_RING_BUDGET: usize = 5 * 1024;
+/// A warp's ring of staged row chunks is kept to this: enough for two q8_0
+/// rows (or four q2_K rows) a step, whose per-step costs (the activation
+/// units, the waits, the ordered sum) the rows then share; three blocks of
+/// eight warps still fit an SM's shared memory.
+const DECODE_RING_BUDGET: usize = 9 * 1024;
 /// Warps worth keeping busy: about one wave of ~32 resident warps on each of
 /// ~130 SMs. Past it a warp takes more rows a group, then more groups.
 const DECODE_WARPS_WANTED: usize = 4096;
@@ -1539,16 +1541,17 @@ mod tests {
 
     #[test]
     fn decode_plans_of_the_benchmark_shapes() {
-        // attn_q of qwen3-235b (8192 x 4096 q8_0): 4096 warps of two one-row groups.
+        // attn_q of qwen3-235b (8192 x 4096 q8_0): 4096 warps of one two-row group.
         let q = decode_plan(GgmlType::Q8_0, 8192, 1, 4352);
-        assert_eq!((q.rpw, q.groups, q.xsb), (1, 2, (4352 + 32usize).next_multiple_of(16)));
+        assert_eq!((q.rpw, q.groups, q.xsb), (2, 1, (4352 + 32usize).next_multiple_of(16)));
         assert_eq!(q.blocks(8192), 512);
-        // Eight experts' gate + up (1536 rows each, q2_K): one row of each a group, three groups a warp.
+        // Eight experts' gate + up (1536 rows each, q2_K): two rows of each a group.
         let up = decode_plan(GgmlType::Q2_K, 8 * 1536, 2, 16 * 292);
-        assert_eq!((up.rpw, up.groups), (1, 3));
-        assert_eq!(up.blocks(1536), 64);
-        // Their down rows (4096 each): two a group, four groups a warp.
-        assert_eq!(decode_plan(GgmlType::Q2_K, 8 * 4096, 1, 6 * 292).rpw, 2);
+        assert_eq!((up.rpw, up.groups), (2, 1));
+        assert_eq!(up.blocks(1536), 96);
+        // Their down rows (4096 each): four a group, two groups a warp.
+        let down = decode_plan(GgmlType::Q2_K, 8 * 4096, 1, 6 * 292);
+        assert_eq!((down.rpw, down.groups), (4, 2));
         // A small matrix keeps one row a warp.
         let kv = decode_plan(GgmlType::Q8_0, 512, 1, 4352);
         assert_eq!((kv.rpw, kv.groups, kv.warps), (1, 1, DECODE_WARPS_SMALL));
