@@ -65,18 +65,31 @@ struct DDWork {
     }
 };
 
-// Issue the copies of step s (group s / chunks, chunk s % chunks) into its
-// ring slot; nothing when s is past the last step. The caller commits.
+// A position in the warp's (group, chunk) steps and its ring slot, advanced
+// by counting (no division in the loop).
+struct DDStep {
+    int g, c, slot;
+    __device__ __forceinline__ void next(int chunks) {
+        if (++c == chunks) {
+            c = 0;
+            g++;
+        }
+        if (++slot == DD_SLOTS) slot = 0;
+    }
+};
+
+// Issue the copies of step `at` into its ring slot; nothing past the last
+// group. The caller commits.
 template <int F>
-__device__ __forceinline__ void dd_issue(u8* ring, const DDWork& wk, int s, int chunks, int blocks) {
-    if (s >= wk.groups() * chunks) return;
+__device__ __forceinline__ void dd_issue(u8* ring, const DDWork& wk, DDStep at, int groups, int blocks) {
+    if (at.g >= groups) return;
     int lane = threadIdx.x & 31;
-    int g = s / chunks, c = s % chunks, n = wk.rows_of(g);
-    u8* slot = ring + (s % DD_SLOTS) * (wk.mats * wk.gr) * DD<F>::RSTRIDE;
-    int bytes = min((int)DD<F>::BPS, blocks - c * DD<F>::BPS) * Fmt<F>::BYTES;
-    size_t off = (size_t)c * DD<F>::CHUNK;
+    int n = wk.rows_of(at.g);
+    u8* slot = ring + at.slot * (wk.mats * wk.gr) * DD<F>::RSTRIDE;
+    int bytes = min((int)DD<F>::BPS, blocks - at.c * DD<F>::BPS) * Fmt<F>::BYTES;
+    size_t off = (size_t)at.c * DD<F>::CHUNK;
     for (int r = 0; r < wk.mats * n; r++) {
-        size_t a = (size_t)(wk.row(g, n, r) + off);
+        size_t a = (size_t)(wk.row(at.g, n, r) + off);
         size_t gi = a >> 4, ng = ((a + bytes - 1) >> 4) - gi + 1;
         u8* dst = slot + r * DD<F>::RSTRIDE;
         for (size_t i = lane; i < ng; i += 32) cp_async16(dst + 16 * i, (const void*)((gi + i) << 4));
@@ -99,10 +112,12 @@ __device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, si
         cp_async_commit();
     }
     int blocks = units / Fmt<F>::UNITS, chunks = (blocks + DD<F>::BPS - 1) / DD<F>::BPS;
+    DDStep at{0, 0, 0};
 #pragma unroll
     for (int s = 0; s < DD_SLOTS - 1; s++) {
-        dd_issue<F>(ring, wk, s, chunks, blocks);
+        dd_issue<F>(ring, wk, at, wk.groups(), blocks);
         cp_async_commit();
+        at.next(chunks);
     }
     if (xsb > 0) {
         // x was copied by every thread: wait for its group (the steps may
@@ -125,16 +140,20 @@ __device__ __forceinline__ void dd_run(const DDWork& wk, const u8* x, int units,
     const int blocks = units / UN;
     const int chunks = (blocks + BPS - 1) / BPS;
     const int sb = lane / LPB, part = lane % LPB;
-    const int steps = wk.groups() * chunks;
+    const int groups = wk.groups();
+    // `at` steps DD_SLOTS - 1 ahead of `now` (dd_begin issued the ones between).
+    DDStep now{0, 0, 0}, at{0, 0, 0};
+#pragma unroll
+    for (int s = 0; s < DD_SLOTS - 1; s++) at.next(chunks);
     float acc = 0.0f;
-    for (int s = 0; s < steps; s++) {
-        // Keep DD_SLOTS - 1 steps in flight; step s's copies are then done.
-        dd_issue<F>(ring, wk, s + DD_SLOTS - 1, chunks, blocks);
+    for (; now.g < groups; now.next(chunks), at.next(chunks)) {
+        // Keep DD_SLOTS - 1 steps in flight; this step's copies are then done.
+        dd_issue<F>(ring, wk, at, groups, blocks);
         cp_async_commit();
         cp_async_wait<DD_SLOTS - 1>();
         __syncwarp();
-        int g = s / chunks, c = s % chunks, n = wk.rows_of(g), nrows = wk.mats * n;
-        const u8* cur = ring + (s % DD_SLOTS) * (wk.mats * wk.gr) * DD<F>::RSTRIDE;
+        int g = now.g, c = now.c, n = wk.rows_of(g), nrows = wk.mats * n;
+        const u8* cur = ring + now.slot * (wk.mats * wk.gr) * DD<F>::RSTRIDE;
         int b = c * BPS + sb;
         bool ok = b < blocks;
         XUnit xv[UPL];
