@@ -101,17 +101,13 @@ __device__ __forceinline__ void dd_issue(u8* ring, const DDWork& wk, DDStep at, 
 // dd_ring_bytes(mats * gr). Stages x and the first DD_SLOTS - 1 steps of this
 // warp's work, then syncs the block so every warp may read x. Every thread of
 // the block must call it (before any thread returns).
-//
-// xf != null: x is given as `units * 32` f32 values instead, and the block
-// quantizes it into the staging area itself (the quantize kernel's
-// quantize_block_*, so the same bytes), which saves that kernel a launch.
 template <int F>
-__device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, const float* xf, size_t xlen,
-                                              const DDWork& wk, int units, u8*& ring) {
+__device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, size_t xlen, const DDWork& wk,
+                                              int units, u8*& ring) {
     int warp = threadIdx.x >> 5;
     ring = smem + xsb + warp * dd_ring_bytes<F>(wk.mats * wk.gr);
     const u8* xs = x;
-    if (xsb > 0 && !xf) {
+    if (xsb > 0) {
         xs = stage_block(smem, x, xlen);
         cp_async_commit();
     }
@@ -122,17 +118,6 @@ __device__ __forceinline__ const u8* dd_begin(u8* smem, int xsb, const u8* x, co
         dd_issue<F>(ring, wk, at, wk.groups(), blocks);
         cp_async_commit();
         at.next(chunks);
-    }
-    if (xf) {
-        // While the first steps' copies fly: one warp a block of x.
-        int nw = blockDim.x >> 5;
-        if (Fmt<F>::K) {
-            for (int b = warp; b < units / 8; b += nw) quantize_block_q8_k(xf + 256 * b, smem + 292 * b);
-        } else {
-            for (int b = warp; b < units; b += nw) quantize_block_q8_0(xf + 32 * b, smem + 34 * b);
-        }
-        __syncthreads();
-        return smem;
     }
     if (xsb > 0) {
         // x was copied by every thread: wait for its group (the steps may

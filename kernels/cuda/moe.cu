@@ -215,12 +215,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 // Up to DD_WARPS warps a block; a warp takes ng groups of rpw rows (moe_up: rpw
 // gate rows and the same rpw up rows side by side, 2 rpw <= DD_MAX_ROWS),
 // streamed step by step (decode_dot.cuh). xsb > 0: the pair's activation row
-// is staged in the first xsb bytes of dynamic shared memory; given as f32
-// (XF / HF non-null, X / HQ null) it is quantized there by the block.
+// is staged in the first xsb bytes of dynamic shared memory.
 template <int F>
-__device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, const float* XF,
-                                       float* H, int ff, int cols, int n_slot, int act, int rpw, int ng, int xsb,
-                                       const u64* tab) {
+__device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
+                                       int cols, int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) {
     __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -231,8 +229,7 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
     DDWork wk{(const u8*)gp, (const u8*)upp, 2, first, min(rpw * ng, ff - first), rpw, w_row_bytes<F>(cols)};
     size_t xrb = act_row_bytes<F>(cols);
     u8* ring;
-    const u8* x = dd_begin<F>(moe_stage, xsb, X ? X + (size_t)t * xrb : nullptr, XF ? XF + (size_t)t * cols : nullptr,
-                              xrb, wk, cols / 32, ring);
+    const u8* x = dd_begin<F>(moe_stage, xsb, X + (size_t)t * xrb, xrb, wk, cols / 32, ring);
     float* h = H + (size_t)p * ff + first;
     dd_run<F>(wk, x, cols / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
         // Lane r holds gate row r of the group, lane n + r its up row.
@@ -242,8 +239,8 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
 }
 
 template <int F>
-__device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, const float* HF, float* OUT, int d_model,
-                                         int ff, int rpw, int ng, int xsb, const u64* tab) {
+__device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff,
+                                         int rpw, int ng, int xsb, const u64* tab) {
     __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -253,8 +250,7 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, con
     DDWork wk{(const u8*)dp, (const u8*)dp, 1, first, min(rpw * ng, d_model - first), rpw, w_row_bytes<F>(ff)};
     size_t hrb = act_row_bytes<F>(ff);
     u8* ring;
-    const u8* h = dd_begin<F>(moe_stage, xsb, HQ ? HQ + (size_t)p * hrb : nullptr, HF ? HF + (size_t)p * ff : nullptr,
-                              hrb, wk, ff / 32, ring);
+    const u8* h = dd_begin<F>(moe_stage, xsb, HQ + (size_t)p * hrb, hrb, wk, ff / 32, ring);
     float* out = OUT + (size_t)p * d_model + first;
     dd_run<F>(wk, h, ff / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
         if (lane < n) out[g * rpw + lane] = v;
@@ -262,18 +258,18 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, con
 }
 
 // rpw, ng: rows a group and groups a warp, chosen by the host from the pairs' total rows.
-#define MOE_ENTRY(NAME, F)                                                                            \
-    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                      \
-        moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, const float* XF, float* H, \
-                      int ff, int cols, int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) { \
-        pdl_begin();                                                                                  \
-        moe_up<F>(gate_ptrs, up_ptrs, X, XF, H, ff, cols, n_slot, act, rpw, ng, xsb, tab);            \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) moe_down_##NAME(                     \
-        const u64* down_ptrs, const u8* HQ, const float* HF, float* OUT, int d_model, int ff, int rpw, \
-        int ng, int xsb, const u64* tab) {                                                            \
-        pdl_begin();                                                                                  \
-        moe_down<F>(down_ptrs, HQ, HF, OUT, d_model, ff, rpw, ng, xsb, tab);                          \
+#define MOE_ENTRY(NAME, F)                                                                          \
+    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                    \
+        moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
+                      int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) { \
+        pdl_begin(); \
+        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, ng, xsb, tab);              \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) moe_down_##NAME(                   \
+        const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int ng,      \
+        int xsb, const u64* tab) { \
+        pdl_begin(); \
+        moe_down<F>(down_ptrs, HQ, OUT, d_model, ff, rpw, ng, xsb, tab);                            \
     }
 
 MOE_ENTRY(q8_0, F_Q8_0)

@@ -21,8 +21,7 @@ pub use device::CudaDevice;
 pub mod ops;
 
 pub use ops::{
-    act_bytes, attention_graph_ctx, attention_workspace_len, gemv_quantizes_in_kernel, grouped_items_len, moe_quantizes_in_kernel,
-    weight_bytes, Gating, GemmKernel, KvElem,
+    act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, Gating, GemmKernel, KvElem,
     ExpertRun, GroupedScratch, MoePairs, RouterSpec,
 };
 pub mod selftest;

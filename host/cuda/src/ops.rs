@@ -259,40 +259,6 @@ fn check_float_mm(
     Ok(fi)
 }
 
-/// Whether a decode GEMV of `ty` over `cols`-value rows can quantize its f32
-/// activation row in shared memory ([`CudaDevice::gemv_f32_act`]); rows too
-/// long for it take `quantize_act` and [`CudaDevice::gemv`].
-pub fn gemv_quantizes_in_kernel(ty: GgmlType, rows: usize, cols: usize) -> bool {
-    match ActFormat::for_weight(ty) {
-        Some(ActFormat::F32) | None => false,
-        Some(fmt) => act_bytes(fmt, 1, cols).is_ok_and(|b| decode_plan(ty, rows, 1, b).xsb > 0),
-    }
-}
-
-/// Whether [`CudaDevice::moe_ffn_f32_act`] takes these shapes (both
-/// activation rows fit a block's shared memory).
-pub fn moe_quantizes_in_kernel(gate_up_ty: GgmlType, down_ty: GgmlType, n_pairs: usize, d_model: usize, ff: usize) -> bool {
-    let Ok((g, d)) = moe_formats("moe_ffn", gate_up_ty, down_ty) else { return false };
-    let fits = |ty, rows, mats, fmt, cols| act_bytes(fmt, 1, cols).is_ok_and(|b| decode_plan(ty, rows, mats, b).xsb > 0);
-    fits(gate_up_ty, ff * n_pairs, 2, g, d_model) && fits(down_ty, d_model * n_pairs, 1, d, ff)
-}
-
-/// The activation formats of an expert FFN's gate/up and down products (quantized ones only).
-fn moe_formats(op: &'static str, gate_up_ty: GgmlType, down_ty: GgmlType) -> Result<(ActFormat, ActFormat), CudaError> {
-    let q = |ty| match ActFormat::for_weight(ty) {
-        Some(ActFormat::F32) | None => Err(CudaError::Unsupported { op, ty }),
-        Some(f) => Ok(f),
-    };
-    Ok((q(gate_up_ty)?, q(down_ty)?))
-}
-
-/// What a per-pair expert launch reads: the tokens' q8 rows (and a buffer
-/// for h quantized), or their f32 rows.
-enum MoeAct<'a> {
-    Quantized(&'a DeviceBuf<u8>, &'a mut DeviceBuf<u8>),
-    F32(&'a DeviceBuf<f32>),
-}
-
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
 pub fn grouped_items_len(n: usize, runs: usize) -> usize {
     4 * (n / GROUPED_TILE + runs)
@@ -510,61 +476,18 @@ impl CudaDevice {
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
         let qi = self.check_quant_mm("gemv", ty, w, rows, cols, x, 1, y)?;
-        let plan = decode_plan(ty, rows, 1, x.len());
-        self.launch_gemv(stream, qi, plan, w, rows, cols, x.device_ptr(), 0, y)
-    }
-
-    /// [`gemv`](Self::gemv) on the f32 activation row `x` (`cols` values): each
-    /// block quantizes it in shared memory (the same bytes `quantize_act`
-    /// gives), so no quantize kernel runs first. For rows of any size that
-    /// [`gemv_quantizes_in_kernel`] accepts.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_f32_act(
-        &self,
-        stream: &CudaStream,
-        ty: GgmlType,
-        w: &DeviceBuf<u8>,
-        rows: usize,
-        cols: usize,
-        x: &DeviceBuf<f32>,
-        y: &mut DeviceBuf<f32>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "gemv_f32_act";
-        let qi = quant_index(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
-        let fmt = ActFormat::for_weight(ty).ok_or(CudaError::Unsupported { op: OP, ty })?;
-        want(OP, "weight bytes", w.len(), weight_bytes(ty, rows, cols)?)?;
-        want(OP, "x", x.len(), cols)?;
-        want(OP, "y", y.len(), rows)?;
-        to_i32(OP, "rows", rows)?;
-        to_i32(OP, "cols", cols)?;
-        let plan = decode_plan(ty, rows, 1, act_bytes(fmt, 1, cols)?);
-        if plan.xsb == 0 {
-            return Err(shape(OP, format!("a {cols}-value row does not fit the block's shared memory")));
-        }
-        self.launch_gemv(stream, qi, plan, w, rows, cols, 0, x.device_ptr(), y)
-    }
-
-    /// Launch gemv_<fmt> with the quantized row at `xq` or the f32 row at `xf` (the other 0).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_gemv(
-        &self,
-        stream: &CudaStream,
-        qi: usize,
-        plan: DecodePlan,
-        w: &DeviceBuf<u8>,
-        rows: usize,
-        cols: usize,
-        xq: u64,
-        xf: u64,
-        y: &mut DeviceBuf<f32>,
-    ) -> Result<(), CudaError> {
         let f = self.func(Family::GemvQuant, gemv_entry(qi))?;
-        let (wp, yp, tab) = (w.device_ptr(), y.device_ptr(), self.iq_tables().device_ptr());
+        let (wp, xp, yp, tab) = (
+            w.device_ptr(),
+            x.device_ptr(),
+            y.device_ptr(),
+            self.iq_tables().device_ptr(),
+        );
+        let plan = decode_plan(ty, rows, 1, x.len());
         let (r, c, rw, ng, xsb) = (rows as i32, cols as i32, plan.rpw as i32, plan.groups as i32, plan.xsb as i32);
         let grid = plan.blocks(rows);
-        // SAFETY: (W, X, XF, Y, rows, cols, rpw, ng, xsb, tab) as GEMV_ENTRY;
-        // sizes checked by the callers; plan.smem bytes of dynamic shared
-        // memory (opted in at load).
+        // SAFETY: (W, X, Y, rows, cols, rpw, ng, xsb, tab) as GEMV_ENTRY; sizes
+        // checked; plan.smem bytes of dynamic shared memory (opted in at load).
         unsafe {
             self.launch(
                 f,
@@ -572,7 +495,7 @@ impl CudaDevice {
                 plan.threads(),
                 plan.smem as u32,
                 stream,
-                &mut params![wp, xq, xf, yp, r, c, rw, ng, xsb, tab],
+                &mut params![wp, xp, yp, r, c, rw, ng, xsb, tab],
             )
         }
     }
@@ -1266,77 +1189,53 @@ impl CudaDevice {
         hq: &mut DeviceBuf<u8>,
         out: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
-        let (gfmt, _) = moe_formats("moe_ffn", gate_up_ty, down_ty)?;
-        want("moe_ffn", "x bytes", x.len(), act_bytes(gfmt, pairs.n_tok, d_model)?)?;
-        self.launch_moe(stream, gate_up_ty, down_ty, pairs, MoeAct::Quantized(x, hq), d_model, ff, act, h, out)
-    }
-
-    /// [`moe_ffn`](Self::moe_ffn) on the tokens' f32 rows `x` (`[n_tok,
-    /// d_model]`): moe_up's blocks quantize x, and moe_down's h, in shared
-    /// memory (the bytes `quantize_act` gives), so no quantize kernel runs.
-    /// For shapes [`moe_quantizes_in_kernel`] accepts.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_ffn_f32_act(
-        &self,
-        stream: &CudaStream,
-        gate_up_ty: GgmlType,
-        down_ty: GgmlType,
-        pairs: &MoePairs<'_>,
-        x: &DeviceBuf<f32>,
-        d_model: usize,
-        ff: usize,
-        act: Activation,
-        h: &mut DeviceBuf<f32>,
-        out: &mut DeviceBuf<f32>,
-    ) -> Result<(), CudaError> {
-        want("moe_ffn_f32_act", "x", x.len(), pairs.n_tok * d_model)?;
-        self.launch_moe(stream, gate_up_ty, down_ty, pairs, MoeAct::F32(x), d_model, ff, act, h, out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_moe(
-        &self,
-        stream: &CudaStream,
-        gate_up_ty: GgmlType,
-        down_ty: GgmlType,
-        pairs: &MoePairs<'_>,
-        x: MoeAct<'_>,
-        d_model: usize,
-        ff: usize,
-        act: Activation,
-        h: &mut DeviceBuf<f32>,
-        out: &mut DeviceBuf<f32>,
-    ) -> Result<(), CudaError> {
         const OP: &str = "moe_ffn";
-        let unsupported = |ty| CudaError::Unsupported { op: OP, ty };
-        let gi = quant_index(gate_up_ty).ok_or(unsupported(gate_up_ty))?;
-        let di = quant_index(down_ty).ok_or(unsupported(down_ty))?;
-        let (gfmt, dfmt) = moe_formats(OP, gate_up_ty, down_ty)?;
+        let gi = quant_index(gate_up_ty).ok_or(CudaError::Unsupported {
+            op: OP,
+            ty: gate_up_ty,
+        })?;
+        let di = quant_index(down_ty).ok_or(CudaError::Unsupported {
+            op: OP,
+            ty: down_ty,
+        })?;
+        let gfmt = ActFormat::for_weight(gate_up_ty).ok_or(CudaError::Unsupported {
+            op: OP,
+            ty: gate_up_ty,
+        })?;
+        let dfmt = ActFormat::for_weight(down_ty).ok_or(CudaError::Unsupported {
+            op: OP,
+            ty: down_ty,
+        })?;
         let n_pairs = check_pairs(OP, pairs, h.len(), ff, out.len(), d_model)?;
+        want(
+            OP,
+            "x bytes",
+            x.len(),
+            act_bytes(gfmt, pairs.n_tok, d_model)?,
+        )?;
         // Weight shapes must be whole blocks (the pointers themselves are the caller's contract).
         weight_bytes(gate_up_ty, ff, d_model)?;
         weight_bytes(down_ty, d_model, ff)?;
         let a = act_code(act)?;
-        let (ffi, dm, ns) = (to_i32(OP, "ff", ff)?, to_i32(OP, "d_model", d_model)?, to_i32(OP, "n_slot", pairs.n_slot)?);
+        let (ffi, dm, ns) = (
+            to_i32(OP, "ff", ff)?,
+            to_i32(OP, "d_model", d_model)?,
+            to_i32(OP, "n_slot", pairs.n_slot)?,
+        );
         let tab = self.iq_tables().device_ptr();
-        let (gp, upp, dp) = (pairs.gate.device_ptr(), pairs.up.device_ptr(), pairs.down.device_ptr());
-        let (hp, op) = (h.device_ptr(), out.device_ptr());
+        let (gp, upp, dp) = (
+            pairs.gate.device_ptr(),
+            pairs.up.device_ptr(),
+            pairs.down.device_ptr(),
+        );
+        let (xp, hp, op) = (x.device_ptr(), h.device_ptr(), out.device_ptr());
+        let f = self.func(Family::Moe, 1 + 2 * gi)?;
         // Rows per warp from all the pairs' rows, as the GEMV picks them
         // (moe_up reads gate and up rows side by side: two matrices).
         let up = decode_plan(gate_up_ty, ff * n_pairs, 2, act_bytes(gfmt, 1, d_model)?);
         let down = decode_plan(down_ty, d_model * n_pairs, 1, act_bytes(dfmt, 1, ff)?);
-        let (xq, xf) = match &x {
-            MoeAct::Quantized(q, _) => (q.device_ptr(), 0),
-            MoeAct::F32(f) => {
-                if up.xsb == 0 || down.xsb == 0 {
-                    return Err(shape(OP, format!("rows of {d_model} / {ff} values do not fit a block's shared memory")));
-                }
-                (0, f.device_ptr())
-            }
-        };
         let (rui, gui, xui) = (up.rpw as i32, up.groups as i32, up.xsb as i32);
         let (rdi, gdi, xdi) = (down.rpw as i32, down.groups as i32, down.xsb as i32);
-        let f = self.func(Family::Moe, 1 + 2 * gi)?;
         let grid = (up.blocks(ff), n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_up; sizes checked; up.smem
         // bytes of dynamic shared memory (opted in at load).
@@ -1347,17 +1246,11 @@ impl CudaDevice {
                 up.threads(),
                 up.smem as u32,
                 stream,
-                &mut params![gp, upp, xq, xf, hp, ffi, dm, ns, a, rui, gui, xui, tab],
+                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, gui, xui, tab],
             )?
         };
-        // The f32 path hands moe_down h itself; the quantized one its q8 form.
-        let (hqp, hfp) = match x {
-            MoeAct::Quantized(_, hq) => {
-                self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
-                (hq.device_ptr(), 0)
-            }
-            MoeAct::F32(_) => (0, hp),
-        };
+        self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
+        let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
         let grid = (down.blocks(d_model), n_pairs as u32, 1);
         // SAFETY: parameters as MOE_ENTRY moe_down; sizes checked; dynamic
@@ -1369,7 +1262,7 @@ impl CudaDevice {
                 down.threads(),
                 down.smem as u32,
                 stream,
-                &mut params![dp, hqp, hfp, op, dm, ffi, rdi, gdi, xdi, tab],
+                &mut params![dp, hqp, op, dm, ffi, rdi, gdi, xdi, tab],
             )
         }
     }

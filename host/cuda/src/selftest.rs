@@ -19,7 +19,6 @@ use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
 use crate::ops::{attention_workspace_len, Gating, GemmKernel, MoePairs, RouterSpec};
 
-mod decode;
 mod small_ops;
 
 /// One line of the self-test table.
@@ -453,7 +452,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             "moe_ffn (null slots skipped)",
             &f,
             "3 tok x 4 slot, d512 ff512".into(),
-            moe_case(dev, &pool, &k, gu, dn, MoeShape::SMALL, false, next()),
+            moe_case(dev, &pool, &k, gu, dn, MoeShape::SMALL, next()),
         );
         for n_tok in [6usize, 40] {
             t.push(
@@ -470,7 +469,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             "moe_ffn (null slots skipped)",
             &format!("{}/{}", fmt_name(gu), fmt_name(dn)),
             "4 tok x 8 slot, d1024 ff1280".into(),
-            moe_case(dev, &pool, &k, gu, dn, MoeShape::WIDE, false, next()),
+            moe_case(dev, &pool, &k, gu, dn, MoeShape::WIDE, next()),
         );
     }
     for (ty, act) in [
@@ -486,7 +485,6 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         );
     }
     small_ops::cases(dev, &mut t, &pool, &k, &mut next);
-    decode::cases(dev, &mut t, &pool, &k, &mut next);
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -1112,7 +1110,6 @@ fn moe_case(
     gu: GgmlType,
     dn: GgmlType,
     shape: MoeShape,
-    f32_act: bool,
     seed: u64,
 ) -> Result<Cmp, CudaError> {
     let MoeShape { d_model, ff, n_tok, n_slot, n_exp } = shape;
@@ -1143,13 +1140,19 @@ fn moe_case(
     let dfmt = ActFormat::for_weight(dn).ok_or(CudaError::Unsupported { op: "moe", ty: dn })?;
     let mut hq = poisoned::<u8>(dev, crate::ops::act_bytes(dfmt, n_pairs, ff)?)?;
     let mut out = poisoned::<f32>(dev, n_pairs * d_model)?;
-    if f32_act {
-        // The kernels quantize x and h themselves: hq stays poisoned.
-        let xf = dev.upload(&x)?;
-        dev.moe_ffn_f32_act(dev.compute(), gu, dn, &pairs, &xf, d_model, ff, Activation::Silu, &mut h, &mut out)?;
-    } else {
-        dev.moe_ffn(dev.compute(), gu, dn, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out)?;
-    }
+    dev.moe_ffn(
+        dev.compute(),
+        gu,
+        dn,
+        &pairs,
+        &xd,
+        d_model,
+        ff,
+        Activation::Silu,
+        &mut h,
+        &mut hq,
+        &mut out,
+    )?;
     let got = dev.download(&out)?;
     let (h_gpu, hq_gpu) = (dev.download(&h)?, dev.download(&hq)?);
 
@@ -1169,11 +1172,9 @@ fn moe_case(
         let hg = &h_gpu[p * ff..(p + 1) * ff];
         h_cpu_all.extend_from_slice(&g);
         h_gpu_all.extend_from_slice(hg);
-        if !f32_act {
-            let hq_of_gpu_h = Activations::for_weight(dn, hg, ff)?;
-            let rb = hq_of_gpu_h.as_bytes().len();
-            hq_off += compare_bytes(&hq_gpu[p * rb..(p + 1) * rb], hq_of_gpu_h.as_bytes()).abs as usize;
-        }
+        let hq_of_gpu_h = Activations::for_weight(dn, hg, ff)?;
+        let rb = hq_of_gpu_h.as_bytes().len();
+        hq_off += compare_bytes(&hq_gpu[p * rb..(p + 1) * rb], hq_of_gpu_h.as_bytes()).abs as usize;
         cpu.extend(y);
         gpu.extend_from_slice(row);
     }
@@ -1294,7 +1295,14 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
             }
         }
     }
-    decode::bench(dev, &mut out);
+    // qwen3-235b's decode shapes: attention q / output / k (q8_0), and one
+    // token's eight experts (q2_K, q4_K).
+    for (rows, cols) in [(8192usize, 4096usize), (4096, 8192), (512, 4096)] {
+        out.push(bench_gemv(dev, GgmlType::Q8_0, rows, cols).unwrap_or_else(|e| failed_row("gemv", e)));
+    }
+    for ty in [GgmlType::Q2_K, GgmlType::Q4_K] {
+        out.push(bench_moe(dev, ty, 4096, 1536, 8).unwrap_or_else(|e| failed_row("moe_ffn", e)));
+    }
     small_ops::bench(dev, &mut out);
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
     for ty in [
@@ -1331,6 +1339,49 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         }
     }
     out
+}
+
+fn failed_row(op: &str, e: CudaError) -> BenchRow {
+    BenchRow { op: format!("{op} failed: {e}"), format: String::new(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }
+}
+
+/// One decode token's routed experts: `n_pairs` distinct experts of `ty`
+/// (gate, up: ff x d_model; down: d_model x ff), the whole moe_ffn (up,
+/// quantize, down) per call; GB/s over the experts' weight bytes.
+fn bench_moe(dev: &CudaDevice, ty: GgmlType, d_model: usize, ff: usize, n_pairs: usize) -> Result<BenchRow, CudaError> {
+    let nb = ff * d_model / ty.block_elems() as usize;
+    let mats: Vec<Vec<u8>> = (0..3 * n_pairs).map(|i| random_blocks(ty, nb, 40 + i as u64)).collect::<Result<_, _>>()?;
+    let bufs: Vec<DeviceBuf<u8>> = mats.iter().map(|m| dev.upload(m)).collect::<Result<_, _>>()?;
+    let table = |k: usize| dev.upload(&(0..n_pairs).map(|p| bufs[3 * p + k].device_ptr()).collect::<Vec<u64>>());
+    let (gp, up, dp) = (table(0)?, table(1)?, table(2)?);
+    let pairs = MoePairs { gate: &gp, up: &up, down: &dp, n_tok: 1, n_slot: n_pairs };
+    let fmt = ActFormat::for_weight(ty).ok_or(CudaError::Unsupported { op: "moe", ty })?;
+    let xd = dev.upload(Activations::for_weight(ty, &random_values(d_model, 3), d_model)?.as_bytes())?;
+    let mut h = dev.alloc::<f32>(n_pairs * ff)?;
+    let mut hq = dev.alloc::<u8>(crate::ops::act_bytes(fmt, n_pairs, ff)?)?;
+    let mut out = dev.alloc::<f32>(n_pairs * d_model)?;
+    let s = dev.compute();
+    let mut run = || dev.moe_ffn(s, ty, ty, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out);
+    for _ in 0..3 {
+        run()?;
+    }
+    let reps = 50;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    e0.record(s)?;
+    for _ in 0..reps {
+        run()?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    let bytes: usize = mats.iter().map(|m| m.len()).sum();
+    Ok(BenchRow {
+        op: "moe_ffn (decode)".into(),
+        format: fmt_name(ty),
+        shape: format!("{n_pairs} experts, d{d_model} ff{ff}"),
+        us,
+        gb_per_s: bytes as f64 / (us * 1e-6) / 1e9,
+    })
 }
 
 fn bench_gemv(

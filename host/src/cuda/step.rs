@@ -504,11 +504,6 @@ impl<'a> CudaStep<'a> {
                 let xb = self.buf(x)?;
                 self.cm.dev.gemm_float(&stream, ty, w, n_out, n_in, xb, rows, &mut y).map_err(err)?;
             }
-            // Decode: the GEMV's blocks quantize x themselves (no quantize kernel).
-            Some(_) if rows == 1 && pulsar_cuda::gemv_quantizes_in_kernel(ty, n_out, n_in) => {
-                let xb = self.buf(x)?;
-                self.cm.dev.gemv_f32_act(&stream, ty, w, n_out, n_in, xb, &mut y).map_err(err)?;
-            }
             Some(fmt) => {
                 let qi = self.quantized(x, fmt)?;
                 let q = &self.qcache[qi].2;
@@ -971,18 +966,12 @@ impl<'a> CudaStep<'a> {
                     .map_err(err)?;
             }
         } else {
+            let xqi = self.quantized(x, gfmt)?;
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
             let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
-            let r = if pulsar_cuda::moe_quantizes_in_kernel(gate_ty, down_ty, n_pairs, d_model, ff) {
-                // The expert kernels quantize x and h themselves.
-                dev.moe_ffn_f32_act(&stream, gate_ty, down_ty, &pairs, self.buf(x)?, d_model, ff, act_of(spec.act), &mut h, &mut out)
-            } else {
-                let xqi = self.quantized(x, gfmt)?;
-                let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
-                let r = dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out);
-                self.pools.u8.give(hq);
-                r
-            };
+            let r = dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out);
+            self.pools.u8.give(hq);
             self.pools.f32.give(h);
             r.map_err(err)?;
             if !lane_experts.is_empty() {
