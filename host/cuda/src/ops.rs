@@ -163,12 +163,10 @@ const DECODE_SLOTS: usize = 3;
 /// eight warps still fit an SM's shared memory.
 const DECODE_RING_BUDGET: usize = 9 * 1024;
 /// Warps worth keeping busy: about one wave of ~32 resident warps on each of
-/// ~130 SMs. Past it a warp takes more groups.
+/// ~130 SMs. Past it a group takes more rows, then a warp more groups (on
+/// the H200, two-row groups from 2048 warps made the 4096x8192 q8_0 GEMV
+/// slower, 21.1 against 19.0 us: fewer warps hide less latency).
 const DECODE_WARPS_WANTED: usize = 4096;
-/// A group takes two rows while half that many warps remain: rows in a step
-/// share its fixed costs (on the H200 the 8192x4096 q8_0 GEMV, two rows a
-/// step, ran at 2.0 TB/s; 4096x8192, one row a step, at 1.6).
-const DECODE_WARPS_FOR_ROWS: usize = DECODE_WARPS_WANTED / 2;
 
 /// The launch shape of one decode kernel: rows a group (per matrix), groups a
 /// warp, the activation row's staging bytes (0: read from global memory) and
@@ -204,14 +202,14 @@ fn decode_ring_bytes(ty: GgmlType, nrows: usize) -> usize {
 /// Plan a decode launch over `total_rows` rows (all pairs together) of
 /// `mats` matrices read side by side (moe_up: gate and up), against
 /// activation rows of `x_bytes`. A group takes more rows while enough warps
-/// remain (DECODE_WARPS_FOR_ROWS) and the ring stays in budget; then a warp
-/// takes more groups (one warp streams its groups back to back, two steps
-/// ahead) until about DECODE_WARPS_WANTED warps remain.
+/// remain and the ring stays in budget; then a warp takes more groups (one
+/// warp streams its groups back to back, two steps ahead) until about
+/// DECODE_WARPS_WANTED warps remain.
 fn decode_plan(ty: GgmlType, total_rows: usize, mats: usize, x_bytes: usize) -> DecodePlan {
     let mut rpw = 1;
     while mats * rpw * 2 <= DECODE_MAX_ROWS
         && decode_ring_bytes(ty, mats * rpw * 2) <= DECODE_RING_BUDGET
-        && total_rows / (rpw * 2) >= DECODE_WARPS_FOR_ROWS
+        && total_rows / (rpw * 2) >= DECODE_WARPS_WANTED
     {
         rpw *= 2;
     }
@@ -1549,8 +1547,8 @@ mod tests {
         let q = decode_plan(GgmlType::Q8_0, 8192, 1, 4352);
         assert_eq!((q.rpw, q.groups, q.xsb), (2, 1, (4352 + 32usize).next_multiple_of(16)));
         assert_eq!(q.blocks(8192), 512);
-        // attn_output (4096 x 8192): two-row groups too, 2048 warps.
-        assert_eq!(decode_plan(GgmlType::Q8_0, 4096, 1, 8704).rpw, 2);
+        // attn_output (4096 x 8192): one-row groups, 4096 warps.
+        assert_eq!(decode_plan(GgmlType::Q8_0, 4096, 1, 8704).rpw, 1);
         // Eight experts' gate + up (1536 rows each, q2_K): two rows of each a group.
         let up = decode_plan(GgmlType::Q2_K, 8 * 1536, 2, 16 * 292);
         assert_eq!((up.rpw, up.groups), (2, 1));
