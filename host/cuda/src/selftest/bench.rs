@@ -1,0 +1,272 @@
+//! `--bench` timings of the self-test binary: decode GEMVs per format and
+//! the qwen3-235b decode shapes, one token's experts, decode attention, and
+//! the dp4a / tensor-core GEMMs (weights read once per call: microseconds
+//! and achieved GB/s or TOPS).
+
+use std::time::Instant;
+
+use pulsar_gguf::GgmlType;
+use pulsar_kernels::ops::{Activation, AttnParams};
+use pulsar_kernels::quant::{random_blocks, random_values};
+use pulsar_kernels::{ActFormat, Activations};
+
+use super::{fmt_name, small_ops, BenchRow};
+use crate::buf::DeviceBuf;
+use crate::device::CudaDevice;
+use crate::error::CudaError;
+use crate::ops::{attention_workspace_len, GemmKernel, MoePairs};
+
+/// Decode-shaped GEMV timings (weights read once per call): microseconds per
+/// call and the achieved weight bandwidth.
+pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
+    let mut out = Vec::new();
+    for n_ctx in [4096usize, 32768] {
+        for f16 in [false, true] {
+            match bench_attention(dev, n_ctx, f16) {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(BenchRow {
+                    op: format!("attention failed: {e}"),
+                    format: String::new(),
+                    shape: String::new(),
+                    us: f64::NAN,
+                    gb_per_s: f64::NAN,
+                }),
+            }
+        }
+    }
+    // qwen3-235b's decode shapes: attention q / output / k (q8_0), and one
+    // token's eight experts (q2_K, q4_K).
+    for (rows, cols) in [(8192usize, 4096usize), (4096, 8192), (512, 4096)] {
+        out.push(bench_gemv(dev, GgmlType::Q8_0, rows, cols).unwrap_or_else(|e| failed_row("gemv", e)));
+    }
+    for ty in [GgmlType::Q2_K, GgmlType::Q4_K] {
+        out.push(bench_moe(dev, ty, 4096, 1536, 8).unwrap_or_else(|e| failed_row("moe_ffn", e)));
+    }
+    small_ops::bench(dev, &mut out);
+    let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::IQ2_XXS,
+        GgmlType::Q4_0,
+    ] {
+        for (rows, cols) in shapes {
+            match bench_gemv(dev, ty, rows, cols) {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(BenchRow {
+                    op: format!("gemv failed: {e}"),
+                    format: fmt_name(ty),
+                    shape: String::new(),
+                    us: f64::NAN,
+                    gb_per_s: f64::NAN,
+                }),
+            }
+        }
+        for kernel in [GemmKernel::Dp4a, GemmKernel::TensorCore] {
+            match bench_one(dev, kernel, ty, 4096, 4096, 512) {
+                Ok(r) => out.push(r),
+                Err(e) => out.push(BenchRow {
+                    op: format!("{kernel:?} failed: {e}"),
+                    format: fmt_name(ty),
+                    shape: String::new(),
+                    us: f64::NAN,
+                    gb_per_s: f64::NAN,
+                }),
+            }
+        }
+    }
+    out
+}
+
+fn failed_row(op: &str, e: CudaError) -> BenchRow {
+    BenchRow { op: format!("{op} failed: {e}"), format: String::new(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }
+}
+
+/// One decode token's routed experts: `n_pairs` distinct experts of `ty`
+/// (gate, up: ff x d_model; down: d_model x ff), the whole moe_ffn (up,
+/// quantize, down) per call; GB/s over the experts' weight bytes.
+fn bench_moe(dev: &CudaDevice, ty: GgmlType, d_model: usize, ff: usize, n_pairs: usize) -> Result<BenchRow, CudaError> {
+    let nb = ff * d_model / ty.block_elems() as usize;
+    let mats: Vec<Vec<u8>> = (0..3 * n_pairs).map(|i| random_blocks(ty, nb, 40 + i as u64)).collect::<Result<_, _>>()?;
+    let bufs: Vec<DeviceBuf<u8>> = mats.iter().map(|m| dev.upload(m)).collect::<Result<_, _>>()?;
+    let table = |k: usize| dev.upload(&(0..n_pairs).map(|p| bufs[3 * p + k].device_ptr()).collect::<Vec<u64>>());
+    let (gp, up, dp) = (table(0)?, table(1)?, table(2)?);
+    let pairs = MoePairs { gate: &gp, up: &up, down: &dp, n_tok: 1, n_slot: n_pairs };
+    let fmt = ActFormat::for_weight(ty).ok_or(CudaError::Unsupported { op: "moe", ty })?;
+    let xd = dev.upload(Activations::for_weight(ty, &random_values(d_model, 3), d_model)?.as_bytes())?;
+    let mut h = dev.alloc::<f32>(n_pairs * ff)?;
+    let mut hq = dev.alloc::<u8>(crate::ops::act_bytes(fmt, n_pairs, ff)?)?;
+    let mut out = dev.alloc::<f32>(n_pairs * d_model)?;
+    let s = dev.compute();
+    let mut run = || dev.moe_ffn(s, ty, ty, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out);
+    for _ in 0..3 {
+        run()?;
+    }
+    let reps = 50;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    e0.record(s)?;
+    for _ in 0..reps {
+        run()?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    let bytes: usize = mats.iter().map(|m| m.len()).sum();
+    Ok(BenchRow {
+        op: "moe_ffn (decode)".into(),
+        format: fmt_name(ty),
+        shape: format!("{n_pairs} experts, d{d_model} ff{ff}"),
+        us,
+        gb_per_s: bytes as f64 / (us * 1e-6) / 1e9,
+    })
+}
+
+fn bench_gemv(
+    dev: &CudaDevice,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+) -> Result<BenchRow, CudaError> {
+    let be = ty.block_elems() as usize;
+    let w = random_blocks(ty, rows * cols / be, 1)?;
+    let acts = Activations::for_weight(ty, &random_values(cols, 2), cols)?;
+    let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
+    let mut y = dev.alloc::<f32>(rows)?;
+    let s = dev.compute();
+    for _ in 0..3 {
+        dev.gemv(s, ty, &wd, rows, cols, &xd, &mut y)?;
+    }
+    let reps = 50;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    e0.record(s)?;
+    for _ in 0..reps {
+        dev.gemv(s, ty, &wd, rows, cols, &xd, &mut y)?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    Ok(BenchRow {
+        op: "gemv".into(),
+        format: fmt_name(ty),
+        shape: format!("{rows}x{cols}"),
+        us,
+        gb_per_s: w.len() as f64 / (us * 1e-6) / 1e9,
+    })
+}
+
+/// Decode attention (one query, 32 heads over 8 KV heads, d 128) over `n_ctx` cached rows.
+fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow, CudaError> {
+    let p = AttnParams {
+        n_head: 32,
+        n_kv_head: 8,
+        head_dim_k: 128,
+        head_dim_v: 128,
+        scale: 0.088,
+        window: 0,
+        softcap: 0.0,
+    };
+    let kv = n_ctx * p.n_kv_head * p.head_dim_k;
+    let q = dev.upload(&random_values(p.n_head * p.head_dim_k, 3))?;
+    let pos = dev.upload(&[(n_ctx - 1) as u32])?;
+    let mut work = dev.alloc::<f32>(attention_workspace_len(&p, 1, n_ctx))?;
+    let mut o = dev.alloc::<f32>(p.n_head * p.head_dim_v)?;
+    let s = dev.compute();
+    let reps = 20;
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    let elem = if f16 { 2 } else { 4 };
+    let run = |work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| -> Result<f32, CudaError> {
+        let vals = random_values(kv, 4);
+        if f16 {
+            let bits: Vec<u16> = vals
+                .iter()
+                .map(|v| half::f16::from_f32(*v).to_bits())
+                .collect();
+            let (k, v) = (dev.upload(&bits)?, dev.upload(&bits)?);
+            dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            e0.record(s)?;
+            for _ in 0..reps {
+                dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            }
+        } else {
+            let (k, v) = (dev.upload(&vals)?, dev.upload(&vals)?);
+            dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            e0.record(s)?;
+            for _ in 0..reps {
+                dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            }
+        }
+        e1.record(s)?;
+        e1.synchronize()?;
+        Ok(e0.elapsed_ms(&e1)?)
+    };
+    let ms = run(&mut work, &mut o)? as f64;
+    let us = ms * 1e3 / reps as f64;
+    Ok(BenchRow {
+        op: "attention decode".into(),
+        format: if f16 {
+            "f16 kv".into()
+        } else {
+            "f32 kv".into()
+        },
+        shape: format!("h32/8 d128 ctx{n_ctx}"),
+        us,
+        gb_per_s: (2 * kv * elem) as f64 / (us * 1e-6) / 1e9,
+    })
+}
+
+fn bench_one(
+    dev: &CudaDevice,
+    kernel: GemmKernel,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n_tok: usize,
+) -> Result<BenchRow, CudaError> {
+    let be = ty.block_elems() as usize;
+    let w = random_blocks(ty, rows * cols / be, 1)?;
+    let x = random_values(n_tok * cols, 2);
+    let acts = Activations::for_weight(ty, &x, cols)?;
+    let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
+    let mut y = dev.alloc::<f32>(rows * n_tok)?;
+    let s = dev.compute();
+    let call = |y: &mut DeviceBuf<f32>| {
+        if n_tok == 1 {
+            dev.gemv(s, ty, &wd, rows, cols, &xd, y)
+        } else {
+            dev.gemm_with(s, kernel, ty, &wd, rows, cols, &xd, n_tok, y)
+        }
+    };
+    for _ in 0..3 {
+        call(&mut y)?;
+    }
+    dev.sync()?;
+    let reps = if n_tok == 1 { 50 } else { 5 };
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    let wall = Instant::now();
+    e0.record(s)?;
+    for _ in 0..reps {
+        call(&mut y)?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    let ms = e0
+        .elapsed_ms(&e1)
+        .map(|v| v as f64)
+        .unwrap_or(wall.elapsed().as_secs_f64() * 1e3);
+    let us = ms * 1e3 / reps as f64;
+    let tops = 2.0 * (rows * cols * n_tok) as f64 / (us * 1e-6) / 1e12;
+    Ok(BenchRow {
+        op: match (n_tok, kernel) {
+            (1, _) => "gemv".into(),
+            (_, GemmKernel::Dp4a) => format!("gemm dp4a ({tops:.1} TOPS)"),
+            (_, GemmKernel::TensorCore) => format!("gemm mma ({tops:.1} TOPS)"),
+        },
+        format: fmt_name(ty),
+        shape: format!("{rows}x{cols}x{n_tok}tok"),
+        us,
+        gb_per_s: w.len() as f64 / (us * 1e-6) / 1e9,
+    })
+}
+
