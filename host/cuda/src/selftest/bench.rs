@@ -100,19 +100,7 @@ fn bench_moe(dev: &CudaDevice, ty: GgmlType, d_model: usize, ff: usize, n_pairs:
     let mut hq = dev.alloc::<u8>(crate::ops::act_bytes(fmt, n_pairs, ff)?)?;
     let mut out = dev.alloc::<f32>(n_pairs * d_model)?;
     let s = dev.compute();
-    let mut run = || dev.moe_ffn(s, ty, ty, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out);
-    for _ in 0..3 {
-        run()?;
-    }
-    let reps = 50;
-    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-    e0.record(s)?;
-    for _ in 0..reps {
-        run()?;
-    }
-    e1.record(s)?;
-    e1.synchronize()?;
-    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    let us = time_calls(dev, 50, || dev.moe_ffn(s, ty, ty, &pairs, &xd, d_model, ff, Activation::Silu, &mut h, &mut hq, &mut out))?;
     let bytes: usize = mats.iter().map(|m| m.len()).sum();
     Ok(BenchRow {
         op: "moe_ffn (decode)".into(),
@@ -121,6 +109,23 @@ fn bench_moe(dev: &CudaDevice, ty: GgmlType, d_model: usize, ff: usize, n_pairs:
         us,
         gb_per_s: bytes as f64 / (us * 1e-6) / 1e9,
     })
+}
+
+/// Microseconds a call of `f` (three warm-up calls, then `reps` between two
+/// events on the compute stream).
+fn time_calls(dev: &CudaDevice, reps: usize, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let s = dev.compute();
+    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+    e0.record(s)?;
+    for _ in 0..reps {
+        f()?;
+    }
+    e1.record(s)?;
+    e1.synchronize()?;
+    Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
 }
 
 fn bench_gemv(
@@ -134,19 +139,7 @@ fn bench_gemv(
     let acts = Activations::for_weight(ty, &random_values(cols, 2), cols)?;
     let (wd, xd) = (dev.upload(&w)?, dev.upload(acts.as_bytes())?);
     let mut y = dev.alloc::<f32>(rows)?;
-    let s = dev.compute();
-    for _ in 0..3 {
-        dev.gemv(s, ty, &wd, rows, cols, &xd, &mut y)?;
-    }
-    let reps = 50;
-    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-    e0.record(s)?;
-    for _ in 0..reps {
-        dev.gemv(s, ty, &wd, rows, cols, &xd, &mut y)?;
-    }
-    e1.record(s)?;
-    e1.synchronize()?;
-    let us = e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64;
+    let us = time_calls(dev, 50, || dev.gemv(dev.compute(), ty, &wd, rows, cols, &xd, &mut y))?;
     Ok(BenchRow {
         op: "gemv".into(),
         format: fmt_name(ty),
