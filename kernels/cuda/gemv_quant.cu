@@ -26,14 +26,24 @@
 // weights (a row's dot cannot be split across warps without changing its
 // summation order). xsb > 0: the activation row is staged in the first xsb
 // bytes of dynamic shared memory.
+//
+// Up to three matrices on the same activation row in one launch (decode's q,
+// k and v projections): blocks [0, b1) take W0 -> Y0 (rows0 rows), [b1, b2)
+// W1 -> Y1, [b2, grid) W2 -> Y2. A single matrix passes b1 = b2 = grid.
 template <int F>
-__device__ __forceinline__ void gemv_impl(const u8* __restrict__ W, const u8* __restrict__ X,
-                                          float* __restrict__ Y, int rows, int cols, int rpw, int ng, int xsb,
-                                          const u64* tab) {
+__device__ __forceinline__ void gemv_impl(const u8* __restrict__ W0, const u8* __restrict__ W1,
+                                          const u8* __restrict__ W2, float* Y0, float* Y1, float* Y2, int rows0,
+                                          int rows1, int rows2, int b1, int b2, const u8* __restrict__ X, int cols,
+                                          int rpw, int ng, int xsb, const u64* tab) {
     __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 gemv_stage[];
+    int m = blockIdx.x < b1 ? 0 : blockIdx.x < b2 ? 1 : 2;
+    const u8* W = m == 0 ? W0 : m == 1 ? W1 : W2;
+    float* Y = m == 0 ? Y0 : m == 1 ? Y1 : Y2;
+    int rows = m == 0 ? rows0 : m == 1 ? rows1 : rows2;
+    int blk = blockIdx.x - (m == 0 ? 0 : m == 1 ? b1 : b2);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
+    int first = (blk * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{W, W, 1, first, min(rpw * ng, rows - first), rpw, w_row_bytes<F>(cols)};
     u8* ring;
     const u8* x = dd_begin<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), wk, cols / 32, ring);
@@ -321,10 +331,11 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
 // (items[4i + 3] = start | len << 32, len <= 32).
 #define GEMV_ENTRY(NAME, F)                                                                     \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) gemv_##NAME(                   \
-        const u8* W, const u8* X, float* Y, int rows, int cols, int rpw, int ng, int xsb,       \
-        const u64* tab) { \
-        pdl_begin(); \
-        gemv_impl<F>(W, X, Y, rows, cols, rpw, ng, xsb, tab);                                   \
+        const u8* W0, const u8* W1, const u8* W2, float* Y0, float* Y1, float* Y2, int rows0,   \
+        int rows1, int rows2, int b1, int b2, const u8* X, int cols, int rpw, int ng, int xsb,  \
+        const u64* tab) {                                                                       \
+        pdl_begin();                                                                            \
+        gemv_impl<F>(W0, W1, W2, Y0, Y1, Y2, rows0, rows1, rows2, b1, b2, X, cols, rpw, ng, xsb, tab); \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(QV_WARPS * 32) gemm_##NAME(                   \
         const u8* W, const u8* X, float* Y, int rows, int cols, int n_tok, const u64* tab) { \

@@ -113,10 +113,17 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 #define ROUTE_WARPS 4
 #define ROUTE_WARP_MAX 256
 
+// Pointer tables to gather through (moe_gather_ptrs's work, done here when
+// pg is non-null): pair p's slabs are tg / tu / td [ids[p]].
+struct RouteGather {
+    const u64 *tg, *tu, *td;
+    u64 *pg, *pu, *pd;
+};
+
 template <int V>
 __device__ __forceinline__ void route_warp(const float* logits, const float* bias, int n_tok, int n_exp, int k,
                                            int gating, int renorm, float scale, int* ids, float* weights,
-                                           float* sp) {
+                                           float* sp, RouteGather gt) {
     int lane = threadIdx.x & 31;
     int t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
     if (t >= n_tok) return;
@@ -190,26 +197,36 @@ __device__ __forceinline__ void route_warp(const float* logits, const float* bia
     for (int r = lane; r < k; r += 32) {
         float w = r < 32 ? w_lo : w_hi;
         w = renorm && s > 0.0f ? __fdiv_rn(w, s) : w;
-        ids[(size_t)t * k + r] = r < 32 ? id_lo : id_hi;
-        weights[(size_t)t * k + r] = __fmul_rn(w, scale);
+        int id = r < 32 ? id_lo : id_hi;
+        size_t p = (size_t)t * k + r;
+        ids[p] = id;
+        weights[p] = __fmul_rn(w, scale);
+        if (gt.pg) {
+            gt.pg[p] = gt.tg[id];
+            gt.pu[p] = gt.tu[id];
+            gt.pd[p] = gt.td[id];
+        }
     }
 }
 
-// Parameters as route_topk (n_exp <= ROUTE_WARP_MAX); no dynamic shared memory.
+// Parameters as route_topk (n_exp <= ROUTE_WARP_MAX), then the pointer
+// tables and outputs of RouteGather (null pg: no gather); no dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     route_topk_warp(const float* logits, const float* bias, int n_tok, int n_exp, int k, int gating, int renorm,
-                    float scale, int* ids, float* weights) {
+                    float scale, int* ids, float* weights, const u64* tg, const u64* tu, const u64* td, u64* pg,
+                    u64* pu, u64* pd) {
     pdl_begin();
     __shared__ __align__(16) float sp[ROUTE_WARPS][ROUTE_WARP_MAX];
     float* s = sp[threadIdx.x >> 5];
+    RouteGather gt{tg, tu, td, pg, pu, pd};
     if (n_exp <= 32)
-        route_warp<1>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+        route_warp<1>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s, gt);
     else if (n_exp <= 64)
-        route_warp<2>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+        route_warp<2>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s, gt);
     else if (n_exp <= 128)
-        route_warp<4>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+        route_warp<4>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s, gt);
     else
-        route_warp<8>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s);
+        route_warp<8>(logits, bias, n_tok, n_exp, k, gating, renorm, scale, ids, weights, s, gt);
 }
 
 // Up to DD_WARPS warps a block; a warp takes ng groups of rpw rows (moe_up: rpw

@@ -257,6 +257,14 @@ fn check_float_mm(
     Ok(fi)
 }
 
+/// One matrix of a [`CudaDevice::gemv_multi`]: `rows` rows of weights `w`
+/// into `y`.
+pub struct GemvPart<'a> {
+    pub w: &'a DeviceBuf<u8>,
+    pub rows: usize,
+    pub y: &'a mut DeviceBuf<f32>,
+}
+
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
 pub fn grouped_items_len(n: usize, runs: usize) -> usize {
     4 * (n / GROUPED_TILE + runs)
@@ -473,27 +481,49 @@ impl CudaDevice {
         x: &DeviceBuf<u8>,
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
-        let qi = self.check_quant_mm("gemv", ty, w, rows, cols, x, 1, y)?;
+        self.gemv_multi(stream, ty, &mut [GemvPart { w, rows, y }], cols, x)
+    }
+
+    /// [`gemv`](Self::gemv) of up to three matrices of `ty` on the same
+    /// activation row in one launch (decode's q, k and v projections): the
+    /// small ones ride along with the large one instead of each filling only
+    /// part of the GPU. Every output is bit for bit its own GEMV's.
+    pub fn gemv_multi(
+        &self,
+        stream: &CudaStream,
+        ty: GgmlType,
+        parts: &mut [GemvPart<'_>],
+        cols: usize,
+        x: &DeviceBuf<u8>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gemv";
+        if parts.is_empty() || parts.len() > 3 {
+            return Err(shape(OP, format!("{} matrices in one launch (1 to 3)", parts.len())));
+        }
+        let mut qi = 0;
+        for p in parts.iter() {
+            qi = self.check_quant_mm(OP, ty, p.w, p.rows, cols, x, 1, p.y)?;
+        }
+        let total: usize = parts.iter().map(|p| p.rows).sum();
+        let plan = decode_plan(ty, total, 1, x.len());
         let f = self.func(Family::GemvQuant, gemv_entry(qi))?;
-        let (wp, xp, yp, tab) = (
-            w.device_ptr(),
-            x.device_ptr(),
-            y.device_ptr(),
-            self.iq_tables().device_ptr(),
-        );
-        let plan = decode_plan(ty, rows, 1, x.len());
-        let (r, c, rw, ng, xsb) = (rows as i32, cols as i32, plan.rpw as i32, plan.groups as i32, plan.xsb as i32);
-        let grid = plan.blocks(rows);
-        // SAFETY: (W, X, Y, rows, cols, rpw, ng, xsb, tab) as GEMV_ENTRY; sizes
-        // checked; plan.smem bytes of dynamic shared memory (opted in at load).
+        // Three (weights, output, rows, blocks) slots; unused ones take no blocks.
+        let slot = |i: usize| parts.get(i).map_or((0u64, 0u64, 0i32, 0u32), |p| (p.w.device_ptr(), p.y.device_ptr(), p.rows as i32, plan.blocks(p.rows)));
+        let ((w0, y0, r0, n0), (w1, y1, r1, n1), (w2, y2, r2, n2)) = (slot(0), slot(1), slot(2));
+        let (b1, b2) = (n0 as i32, (n0 + n1) as i32);
+        let (xp, tab) = (x.device_ptr(), self.iq_tables().device_ptr());
+        let (c, rw, ng, xsb) = (cols as i32, plan.rpw as i32, plan.groups as i32, plan.xsb as i32);
+        to_i32(OP, "blocks", (n0 + n1 + n2) as usize)?;
+        // SAFETY: parameters as GEMV_ENTRY; every part's sizes checked above;
+        // plan.smem bytes of dynamic shared memory (opted in at load).
         unsafe {
             self.launch(
                 f,
-                (grid, 1, 1),
+                (n0 + n1 + n2, 1, 1),
                 plan.threads(),
                 plan.smem as u32,
                 stream,
-                &mut params![wp, xp, yp, r, c, rw, ng, xsb, tab],
+                &mut params![w0, w1, w2, y0, y1, y2, r0, r1, r2, b1, b2, xp, c, rw, ng, xsb, tab],
             )
         }
     }
@@ -1109,7 +1139,26 @@ impl CudaDevice {
         ids: &mut DeviceBuf<i32>,
         weights: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
-        self.route_with(stream, true, spec, logits, bias, n_tok, n_exp, ids, weights)
+        self.route_with(stream, true, spec, logits, bias, n_tok, n_exp, ids, weights, None)
+    }
+
+    /// [`route`](Self::route), then each pair's (gate, up, down) slab pointers
+    /// from per-expert tables, as [`moe_gather_ptrs`](Self::moe_gather_ptrs)
+    /// gives them; one kernel where the one-warp router serves (<= 256 experts).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_gather(
+        &self,
+        stream: &CudaStream,
+        spec: &RouterSpec,
+        logits: &DeviceBuf<f32>,
+        n_tok: usize,
+        n_exp: usize,
+        ids: &mut DeviceBuf<i32>,
+        weights: &mut DeviceBuf<f32>,
+        tables: [&DeviceBuf<u64>; 3],
+        ptrs: [&mut DeviceBuf<u64>; 3],
+    ) -> Result<(), CudaError> {
+        self.route_with(stream, true, spec, logits, None, n_tok, n_exp, ids, weights, Some((tables, ptrs)))
     }
 
     /// [`CudaDevice::route`] with the kernel chosen: `warp` runs one warp a
@@ -1128,6 +1177,7 @@ impl CudaDevice {
         n_exp: usize,
         ids: &mut DeviceBuf<i32>,
         weights: &mut DeviceBuf<f32>,
+        gather: Option<([&DeviceBuf<u64>; 3], [&mut DeviceBuf<u64>; 3])>,
     ) -> Result<(), CudaError> {
         const OP: &str = "route";
         if spec.k == 0 || spec.k > MAX_TOP_K || spec.k > n_exp || n_exp > MAX_EXPERTS {
@@ -1151,13 +1201,37 @@ impl CudaDevice {
             ids.device_ptr(),
             weights.device_ptr(),
         );
-        let args = &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp];
         if warp && n_exp <= ROUTE_WARP_MAX_EXPERTS {
+            // The gather: tables and per-pair outputs, or nulls.
+            let ([tg, tu, td], [pg, pu, pd]) = match gather {
+                Some((t, o)) => {
+                    for x in &t[1..] {
+                        want(OP, "table", x.len(), t[0].len())?;
+                    }
+                    if t[0].len() < n_exp {
+                        return Err(shape(OP, format!("pointer tables of {} experts for {n_exp}", t[0].len())));
+                    }
+                    for x in &o {
+                        want(OP, "pointers", x.len(), n_tok * spec.k)?;
+                    }
+                    (t.map(|x| x.device_ptr()), [o[0].device_ptr(), o[1].device_ptr(), o[2].device_ptr()])
+                }
+                None => ([0u64; 3], [0u64; 3]),
+            };
             let f = self.func(Family::Moe, ROUTE_WARP)?;
             let grid = n_tok.div_ceil(ROUTE_WARP_TOKENS) as u32;
-            // SAFETY: parameters as route_topk_warp (those of route_topk); sizes checked.
+            // SAFETY: parameters as route_topk_warp; sizes checked.
+            let args = &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp, tg, tu, td, pg, pu, pd];
             unsafe { self.launch(f, (grid, 1, 1), 32 * ROUTE_WARP_TOKENS as u32, 0, stream, args) }
         } else {
+            let args = &mut params![lp, bp, nt, ne, k, gating, renorm, scale, ip, wp];
+            if let Some((t, o)) = gather {
+                let f = self.func(Family::Moe, 0)?;
+                let smem = (2 * n_exp * 4) as u32;
+                // SAFETY: parameters as route_topk; sizes checked.
+                unsafe { self.launch(f, (n_tok as u32, 1, 1), 256, smem, stream, args) }?;
+                return self.moe_gather_ptrs(stream, ids, t, o);
+            }
             let f = self.func(Family::Moe, 0)?;
             let smem = (2 * n_exp * 4) as u32;
             // SAFETY: parameters as route_topk; sizes checked.

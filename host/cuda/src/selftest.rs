@@ -198,6 +198,13 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             format!("16389x{cols}"),
             quant_mm_with(dev, &pool, &ks, GemmKernel::Dp4a, ty, 16389, cols, 1, next()),
         );
+        // q, k and v of one row in one launch: each output is its own GEMV's.
+        t.push(
+            "gemv (three matrices, one launch)",
+            &fmt_name(ty),
+            format!("(4100+130+131)x{cols}"),
+            gemv_multi_case(dev, &pool, &ks, ty, [4100, 130, 131], cols, next()),
+        );
         let mut kernels = vec![("gemm dp4a", GemmKernel::Dp4a)];
         if dev.compute_capability().0 >= 8 {
             kernels.push(("gemm mma", GemmKernel::TensorCore));
@@ -493,6 +500,11 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         "40 pairs x 16 exp".into(),
         gather_case(dev, next()),
     );
+    // Routing that gathers the pointers too, against route + moe_gather_ptrs
+    // (one warp a token up to 256 experts, else the block router then the gather).
+    for n_exp in [128usize, 300] {
+        t.push("route_gather == route + gather", "softmax renorm top-8", format!("5 tok x {n_exp} exp"), route_gather_case(dev, n_exp, next()));
+    }
     t.push(
         "moe_combine",
         "f32",
@@ -500,6 +512,32 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         combine_case(dev, 5, 8, 2048, next()),
     );
     t.rows
+}
+
+fn route_gather_case(dev: &CudaDevice, n_exp: usize, seed: u64) -> Result<Cmp, CudaError> {
+    let (n_tok, k) = (5usize, 8usize);
+    let spec = RouterSpec { k, gating: Gating::Softmax, renormalize: true, scale: 1.0 };
+    let logits = dev.upload(&random_values(n_tok * n_exp, seed))?;
+    let tables: Vec<DeviceBuf<u64>> = (0..3u64)
+        .map(|m| dev.upload(&(0..n_exp as u64).map(|e| if e % 7 == 3 { 0 } else { (m + 1) << 40 | e * 4096 }).collect::<Vec<u64>>()))
+        .collect::<Result<_, _>>()?;
+    let tabs = [&tables[0], &tables[1], &tables[2]];
+    let n = n_tok * k;
+    let mut bufs: Vec<DeviceBuf<u64>> = (0..6).map(|_| poisoned::<u64>(dev, n)).collect::<Result<_, _>>()?;
+    let (fused, apart) = bufs.split_at_mut(3);
+    let (mut ids_a, mut w_a) = (poisoned::<i32>(dev, n)?, poisoned::<f32>(dev, n)?);
+    let (mut ids_b, mut w_b) = (poisoned::<i32>(dev, n)?, poisoned::<f32>(dev, n)?);
+    let [f0, f1, f2] = fused else { unreachable!() };
+    dev.route_gather(dev.compute(), &spec, &logits, n_tok, n_exp, &mut ids_a, &mut w_a, tabs, [f0, f1, f2])?;
+    dev.route(dev.compute(), &spec, &logits, None, n_tok, n_exp, &mut ids_b, &mut w_b)?;
+    let [a0, a1, a2] = apart else { unreachable!() };
+    dev.moe_gather_ptrs(dev.compute(), &ids_b, tabs, [a0, a1, a2])?;
+    let mut diff = (dev.download(&ids_a)? != dev.download(&ids_b)?) as usize;
+    diff += dev.download(&w_a)?.iter().zip(dev.download(&w_b)?).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    for i in 0..3 {
+        diff += dev.download(&bufs[i])?.iter().zip(dev.download(&bufs[i + 3])?).filter(|(a, b)| *a != b).count();
+    }
+    Ok(Cmp { abs: diff as f64, rel: diff as f64 / (4 * n) as f64, tol: 0.0, pass: diff == 0 })
 }
 
 fn gather_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
@@ -654,6 +692,42 @@ fn quant_mm_with(
         dev.gemm_with(dev.compute(), kernel, ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
     }
     Ok(compare(&dev.download(&y)?, &cpu, 0.0))
+}
+
+/// [`CudaDevice::gemv_multi`] of three matrices against the CPU's product of each.
+#[allow(clippy::too_many_arguments)]
+fn gemv_multi_case(
+    dev: &CudaDevice,
+    pool: &rayon::ThreadPool,
+    k: &Kernels,
+    ty: GgmlType,
+    rows: [usize; 3],
+    cols: usize,
+    seed: u64,
+) -> Result<Cmp, CudaError> {
+    let be = ty.block_elems() as usize;
+    let x = random_values(cols, seed ^ 1);
+    let acts = Activations::for_weight(ty, &x, cols)?;
+    let (mut ws, mut cpu) = (Vec::new(), Vec::new());
+    for (i, &r) in rows.iter().enumerate() {
+        let w = random_blocks(ty, r * cols / be, seed + i as u64)?;
+        let mut c = vec![0f32; r];
+        k.matmul(pool, &WeightMatrix::new(ty, &w, r, cols)?, &acts, &mut c)?;
+        cpu.extend(c);
+        ws.push(dev.upload(&w)?);
+    }
+    let xd = dev.upload(acts.as_bytes())?;
+    let mut ys = rows.iter().map(|&r| poisoned::<f32>(dev, r)).collect::<Result<Vec<_>, _>>()?;
+    {
+        let mut parts: Vec<crate::ops::GemvPart<'_>> =
+            ws.iter().zip(rows).zip(ys.iter_mut()).map(|((w, rows), y)| crate::ops::GemvPart { w, rows, y }).collect();
+        dev.gemv_multi(dev.compute(), ty, &mut parts, cols, &xd)?;
+    }
+    let mut got = Vec::new();
+    for y in &ys {
+        got.extend(dev.download(y)?);
+    }
+    Ok(compare(&got, &cpu, 0.0))
 }
 
 /// A GEMM's outputs against the GEMV of each token alone, bit for bit: what

@@ -99,6 +99,10 @@ pub struct CudaEngine<'m> {
     pools: Pools,
     /// Recorded value lifetimes of the last decode (0) and prefill (1) step.
     live: [Liveness; 2],
+    /// The (weight, input value) of each linear op of the last decode step, in
+    /// order: a decode linear whose next ones read the same input (q, k, v)
+    /// runs them in one launch.
+    linears: Vec<(u32, u32)>,
     /// Off after a step asked for a value released early (the plugin's graph
     /// changed shape between steps); every value then lives to the step's end.
     release_early: bool,
@@ -127,6 +131,7 @@ impl<'m> CudaEngine<'m> {
             store: None,
             pools: Pools::default(),
             live: Default::default(),
+            linears: Vec::new(),
             release_early: true,
             over_reserve: false,
             dec_tok: cm.dev.alloc(1)?,
@@ -269,6 +274,9 @@ impl<'m> CudaEngine<'m> {
             released_early: Cell::new(false),
             prof: RefCell::new(self.profile.as_mut()),
             kind,
+            prev_linears: if decode { &self.linears } else { &[] },
+            linears: Vec::new(),
+            pending: Vec::new(),
         };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
         let mut captured = None;
@@ -294,7 +302,11 @@ impl<'m> CudaEngine<'m> {
         };
         step.finish();
         let (trace, early) = (step.trace.take(), step.released_early.get());
+        let linears = std::mem::take(&mut step.linears);
         drop(step);
+        if decode && result.is_ok() {
+            self.linears = linears;
+        }
         if let Some(p) = own_pos {
             self.pools.u32.give(p);
         }
@@ -370,6 +382,12 @@ struct CudaStep<'a> {
     prof: RefCell<Option<&'a mut OpProfile>>,
     /// 0 decode, 1 prefill (the profile's row kind).
     kind: usize,
+    /// The last decode step's linear ops (weight, input), and this step's.
+    prev_linears: &'a [(u32, u32)],
+    linears: Vec<(u32, u32)>,
+    /// Outputs of linear ops already computed with an earlier one that read
+    /// the same input, by (weight, input value): claimed when their op comes.
+    pending: Vec<(u32, u32, DeviceBuf<f32>)>,
 }
 
 fn res(r: R<Val>) -> OpResult {
@@ -388,6 +406,9 @@ impl<'a> CudaStep<'a> {
         }
         for (_, _, q) in self.qcache.drain(..) {
             self.pools.u8.give(q);
+        }
+        for (_, _, b) in self.pending.drain(..) {
+            self.pools.f32.give(b);
         }
     }
 
@@ -537,8 +558,68 @@ impl<'a> CudaStep<'a> {
         let (dw, mw) = self.weight(w)?;
         let raw = dw.raw.as_ref().ok_or_else(|| format!("{} is not resident", mw.name))?;
         let (n_in, n_out) = (dw.dims[0] as usize, dw.dims[1] as usize);
+        let at = self.linears.len();
+        self.linears.push((w.0, x.0));
+        if let Some(i) = self.pending.iter().position(|p| (p.0, p.1) == (w.0, x.0)) {
+            let (_, _, y) = self.pending.swap_remove(i);
+            return self.push(y, 1, n_out);
+        }
+        if let Some(v) = self.linear_group(w, x, at)? {
+            return Ok(v);
+        }
         let (y, rows) = self.matmul_raw(dw.ty, raw, n_out, n_in, x)?;
         self.push(y, rows, n_out)
+    }
+
+    /// Decode: when the last decode step's next one or two linear ops read
+    /// this op's input with weights of the same type and width (q, k, v), run
+    /// them all in one GEMV launch now and keep their outputs for their ops.
+    /// The match is by weight and input value, so a step that departs from
+    /// the last one only wastes the launch; it never takes a wrong output.
+    fn linear_group(&mut self, w: Wt, x: Val, at: usize) -> R<Option<Val>> {
+        let (rows, _) = self.dims(x)?;
+        if rows != 1 || self.prev_linears.get(at) != Some(&(w.0, x.0)) {
+            return Ok(None);
+        }
+        let cm: &'a CudaModel = self.cm;
+        let (dw, _) = self.weight(w)?;
+        let (ty, n_in) = (dw.ty, dw.dims[0] as usize);
+        let fmt = match ActFormat::for_weight(ty) {
+            Some(f) if f != ActFormat::F32 => f,
+            _ => return Ok(None),
+        };
+        let mut group: Vec<(u32, &'a DevWeight)> = vec![(w.0, dw)];
+        for &(wn, xn) in self.prev_linears.iter().skip(at + 1).take(2) {
+            let Some(d) = cm.weights.get(wn as usize) else { break };
+            if xn != x.0 || d.ty != ty || d.dims[0] as usize != n_in || d.raw.is_none() || group.iter().any(|g| g.0 == wn) {
+                break;
+            }
+            group.push((wn, d));
+        }
+        if group.len() < 2 {
+            return Ok(None);
+        }
+        let qi = self.quantized(x, fmt)?;
+        let mut outs = Vec::with_capacity(group.len());
+        for (_, d) in &group {
+            outs.push(self.new_val(1, d.dims[1] as usize)?);
+        }
+        {
+            let mut parts: Vec<pulsar_cuda::GemvPart<'_>> = group
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|((_, d), y)| pulsar_cuda::GemvPart { w: d.raw.as_ref().expect("checked resident"), rows: d.dims[1] as usize, y })
+                .collect();
+            let stream = cm.dev.compute().clone();
+            cm.dev.gemv_multi(&stream, ty, &mut parts, n_in, &self.qcache[qi].2).map_err(err)?;
+        }
+        let mut outs = outs.into_iter();
+        let first = outs.next().expect("two or more outputs");
+        for ((wn, _), y) in group.iter().skip(1).zip(outs) {
+            self.pending.push((*wn, x.0, y));
+        }
+        let n_out = dw.dims[1] as usize;
+        self.push(first, 1, n_out).map(Some)
     }
 
     fn binary(&mut self, a: Val, b: Val, op: u8) -> R<Val> {
@@ -697,9 +778,7 @@ impl<'a> CudaStep<'a> {
             renormalize: spec.norm_topk,
             scale: spec.weights_scale,
         };
-        dev.route(&stream, &rs, self.buf(logits)?, None, rows, ne, &mut ids, &mut wts).map_err(err)?;
         let n_pairs = rows * k;
-        self.mark(Some(&|| "moe: expert placement".to_string()));
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
         let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
         let (gdw, _) = self.weight(spec.gate_exps)?;
@@ -724,6 +803,17 @@ impl<'a> CudaStep<'a> {
         for _ in 0..3 {
             pbufs.push(self.pools.u64.take(dev, n_pairs).map_err(err)?);
         }
+        {
+            let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
+            match resident {
+                // Decode on resident experts: the router kernel gathers the
+                // pairs' pointers too (no host round trip, one kernel).
+                Some(tables) if !grouped => dev.route_gather(&stream, &rs, self.buf(logits)?, rows, ne, &mut ids, &mut wts, tables, [pg, pu, pd]),
+                _ => dev.route(&stream, &rs, self.buf(logits)?, None, rows, ne, &mut ids, &mut wts),
+            }
+            .map_err(err)?;
+        }
+        self.mark(Some(&|| "moe: expert placement".to_string()));
         // Host copies, when the host takes part: routing ids, and each
         // selected expert's (gate, up, down) device addresses.
         let mut h_ids: Vec<i32> = Vec::new();
@@ -739,7 +829,7 @@ impl<'a> CudaStep<'a> {
         let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
-            Some(tables) => {
+            Some(_) => {
                 if grouped {
                     h_ids = vec![0i32; n_pairs];
                     ids.download(&stream, &mut h_ids).map_err(err)?;
@@ -754,10 +844,8 @@ impl<'a> CudaStep<'a> {
                             Ok(p)
                         })
                         .collect::<R<_>>()?;
-                } else {
-                    // Everything on the device: no host round trip.
-                    dev.moe_gather_ptrs(&stream, &ids, tables, [pg, pu, pd]).map_err(err)?;
                 }
+                // Else: everything is on the device, gathered by the router above.
             }
             None => {
                 let pool = cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;

@@ -122,7 +122,7 @@ fn route_edge_case(dev: &CudaDevice, gating: Gating, n_exp: usize, seed: u64) ->
             let mut ids = poisoned::<i32>(dev, EDGE_ROWS * spec.k)?;
             let mut w = poisoned::<f32>(dev, EDGE_ROWS * spec.k)?;
             let b = with_bias.then_some(&bd);
-            dev.route_with(dev.compute(), warp, &spec, &ld, b, EDGE_ROWS, n_exp, &mut ids, &mut w)?;
+            dev.route_with(dev.compute(), warp, &spec, &ld, b, EDGE_ROWS, n_exp, &mut ids, &mut w, None)?;
             let mut bytes: Vec<u8> = dev.download(&ids)?.iter().flat_map(|v| v.to_le_bytes()).collect();
             bytes.extend(dev.download(&w)?.iter().flat_map(|v| v.to_bits().to_le_bytes()));
             got.push(bytes);
