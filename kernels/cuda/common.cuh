@@ -351,7 +351,8 @@ __device__ __forceinline__ void rope_cos_sin_c(float a, float* cos_out, float* s
 #define QNAN __int_as_float(0x7fc00000)
 
 // ---- activation quantization, bit-identical to the CPU's Activations: one
-// warp quantizes one block (the quantize_* kernels of gemv_quant.cu) ----
+// warp quantizes one block (the quantize_* kernels, and add_rms_norm's
+// quantized output) ----
 
 // q8_0: the warp's 32 values at x (lane = value) into the 34 bytes at b.
 // d = amax / 127, q = round(x / d) (ties away from zero), d stored as f16

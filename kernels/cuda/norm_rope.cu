@@ -84,26 +84,40 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm_any(x + (size_t)g * group, y + (size_t)g * group, w, group, eps, part);
 }
 
-// add_rms_norm — a decode step's residual add and the RMS norm of the sum
-// over the whole row, in one launch instead of two; one block a row of
-// `cols`. The same operations as add_f32 then rms_norm, so the same bits.
-// (Quantizing the norm here too was slower on the H200: one block's warps
-// quantizing a 4096-wide row one block after another took longer than the
-// quantize kernel's many blocks.)
+// add_rms_norm — a decode step's residual add, the RMS norm of the sum over
+// the whole row and, when q is non-null, that norm quantized for the products
+// that read it (qfmt 0: q8_0, 1: q8_K), in one launch instead of three; one
+// block a row of `cols`. b null: no add (the norm of a, sum unused). The same
+// operations as add_f32, rms_norm and quantize_q8_*, so the same bits.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     add_rms_norm(const float* a, const float* b, float* sum, float* y, const float* w, int cols, int n_rows,
-                 float eps) {
+                 float eps, u8* q, int qfmt) {
     pdl_begin();
     __shared__ double part[NORM_THREADS / 32];
     int r = blockIdx.x;
     if (r >= n_rows) return;
-    const float* ar = a + (size_t)r * cols;
-    const float* br = b + (size_t)r * cols;
-    float* s = sum + (size_t)r * cols;
-    for (int i = threadIdx.x; i < cols; i += NORM_THREADS) s[i] = ar[i] + br[i];
-    // The sum's values, written by the whole block, are the norm's input.
-    __syncthreads();
-    rms_norm_any(s, y + (size_t)r * cols, w, cols, eps, part);
+    const float* x = a + (size_t)r * cols;
+    if (b) {
+        float* s = sum + (size_t)r * cols;
+        const float* br = b + (size_t)r * cols;
+        for (int i = threadIdx.x; i < cols; i += NORM_THREADS) s[i] = x[i] + br[i];
+        // The sum's values, written by the whole block, are the norm's input.
+        __syncthreads();
+        x = s;
+    }
+    float* yr = y + (size_t)r * cols;
+    rms_norm_any(x, yr, w, cols, eps, part);
+    if (q) {
+        __syncthreads();
+        int warp = threadIdx.x >> 5;
+        if (qfmt == 0) {
+            u8* qr = q + (size_t)r * (cols / 32) * 34;
+            for (int k = warp; k < cols / 32; k += NORM_THREADS / 32) quantize_block_q8_0(yr + 32 * k, qr + 34 * k);
+        } else {
+            u8* qr = q + (size_t)r * (cols / 256) * 292;
+            for (int k = warp; k < cols / 256; k += NORM_THREADS / 32) quantize_block_q8_k(yr + 256 * k, qr + 292 * k);
+        }
+    }
 }
 
 // Rows of `width` values (heads of head_dim), row r at positions[r], from x

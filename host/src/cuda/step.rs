@@ -70,10 +70,13 @@ enum OpKind {
     Other,
     Add,
     Norm,
+    Linear,
+    Moe,
 }
 
-/// One op of a step: its kind, first two inputs, a norm's weight (u32::MAX
-/// none), eps bits and group, and its output value.
+/// One op of a step: its kind, first two inputs, weight (a norm's or a
+/// linear's; a MoE's gate experts; u32::MAX none), a norm's eps bits and
+/// group, and its output value.
 #[derive(Clone, Copy, Debug, Default)]
 struct OpRec {
     kind: OpKind,
@@ -84,14 +87,15 @@ struct OpRec {
     out: u32,
 }
 
-/// A norm computed with the add before it, waiting for its op:
-/// rms_norm(x, w, eps, group) claims it.
+/// A norm computed with the add before it (and maybe quantized), waiting
+/// for its op: rms_norm(x, w, eps, group) claims it.
 struct PendingNorm {
     x: u32,
     w: u32,
     eps: u32,
     group: u32,
     y: DeviceBuf<f32>,
+    q: Option<(ActFormat, DeviceBuf<u8>)>,
 }
 
 #[derive(Default)]
@@ -135,7 +139,7 @@ pub struct CudaEngine<'m> {
     /// runs them in one launch.
     linears: Vec<(u32, u32)>,
     /// The ops of the last decode step: an add followed by a whole-row norm
-    /// of its sum runs as one kernel.
+    /// runs as one kernel, which also quantizes the norm for its readers.
     recs: Vec<OpRec>,
     /// Off after a step asked for a value released early (the plugin's graph
     /// changed shape between steps); every value then lives to the step's end.
@@ -458,6 +462,9 @@ impl<'a> CudaStep<'a> {
         }
         for p in self.pending_norms.drain(..) {
             self.pools.f32.give(p.y);
+            if let Some((_, q)) = p.q {
+                self.pools.u8.give(q);
+            }
         }
     }
 
@@ -614,6 +621,20 @@ impl<'a> CudaStep<'a> {
         self.cur.set(OpRec { kind, w, eps, group, ..c });
     }
 
+    /// The activation format the readers of op `i`'s output (in the last
+    /// decode step) quantize it to: a quantized linear's, or a MoE's gate
+    /// experts'. None when nothing quantizes it.
+    fn quant_fmt_of_readers(&self, i: usize) -> Option<ActFormat> {
+        let out = self.prev_recs.get(i)?.out;
+        self.prev_recs.iter().skip(i + 1).filter(|r| r.ins[0] == out).find_map(|r| match r.kind {
+            OpKind::Linear | OpKind::Moe => {
+                let ty = self.cm.weights.get(r.w as usize)?.ty;
+                ActFormat::for_weight(ty).filter(|f| *f != ActFormat::F32)
+            }
+            _ => None,
+        })
+    }
+
     /// A norm's f32 weight vector of `group` values (u32::MAX: none).
     fn norm_weight(&self, w: u32, cols: usize) -> R<Option<&'a DeviceBuf<f32>>> {
         if w == u32::MAX {
@@ -628,9 +649,10 @@ impl<'a> CudaStep<'a> {
     }
 
     /// Decode: when the last decode step's op here was this add and the next
-    /// one a whole-row norm of its sum, compute both now in one kernel; the
-    /// norm waits for its op, which claims it by input, weight, eps and
-    /// group, so a step that departs from the last one only wastes the launch.
+    /// one a whole-row norm of its sum, compute both now (and the norm's
+    /// quantization its readers want) in one kernel; the norm waits for its
+    /// op, which claims it by input, weight, eps and group, so a step that
+    /// departs from the last one only wastes the launch.
     fn add_then_norm(&mut self, a: Val, b: Val) -> R<Option<Val>> {
         let i = self.recs.len();
         let (Some(pa), Some(pn)) = (self.prev_recs.get(i), self.prev_recs.get(i + 1)) else { return Ok(None) };
@@ -643,21 +665,48 @@ impl<'a> CudaStep<'a> {
             return Ok(None);
         }
         let w = self.norm_weight(pn.w, cols)?;
+        let fmt = self.quant_fmt_of_readers(i + 1);
+        let mut q = match fmt {
+            Some(f) => Some((f, self.pools.u8.take(&self.cm.dev, pulsar_cuda::act_bytes(f, rows, cols).map_err(err)?).map_err(err)?)),
+            None => None,
+        };
         let (mut sum, mut y) = (self.new_val(rows, cols)?, self.new_val(rows, cols)?);
         let stream = self.cm.dev.compute().clone();
-        self.cm.dev.add_rms_norm(&stream, self.buf(a)?, self.buf(b)?, &mut sum, &mut y, w, cols, f32::from_bits(pn.eps)).map_err(err)?;
+        let quant = q.as_mut().map(|(f, b)| (*f, b));
+        self.cm.dev.add_rms_norm(&stream, self.buf(a)?, Some((self.buf(b)?, &mut sum)), &mut y, w, cols, f32::from_bits(pn.eps), quant).map_err(err)?;
         let v = self.push(sum, rows, cols)?;
-        self.pending_norms.push(PendingNorm { x: v.0, w: pn.w, eps: pn.eps, group: pn.group, y });
+        self.pending_norms.push(PendingNorm { x: v.0, w: pn.w, eps: pn.eps, group: pn.group, y, q });
         Ok(Some(v))
     }
 
-    /// The norm add_then_norm made for this op, if any.
-    fn pending_norm(&mut self, x: Val, w: u32, eps: f32, group: u32) -> R<Option<Val>> {
+    /// A whole-row decode norm: the one add_then_norm made, else (when its
+    /// readers quantize it) the norm and its quantization in one kernel.
+    fn norm_fused(&mut self, x: Val, w: u32, eps: f32, group: u32) -> R<Option<Val>> {
         let key = (x.0, w, eps.to_bits(), group);
-        let Some(i) = self.pending_norms.iter().position(|p| (p.x, p.w, p.eps, p.group) == key) else { return Ok(None) };
-        let p = self.pending_norms.swap_remove(i);
+        if let Some(i) = self.pending_norms.iter().position(|p| (p.x, p.w, p.eps, p.group) == key) {
+            let p = self.pending_norms.swap_remove(i);
+            let (rows, cols) = self.dims(x)?;
+            let v = self.push(p.y, rows, cols)?;
+            if let Some((f, q)) = p.q {
+                self.qcache.push((v, f, q));
+            }
+            return Ok(Some(v));
+        }
+        let i = self.recs.len();
         let (rows, cols) = self.dims(x)?;
-        self.push(p.y, rows, cols).map(Some)
+        let same = self.prev_recs.get(i).is_some_and(|r| r.kind == OpKind::Norm && r.ins[0] == x.0 && (r.w, r.eps, r.group) == (w, eps.to_bits(), group));
+        if !same || rows != 1 || group as usize != cols {
+            return Ok(None);
+        }
+        let Some(fmt) = self.quant_fmt_of_readers(i) else { return Ok(None) };
+        let wv = self.norm_weight(w, cols)?;
+        let mut q = self.pools.u8.take(&self.cm.dev, pulsar_cuda::act_bytes(fmt, rows, cols).map_err(err)?).map_err(err)?;
+        let mut y = self.new_val(rows, cols)?;
+        let stream = self.cm.dev.compute().clone();
+        self.cm.dev.add_rms_norm(&stream, self.buf(x)?, None, &mut y, wv, cols, eps, Some((fmt, &mut q))).map_err(err)?;
+        let v = self.push(y, rows, cols)?;
+        self.qcache.push((v, fmt, q));
+        Ok(Some(v))
     }
 
     fn linear_w(&mut self, w: Wt, x: Val) -> R<Val> {
@@ -1231,6 +1280,7 @@ impl Ops for CudaStep<'_> {
     }
     fn linear(&mut self, w: Wt, x: Val) -> OpResult {
         self.note(&[x]);
+        self.tag(OpKind::Linear, w.0, 0, 0);
         self.mark(Some(&|| format!("linear {}", self.model.weights.get(w.0 as usize).map_or("?", |m| short_name(&m.name)))));
         let r = self.linear_w(w, x);
         self.done(r)
@@ -1243,7 +1293,7 @@ impl Ops for CudaStep<'_> {
         };
         self.tag(OpKind::Norm, wid, eps.to_bits(), group);
         self.mark(Some(&|| "rms_norm".to_string()));
-        match self.pending_norm(x, wid, eps, group) {
+        match self.norm_fused(x, wid, eps, group) {
             Ok(Some(v)) => return self.done(Ok(v)),
             Ok(None) => {}
             Err(e) => return self.done(Err(e)),
@@ -1351,6 +1401,7 @@ impl Ops for CudaStep<'_> {
     }
     fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
         self.note(&[x]);
+        self.tag(OpKind::Moe, spec.gate_exps.0, 0, 0);
         self.mark(Some(&|| "moe: router, top-k".to_string()));
         let r = self.do_moe(x, &spec);
         self.done(r)
