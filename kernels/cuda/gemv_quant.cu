@@ -371,18 +371,82 @@ GEMV_ENTRY(iq3_xxs, F_IQ3_XXS)
 
 // ---- activation quantization, bit-identical to the CPU's Activations ----
 
-// One warp a block, the work in common.cuh (quantize_block_q8_0 / _q8_k,
-// which the fused norm kernel also runs).
+// q8_0: one warp per block of 32 (lane = value). d = amax / 127, q = round(x / d)
+// (ties away from zero), d stored as f16 (kernels/src/quant/q8_0.rs).
 extern "C" __global__ void quantize_q8_0(const float* __restrict__ x, u8* __restrict__ out, int n_blocks) {
     pdl_begin();
     int blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;
-    quantize_block_q8_0(x + (size_t)blk * 32, out + (size_t)blk * 34);
+    int lane = threadIdx.x & 31;
+    float v = x[(size_t)blk * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    u8* b = out + (size_t)blk * 34;
+    float r = roundf(v * id);
+    int q = r != r ? 0 : (int)fminf(fmaxf(r, -127.0f), 127.0f);
+    b[2 + lane] = (u8)(i8)q;
+    if (lane == 0) {
+        u32 h = f2h(d);
+        b[0] = (u8)(h & 0xffu);
+        b[1] = (u8)((h >> 8) & 0xffu);
+    }
 }
 
+// q8_K: one warp per superblock of 256 (lane = 8 consecutive values). The first
+// value of largest magnitude maps to -127: iscale = -127 / max,
+// q = round_ties_even(iscale x), d = 1 / iscale; 16-value sums kept
+// (kernels/src/quant/q8_k.rs).
 extern "C" __global__ void quantize_q8_k(const float* __restrict__ x, u8* __restrict__ out, int n_blocks) {
     pdl_begin();
     int blk = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;
-    quantize_block_q8_k(x + (size_t)blk * 256, out + (size_t)blk * 292);
+    int lane = threadIdx.x & 31;
+    const float* xb = x + (size_t)blk * 256 + lane * 8;
+    float v[8];
+    float amax = 0.0f;
+    int first = 8;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v[i] = xb[i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    float m = warp_max(amax);
+#pragma unroll
+    for (int i = 7; i >= 0; i--)
+        if (fabsf(v[i]) == m) first = i;
+    // The lowest index holding the maximum magnitude, across lanes.
+    int idx = first < 8 ? lane * 8 + first : 1 << 30;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) idx = min(idx, __shfl_xor_sync(FULL_MASK, idx, o));
+    float vmax = __shfl_sync(FULL_MASK, first < 8 ? v[first & 7] : 0.0f, (idx >> 3) & 31);
+    u8* b = out + (size_t)blk * 292;
+    if (m == 0.0f || idx == (1 << 30)) {
+        for (int i = lane; i < 292; i += 32) b[i] = 0;
+        return;
+    }
+    float iscale = -127.0f / vmax;
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float r = rintf(iscale * v[i]);
+        int q = (int)fminf(fmaxf(r, -127.0f), 127.0f);
+        sum += q;
+        b[4 + lane * 8 + i] = (u8)(i8)q;
+    }
+    // Lanes 2j and 2j+1 hold the 16 values of sum j.
+    int pair = sum + __shfl_xor_sync(FULL_MASK, sum, 1);
+    if ((lane & 1) == 0) {
+        i16 s = (i16)pair;
+        b[260 + lane] = (u8)(s & 0xff);
+        b[261 + lane] = (u8)((u16)s >> 8);
+    }
+    if (lane == 0) {
+        float d = 1.0f / iscale;
+        u32 bits = __float_as_uint(d);
+        b[0] = bits & 0xff;
+        b[1] = (bits >> 8) & 0xff;
+        b[2] = (bits >> 16) & 0xff;
+        b[3] = bits >> 24;
+    }
 }

@@ -57,9 +57,14 @@ __device__ __forceinline__ void rms_norm_group(const float* xg, float* yg, const
     }
 }
 
-// One group's norm by the block, the register tier chosen by its size.
-__device__ __forceinline__ void rms_norm_any(const float* xg, float* yg, const float* w, int group, float eps,
-                                            double* part) {
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm(const float* x, float* y, const float* w, int group, int n_groups, float eps) {
+    pdl_begin();
+    __shared__ double part[NORM_THREADS / 32];
+    int g = blockIdx.x;
+    if (g >= n_groups) return;
+    const float* xg = x + (size_t)g * group;
+    float* yg = y + (size_t)g * group;
     // Up to 32 values a thread (8192 a group) in registers; beyond, the loop.
     if (group <= NORM_THREADS)
         rms_norm_group<1>(xg, yg, w, group, eps, part);
@@ -73,51 +78,6 @@ __device__ __forceinline__ void rms_norm_any(const float* xg, float* yg, const f
         rms_norm_group<32>(xg, yg, w, group, eps, part);
     else
         rms_norm_group<0>(xg, yg, w, group, eps, part);
-}
-
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-    rms_norm(const float* x, float* y, const float* w, int group, int n_groups, float eps) {
-    pdl_begin();
-    __shared__ double part[NORM_THREADS / 32];
-    int g = blockIdx.x;
-    if (g >= n_groups) return;
-    rms_norm_any(x + (size_t)g * group, y + (size_t)g * group, w, group, eps, part);
-}
-
-// add_rms_norm — a decode step's residual add, the RMS norm of the sum over
-// the whole row and, when q is non-null, that norm quantized for the products
-// that read it (qfmt 0: q8_0, 1: q8_K), in one launch instead of three; one
-// block a row of `cols`. b null: no add (the norm of a, sum unused). The same
-// operations as add_f32, rms_norm and quantize_q8_*, so the same bits.
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-    add_rms_norm(const float* a, const float* b, float* sum, float* y, const float* w, int cols, int n_rows,
-                 float eps, u8* q, int qfmt) {
-    pdl_begin();
-    __shared__ double part[NORM_THREADS / 32];
-    int r = blockIdx.x;
-    if (r >= n_rows) return;
-    const float* x = a + (size_t)r * cols;
-    if (b) {
-        float* s = sum + (size_t)r * cols;
-        const float* br = b + (size_t)r * cols;
-        for (int i = threadIdx.x; i < cols; i += NORM_THREADS) s[i] = x[i] + br[i];
-        // The sum's values, written by the whole block, are the norm's input.
-        __syncthreads();
-        x = s;
-    }
-    float* yr = y + (size_t)r * cols;
-    rms_norm_any(x, yr, w, cols, eps, part);
-    if (q) {
-        __syncthreads();
-        int warp = threadIdx.x >> 5;
-        if (qfmt == 0) {
-            u8* qr = q + (size_t)r * (cols / 32) * 34;
-            for (int k = warp; k < cols / 32; k += NORM_THREADS / 32) quantize_block_q8_0(yr + 32 * k, qr + 34 * k);
-        } else {
-            u8* qr = q + (size_t)r * (cols / 256) * 292;
-            for (int k = warp; k < cols / 256; k += NORM_THREADS / 32) quantize_block_q8_k(yr + 256 * k, qr + 292 * k);
-        }
-    }
 }
 
 // Rows of `width` values (heads of head_dim), row r at positions[r], from x

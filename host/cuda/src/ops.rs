@@ -765,69 +765,6 @@ impl CudaDevice {
         }
     }
 
-    /// `sum = a + b` (when `add` gives b and the sum's buffer), `y` the RMS
-    /// norm of it (or of `a`) over whole rows of `cols`, times `weight`, and,
-    /// with `quant`, `y` quantized to `fmt`: one kernel, the bits of
-    /// [`add`](Self::add), [`rms_norm`](Self::rms_norm) and
-    /// [`quantize_act`](Self::quantize_act). Decode's residual add and the
-    /// next norm.
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_rms_norm(
-        &self,
-        stream: &CudaStream,
-        a: &DeviceBuf<f32>,
-        add: Option<(&DeviceBuf<f32>, &mut DeviceBuf<f32>)>,
-        y: &mut DeviceBuf<f32>,
-        weight: Option<&DeviceBuf<f32>>,
-        cols: usize,
-        eps: f32,
-        quant: Option<(ActFormat, &mut DeviceBuf<u8>)>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "add_rms_norm";
-        if cols == 0 || a.len() % cols != 0 {
-            return Err(shape(OP, format!("rows of {cols} do not divide {} values", a.len())));
-        }
-        let rows = a.len() / cols;
-        want(OP, "y", y.len(), a.len())?;
-        if let Some(w) = weight {
-            want(OP, "weight", w.len(), cols)?;
-        }
-        let (bp, sp) = match &add {
-            Some((b, sum)) => {
-                want(OP, "b", b.len(), a.len())?;
-                want(OP, "sum", sum.len(), a.len())?;
-                (b.device_ptr(), sum.device_ptr())
-            }
-            None => (0, 0),
-        };
-        let (qp, qfmt) = match &quant {
-            Some((fmt, q)) => {
-                want(OP, "quantized bytes", q.len(), act_bytes(*fmt, rows, cols)?)?;
-                let code: i32 = match fmt {
-                    ActFormat::Q8_0 => 0,
-                    ActFormat::Q8K => 1,
-                    other => return Err(shape(OP, format!("no fused quantization to {other:?}"))),
-                };
-                (q.device_ptr(), code)
-            }
-            None => (0, 0),
-        };
-        let (c, n) = (to_i32(OP, "cols", cols)?, to_i32(OP, "rows", rows)?);
-        let (ap, yp, wp) = (a.device_ptr(), y.device_ptr(), ptr_or_null(weight));
-        let f = self.func(Family::NormRope, 2)?;
-        // SAFETY: (a, b, sum, y, w, cols, n_rows, eps, q, qfmt) as add_rms_norm; sizes checked.
-        unsafe {
-            self.launch(
-                f,
-                (n as u32, 1, 1),
-                256,
-                0,
-                stream,
-                &mut params![ap, bp, sp, yp, wp, c, n, eps, qp, qfmt],
-            )
-        }
-    }
-
     /// Rotate every head of every row of `x` (`[positions.len(), width]`) into
     /// `y`, the dims past `n_rot` copied. Twin: `ops::rope_rows`.
     pub fn rope(

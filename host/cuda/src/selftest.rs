@@ -494,11 +494,6 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         );
     }
     small_ops::cases(dev, &mut t, &pool, &k, &mut next);
-    // Decode's fused residual add + norm (+ quantization for the next products).
-    for (rows, cols, add, fmt) in [(1, 4096, true, Some(ActFormat::Q8_0)), (1, 4096, true, Some(ActFormat::Q8K)), (3, 1024, false, Some(ActFormat::Q8K)), (2, 640, true, None)] {
-        let what = format!("{}{}", if add { "add + norm" } else { "norm" }, fmt.map_or(String::new(), |f| format!(" + {f:?}")));
-        t.push("add_rms_norm", &what, format!("{rows}x{cols}"), add_norm_case(dev, rows, cols, add, fmt, next()));
-    }
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -789,36 +784,6 @@ fn float_mm_case(
     let mut y = poisoned::<f32>(dev, rows * n_tok)?;
     dev.gemm_float(dev.compute(), ty, &wd, rows, cols, &xd, n_tok, &mut y)?;
     Ok(compare(&dev.download(&y)?, &cpu, 0.0))
-}
-
-/// add_rms_norm against the CPU's add, RMS norm and quantization of the
-/// norm: sum, norm and bytes all exact.
-fn add_norm_case(dev: &CudaDevice, rows: usize, cols: usize, add: bool, fmt: Option<ActFormat>, seed: u64) -> Result<Cmp, CudaError> {
-    let a: Vec<f32> = random_values(rows * cols, seed).iter().map(|v| v * 3.0).collect();
-    let b = random_values(rows * cols, seed ^ 2);
-    let w = random_values(cols, seed ^ 1);
-    let sum: Vec<f32> = if add { a.iter().zip(&b).map(|(x, y)| x + y).collect() } else { a.clone() };
-    let mut y_cpu = sum.clone();
-    ops::rms_norm_rows(&mut y_cpu, cols, Some(&w[..]), 1e-6);
-    let (ad, bd, wd) = (dev.upload(&a)?, dev.upload(&b)?, dev.upload(&w)?);
-    let mut sd = poisoned::<f32>(dev, a.len())?;
-    let mut y = poisoned::<f32>(dev, a.len())?;
-    let q_cpu = fmt.map(|f| Activations::quantize(f, &y_cpu, cols)).transpose()?;
-    let mut qd = poisoned::<u8>(dev, q_cpu.as_ref().map_or(1, |q| q.as_bytes().len()))?;
-    let quant = fmt.map(|f| (f, &mut qd));
-    dev.add_rms_norm(dev.compute(), &ad, add.then_some((&bd, &mut sd)), &mut y, Some(&wd), cols, 1e-6, quant)?;
-    let mut c = compare(&dev.download(&y)?, &y_cpu, 0.0);
-    if add {
-        let cs = compare(&dev.download(&sd)?, &sum, 0.0);
-        c.pass &= cs.pass;
-        c.abs = c.abs.max(cs.abs);
-    }
-    if let Some(q) = &q_cpu {
-        let cq = compare_bytes(&dev.download(&qd)?, q.as_bytes());
-        c.pass &= cq.pass;
-        c.abs = c.abs.max(cq.abs);
-    }
-    Ok(c)
 }
 
 fn norm_case(

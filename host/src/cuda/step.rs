@@ -63,41 +63,6 @@ impl Liveness {
     }
 }
 
-/// What a step's op was, for the next step of the same kind to fuse by.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-enum OpKind {
-    #[default]
-    Other,
-    Add,
-    Norm,
-    Linear,
-    Moe,
-}
-
-/// One op of a step: its kind, first two inputs, weight (a norm's or a
-/// linear's; a MoE's gate experts; u32::MAX none), a norm's eps bits and
-/// group, and its output value.
-#[derive(Clone, Copy, Debug, Default)]
-struct OpRec {
-    kind: OpKind,
-    ins: [u32; 2],
-    w: u32,
-    eps: u32,
-    group: u32,
-    out: u32,
-}
-
-/// A norm computed with the add before it (and maybe quantized), waiting
-/// for its op: rms_norm(x, w, eps, group) claims it.
-struct PendingNorm {
-    x: u32,
-    w: u32,
-    eps: u32,
-    group: u32,
-    y: DeviceBuf<f32>,
-    q: Option<(ActFormat, DeviceBuf<u8>)>,
-}
-
 #[derive(Default)]
 struct Pools {
     f32: BufPool<f32>,
@@ -138,9 +103,6 @@ pub struct CudaEngine<'m> {
     /// order: a decode linear whose next ones read the same input (q, k, v)
     /// runs them in one launch.
     linears: Vec<(u32, u32)>,
-    /// The ops of the last decode step: an add followed by a whole-row norm
-    /// runs as one kernel, which also quantizes the norm for its readers.
-    recs: Vec<OpRec>,
     /// Off after a step asked for a value released early (the plugin's graph
     /// changed shape between steps); every value then lives to the step's end.
     release_early: bool,
@@ -170,7 +132,6 @@ impl<'m> CudaEngine<'m> {
             pools: Pools::default(),
             live: Default::default(),
             linears: Vec::new(),
-            recs: Vec::new(),
             release_early: true,
             over_reserve: false,
             dec_tok: cm.dev.alloc(1)?,
@@ -316,10 +277,6 @@ impl<'m> CudaEngine<'m> {
             prev_linears: if decode { &self.linears } else { &[] },
             linears: Vec::new(),
             pending: Vec::new(),
-            prev_recs: if decode { &self.recs } else { &[] },
-            recs: Vec::new(),
-            cur: Cell::new(OpRec::default()),
-            pending_norms: Vec::new(),
         };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
         let mut captured = None;
@@ -346,11 +303,9 @@ impl<'m> CudaEngine<'m> {
         step.finish();
         let (trace, early) = (step.trace.take(), step.released_early.get());
         let linears = std::mem::take(&mut step.linears);
-        let recs = std::mem::take(&mut step.recs);
         drop(step);
         if decode && result.is_ok() {
             self.linears = linears;
-            self.recs = recs;
         }
         if let Some(p) = own_pos {
             self.pools.u32.give(p);
@@ -433,11 +388,6 @@ struct CudaStep<'a> {
     /// Outputs of linear ops already computed with an earlier one that read
     /// the same input, by (weight, input value): claimed when their op comes.
     pending: Vec<(u32, u32, DeviceBuf<f32>)>,
-    /// The last decode step's ops and this step's (the current one in `cur`).
-    prev_recs: &'a [OpRec],
-    recs: Vec<OpRec>,
-    cur: Cell<OpRec>,
-    pending_norms: Vec<PendingNorm>,
 }
 
 fn res(r: R<Val>) -> OpResult {
@@ -459,12 +409,6 @@ impl<'a> CudaStep<'a> {
         }
         for (_, _, b) in self.pending.drain(..) {
             self.pools.f32.give(b);
-        }
-        for p in self.pending_norms.drain(..) {
-            self.pools.f32.give(p.y);
-            if let Some((_, q)) = p.q {
-                self.pools.u8.give(q);
-            }
         }
     }
 
@@ -507,8 +451,6 @@ impl<'a> CudaStep<'a> {
     /// Record an op reading `inputs`, and whether it matches the plan.
     fn note(&self, inputs: &[Val]) {
         let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
-        let at = |i: usize| ins.get(i).copied().unwrap_or(u32::MAX);
-        self.cur.set(OpRec { ins: [at(0), at(1)], w: u32::MAX, ..OpRec::default() });
         let mut t = self.trace.borrow_mut();
         let i = t.len();
         if self.on_plan.get() && self.plan.and_then(|p| p.inputs.get(i)) != Some(&ins) {
@@ -540,9 +482,6 @@ impl<'a> CudaStep<'a> {
     /// An op's result, after releasing what the plan says is dead.
     fn done(&mut self, r: R<Val>) -> OpResult {
         self.mark(None);
-        let mut rec = self.cur.take();
-        rec.out = r.as_ref().map_or(u32::MAX, |v| v.0);
-        self.recs.push(rec);
         if r.is_ok() {
             self.release();
         }
@@ -613,100 +552,6 @@ impl<'a> CudaStep<'a> {
         self.cm.dev.quantize_act(&stream, fmt, self.buf(x)?, rows, cols, &mut q).map_err(err)?;
         self.qcache.push((x, fmt, q));
         Ok(self.qcache.len() - 1)
-    }
-
-    /// Tag the current op (after `note`) with its kind and weight.
-    fn tag(&self, kind: OpKind, w: u32, eps: u32, group: u32) {
-        let c = self.cur.get();
-        self.cur.set(OpRec { kind, w, eps, group, ..c });
-    }
-
-    /// The activation format the readers of op `i`'s output (in the last
-    /// decode step) quantize it to: a quantized linear's, or a MoE's gate
-    /// experts'. None when nothing quantizes it.
-    fn quant_fmt_of_readers(&self, i: usize) -> Option<ActFormat> {
-        let out = self.prev_recs.get(i)?.out;
-        self.prev_recs.iter().skip(i + 1).filter(|r| r.ins[0] == out).find_map(|r| match r.kind {
-            OpKind::Linear | OpKind::Moe => {
-                let ty = self.cm.weights.get(r.w as usize)?.ty;
-                ActFormat::for_weight(ty).filter(|f| *f != ActFormat::F32)
-            }
-            _ => None,
-        })
-    }
-
-    /// A norm's f32 weight vector of `group` values (u32::MAX: none).
-    fn norm_weight(&self, w: u32, cols: usize) -> R<Option<&'a DeviceBuf<f32>>> {
-        if w == u32::MAX {
-            return Ok(None);
-        }
-        let (dw, mw) = self.weight(Wt(w))?;
-        let f = dw.f32.as_ref().ok_or_else(|| format!("{} is not a vector", mw.name))?;
-        if f.len() != cols {
-            return Err(format!("rms_norm: weight {} has {} values for group {cols}", mw.name, f.len()));
-        }
-        Ok(Some(f))
-    }
-
-    /// Decode: when the last decode step's op here was this add and the next
-    /// one a whole-row norm of its sum, compute both now (and the norm's
-    /// quantization its readers want) in one kernel; the norm waits for its
-    /// op, which claims it by input, weight, eps and group, so a step that
-    /// departs from the last one only wastes the launch.
-    fn add_then_norm(&mut self, a: Val, b: Val) -> R<Option<Val>> {
-        let i = self.recs.len();
-        let (Some(pa), Some(pn)) = (self.prev_recs.get(i), self.prev_recs.get(i + 1)) else { return Ok(None) };
-        let (pa, pn) = (*pa, *pn);
-        if pa.kind != OpKind::Add || pa.ins != [a.0, b.0] || pn.kind != OpKind::Norm || pn.ins[0] != pa.out {
-            return Ok(None);
-        }
-        let (rows, cols) = self.dims(a)?;
-        if rows != 1 || pn.group as usize != cols || self.dims(b)? != (rows, cols) {
-            return Ok(None);
-        }
-        let w = self.norm_weight(pn.w, cols)?;
-        let fmt = self.quant_fmt_of_readers(i + 1);
-        let mut q = match fmt {
-            Some(f) => Some((f, self.pools.u8.take(&self.cm.dev, pulsar_cuda::act_bytes(f, rows, cols).map_err(err)?).map_err(err)?)),
-            None => None,
-        };
-        let (mut sum, mut y) = (self.new_val(rows, cols)?, self.new_val(rows, cols)?);
-        let stream = self.cm.dev.compute().clone();
-        let quant = q.as_mut().map(|(f, b)| (*f, b));
-        self.cm.dev.add_rms_norm(&stream, self.buf(a)?, Some((self.buf(b)?, &mut sum)), &mut y, w, cols, f32::from_bits(pn.eps), quant).map_err(err)?;
-        let v = self.push(sum, rows, cols)?;
-        self.pending_norms.push(PendingNorm { x: v.0, w: pn.w, eps: pn.eps, group: pn.group, y, q });
-        Ok(Some(v))
-    }
-
-    /// A whole-row decode norm: the one add_then_norm made, else (when its
-    /// readers quantize it) the norm and its quantization in one kernel.
-    fn norm_fused(&mut self, x: Val, w: u32, eps: f32, group: u32) -> R<Option<Val>> {
-        let key = (x.0, w, eps.to_bits(), group);
-        if let Some(i) = self.pending_norms.iter().position(|p| (p.x, p.w, p.eps, p.group) == key) {
-            let p = self.pending_norms.swap_remove(i);
-            let (rows, cols) = self.dims(x)?;
-            let v = self.push(p.y, rows, cols)?;
-            if let Some((f, q)) = p.q {
-                self.qcache.push((v, f, q));
-            }
-            return Ok(Some(v));
-        }
-        let i = self.recs.len();
-        let (rows, cols) = self.dims(x)?;
-        let same = self.prev_recs.get(i).is_some_and(|r| r.kind == OpKind::Norm && r.ins[0] == x.0 && (r.w, r.eps, r.group) == (w, eps.to_bits(), group));
-        if !same || rows != 1 || group as usize != cols {
-            return Ok(None);
-        }
-        let Some(fmt) = self.quant_fmt_of_readers(i) else { return Ok(None) };
-        let wv = self.norm_weight(w, cols)?;
-        let mut q = self.pools.u8.take(&self.cm.dev, pulsar_cuda::act_bytes(fmt, rows, cols).map_err(err)?).map_err(err)?;
-        let mut y = self.new_val(rows, cols)?;
-        let stream = self.cm.dev.compute().clone();
-        self.cm.dev.add_rms_norm(&stream, self.buf(x)?, None, &mut y, wv, cols, eps, Some((fmt, &mut q))).map_err(err)?;
-        let v = self.push(y, rows, cols)?;
-        self.qcache.push((v, fmt, q));
-        Ok(Some(v))
     }
 
     fn linear_w(&mut self, w: Wt, x: Val) -> R<Val> {
@@ -1280,28 +1125,27 @@ impl Ops for CudaStep<'_> {
     }
     fn linear(&mut self, w: Wt, x: Val) -> OpResult {
         self.note(&[x]);
-        self.tag(OpKind::Linear, w.0, 0, 0);
         self.mark(Some(&|| format!("linear {}", self.model.weights.get(w.0 as usize).map_or("?", |m| short_name(&m.name)))));
         let r = self.linear_w(w, x);
         self.done(r)
     }
     fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
         self.note(&[x]);
-        let wid = match w {
-            ROption::RSome(w) => w.0,
-            ROption::RNone => u32::MAX,
-        };
-        self.tag(OpKind::Norm, wid, eps.to_bits(), group);
         self.mark(Some(&|| "rms_norm".to_string()));
-        match self.norm_fused(x, wid, eps, group) {
-            Ok(Some(v)) => return self.done(Ok(v)),
-            Ok(None) => {}
-            Err(e) => return self.done(Err(e)),
-        }
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
             let g = group as usize;
-            let weight = self.norm_weight(wid, g)?;
+            let weight = match w {
+                ROption::RSome(w) => {
+                    let (dw, mw) = self.weight(w)?;
+                    let f = dw.f32.as_ref().ok_or_else(|| format!("{} is not a vector", mw.name))?;
+                    if f.len() != g {
+                        return Err(format!("rms_norm: weight {} has {} values for group {g}", mw.name, f.len()));
+                    }
+                    Some(f)
+                }
+                ROption::RNone => None,
+            };
             let mut y = self.new_val(rows, cols)?;
             let stream = self.cm.dev.compute().clone();
             self.cm.dev.rms_norm(&stream, self.buf(x)?, &mut y, weight, g, eps).map_err(err)?;
@@ -1311,13 +1155,8 @@ impl Ops for CudaStep<'_> {
     }
     fn add(&mut self, a: Val, b: Val) -> OpResult {
         self.note(&[a, b]);
-        self.tag(OpKind::Add, u32::MAX, 0, 0);
         self.mark(Some(&|| "add".to_string()));
-        let r = match self.add_then_norm(a, b) {
-            Ok(Some(v)) => Ok(v),
-            Ok(None) => self.binary(a, b, 0),
-            Err(e) => Err(e),
-        };
+        let r = self.binary(a, b, 0);
         self.done(r)
     }
     fn mul(&mut self, a: Val, b: Val) -> OpResult {
@@ -1401,7 +1240,6 @@ impl Ops for CudaStep<'_> {
     }
     fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
         self.note(&[x]);
-        self.tag(OpKind::Moe, spec.gate_exps.0, 0, 0);
         self.mark(Some(&|| "moe: router, top-k".to_string()));
         let r = self.do_moe(x, &spec);
         self.done(r)
