@@ -320,6 +320,73 @@ extern "C" __global__ void moe_gather_ptrs(const int* ids, int n_pairs, int n_ex
     pd[p] = ok ? td[e] : 0;
 }
 
+// moe_sort_items — a prefill chunk's (token, slot) pairs sorted by expert on
+// the device, for the grouped expert products: what the host did after
+// downloading the routing ids, without the round trip. Stable (pairs of one
+// expert keep pair order), so the same order and work list as the host's.
+// One block: counts per expert, their exclusive sums, then the thread of
+// expert e places e's pairs in order and writes e's 32-row tiles as work
+// items {gate, up, down, start | len << 32} from the per-expert tables; the
+// list's spare items get len 0 (the grouped kernels skip them).
+// Shared memory: 2 * n_exp ints.
+#define SORT_THREADS 1024
+#define SORT_TILE 32
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_sort_items(const int* ids, int n_pairs, int n_slot, int n_exp, const u64* tg, const u64* tu, const u64* td,
+                   int* tok_of, int* pair_of, u64* items, int max_items) {
+    pdl_begin();
+    extern __shared__ int sort_smem[];
+    int* count = sort_smem;          // pairs of each expert
+    int* first_item = sort_smem + n_exp; // its first work item
+    for (int e = threadIdx.x; e < n_exp; e += SORT_THREADS) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += SORT_THREADS) {
+        int e = ids[p];
+        if (e >= 0 && e < n_exp) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    __shared__ int start_of_last, items_used;
+    if (threadIdx.x == 0) {
+        // Exclusive sums of rows and of tiles, in expert order (the host's run order).
+        int rows = 0, tiles = 0;
+        for (int e = 0; e < n_exp; e++) {
+            int c = count[e];
+            count[e] = rows;
+            first_item[e] = tiles;
+            rows += c;
+            tiles += (c + SORT_TILE - 1) / SORT_TILE;
+        }
+        start_of_last = rows;
+        items_used = tiles;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_exp; e += SORT_THREADS) {
+        int start = count[e], pos = start;
+        for (int p = 0; p < n_pairs; p++) {
+            if (ids[p] == e) {
+                tok_of[pos] = p / n_slot;
+                pair_of[pos] = p;
+                pos++;
+            }
+        }
+        int it = first_item[e];
+        for (int t0 = start; t0 < pos; t0 += SORT_TILE, it++) {
+            if (it >= max_items) break; // sized by the caller for the most runs
+            u64* w = items + 4 * (size_t)it;
+            w[0] = tg[e];
+            w[1] = tu[e];
+            w[2] = td[e];
+            w[3] = (u64)t0 | ((u64)min(SORT_TILE, pos - t0) << 32);
+        }
+    }
+    for (int it = items_used + threadIdx.x; it < max_items; it += SORT_THREADS) {
+        u64* w = items + 4 * (size_t)it;
+        w[0] = w[1] = w[2] = 0;
+        w[3] = (u64)start_of_last;
+    }
+}
+
 // moe_combine — y[t] = sum over slots s, in slot order, of w[t, s] * out[t, s]
 // from 0, with separate multiply and add roundings as the CPU backend's loop.
 // Twin: the CPU MoE op's slot sum.
