@@ -330,7 +330,7 @@ mod tests {
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
         assert_eq!(MOE[MOE_SORT_ITEMS], "moe_sort_items");
         assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
-        assert_eq!(MOE.len(), ROUTE_WARP + 1);
+        assert_eq!(MOE.len(), MOE_SORT_ITEMS + 1);
     }
 
     #[test]
