@@ -352,7 +352,6 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
         pdl_begin(); \
         const u64* it = items + 4 * (size_t)blockIdx.y;                                         \
         int start = (int)(it[3] & 0xffffffffu), len = (int)(it[3] >> 32);                       \
-        if (len == 0) return; /* a spare item of a list sized for the most runs */              \
         gemm_mma_impl<F, 4>((const u8*)it[which], X, Y, rows, cols, start, start + len, tab);   \
     }
 

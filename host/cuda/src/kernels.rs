@@ -282,7 +282,6 @@ const MOE: &[&str] = &[
     "moe_up_bf16",
     "moe_down_bf16",
     "route_topk_warp",
-    "moe_sort_items",
 ];
 pub(crate) const ACT_GATHER_ROWS: usize = 4;
 pub(crate) const ACT_SCATTER_ROWS: usize = 5;
@@ -290,7 +289,6 @@ pub(crate) const MOE_GATHER_PTRS: usize = 27;
 pub(crate) const MOE_COMBINE: usize = 28;
 pub(crate) const MOE_FLOAT: usize = 29;
 pub(crate) const ROUTE_WARP: usize = 35;
-pub(crate) const MOE_SORT_ITEMS: usize = 36;
 
 #[cfg(test)]
 mod tests {
@@ -328,9 +326,8 @@ mod tests {
         assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
         assert_eq!(MOE[MOE_COMBINE], "moe_combine");
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
-        assert_eq!(MOE[MOE_SORT_ITEMS], "moe_sort_items");
         assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
-        assert_eq!(MOE.len(), MOE_SORT_ITEMS + 1);
+        assert_eq!(MOE.len(), ROUTE_WARP + 1);
     }
 
     #[test]

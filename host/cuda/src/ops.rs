@@ -15,7 +15,7 @@ use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
     float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, GEMV_STAGED, MMA_GROUPED_SMEM_BYTES,
-    MMA_SMEM_BYTES, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, MOE_SORT_ITEMS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
+    MMA_SMEM_BYTES, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
@@ -263,17 +263,6 @@ pub struct GemvPart<'a> {
     pub w: &'a DeviceBuf<u8>,
     pub rows: usize,
     pub y: &'a mut DeviceBuf<f32>,
-}
-
-/// The checked shape of a grouped expert launch.
-struct Grouped {
-    gi: usize,
-    di: usize,
-    dfmt: ActFormat,
-    n: usize,
-    xrow: usize,
-    d_model: usize,
-    ff: usize,
 }
 
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
@@ -1435,8 +1424,25 @@ impl CudaDevice {
         out: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "moe_ffn_grouped";
-        let g = self.grouped_check(OP, gate_up_ty, down_ty, tok_of, pair_of, x, n_tok, d_model, ff, s, out)?;
-        let n = g.n;
+        let gi = quant_index(gate_up_ty).ok_or(CudaError::Unsupported { op: OP, ty: gate_up_ty })?;
+        let di = quant_index(down_ty).ok_or(CudaError::Unsupported { op: OP, ty: down_ty })?;
+        let gfmt = ActFormat::for_weight(gate_up_ty).ok_or(CudaError::Unsupported { op: OP, ty: gate_up_ty })?;
+        let dfmt = ActFormat::for_weight(down_ty).ok_or(CudaError::Unsupported { op: OP, ty: down_ty })?;
+        let n = tok_of.len();
+        want(OP, "pair indices", pair_of.len(), n)?;
+        let xrow = act_bytes(gfmt, 1, d_model)?;
+        want(OP, "x bytes", x.len(), n_tok * xrow)?;
+        want(OP, "gathered x", s.xs.len(), n * xrow)?;
+        for (what, b) in [("hg", &*s.hg), ("hu", &*s.hu), ("h", &*s.h)] {
+            want(OP, what, b.len(), n * ff)?;
+        }
+        want(OP, "hq", s.hq.len(), act_bytes(dfmt, n, ff)?)?;
+        want(OP, "outs", s.outs.len(), n * d_model)?;
+        if out.len() % d_model.max(1) != 0 {
+            return Err(shape(OP, format!("out of {} values is not whole rows of {d_model}", out.len())));
+        }
+        weight_bytes(gate_up_ty, ff, d_model)?;
+        weight_bytes(down_ty, d_model, ff)?;
         let mut end = 0;
         for r in runs {
             if r.start < end || r.start + r.len > n || r.len > MAX_GEMM_TOKENS {
@@ -1447,8 +1453,15 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        self.grouped_gather(stream, &g, tok_of, x, s)?;
+        let (ni, xr, dm) = (to_i32(OP, "rows", n)?, to_i32(OP, "x row", xrow)?, to_i32(OP, "d_model", d_model)?);
+        to_i32(OP, "ff", ff)?;
+        let f = self.func(Family::Act, ACT_GATHER_ROWS)?;
+        let (src, idx, dst) = (x.device_ptr(), tok_of.device_ptr(), s.xs.device_ptr());
+        // SAFETY: (src, idx, n, row_bytes, dst) as gather_rows_u8; tok_of's
+        // values index `x`'s rows (the caller's contract, like the pointers).
+        unsafe { self.launch(f, (n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, xr, dst])? };
         let tab = self.iq_tables().device_ptr();
+        let hqrow = act_bytes(dfmt, 1, ff)?;
         if GemmKernel::default_for(self.compute_capability()) == GemmKernel::TensorCore {
             // One launch per matrix over every (expert, 32-row tile).
             let mut items = Vec::with_capacity(grouped_items_len(n, runs.len()));
@@ -1461,178 +1474,47 @@ impl CudaDevice {
             if items.len() > s.items.len() {
                 return Err(shape(OP, format!("{} work-list values for {} ({n} rows, {} runs)", items.len(), s.items.len(), runs.len())));
             }
+            let n_items = items.len() / 4;
+            if n_items > 65535 {
+                return Err(shape(OP, format!("{n_items} work items (at most 65535)")));
+            }
             s.items.upload_prefix(stream, &items)?;
-            self.grouped_mma(stream, &g, act, items.len() / 4, s)?;
+            let ip = s.items.device_ptr();
+            let mm = |fi: usize, which: i32, xp: u64, yp: u64, rows: usize, cols: usize| -> Result<(), CudaError> {
+                let f = self.func(Family::GemvQuant, gemm_mma_grouped_entry(fi))?;
+                let grid = (rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32, n_items as u32, 1);
+                let (r, c) = (rows as i32, cols as i32);
+                // SAFETY: (items, which, X, Y, rows, cols, tab) as gemm_mma_grouped_*;
+                // the items' rows lie in the checked scratch, their matrices are the caller's.
+                unsafe { self.launch(f, grid, 128, MMA_GROUPED_SMEM_BYTES, stream, &mut params![ip, which, xp, yp, r, c, tab]) }
+            };
+            mm(gi, 0, s.xs.device_ptr(), s.hg.device_ptr(), ff, d_model)?;
+            mm(gi, 1, s.xs.device_ptr(), s.hu.device_ptr(), ff, d_model)?;
+            self.glu(stream, s.hg, s.hu, s.h, act)?;
+            self.quantize_act(stream, dfmt, s.h, n, ff, s.hq)?;
+            mm(di, 2, s.hq.device_ptr(), s.outs.device_ptr(), d_model, ff)?;
         } else {
             let gemm = |ty: GgmlType, fi: usize, w: u64, xp: u64, yp: u64, rows: usize, cols: usize, len: usize| {
                 // SAFETY: X and Y lie inside the checked scratch; W is the caller's expert matrix.
                 unsafe { self.launch_quant_gemm(stream, GemmKernel::Dp4a, ty, fi, w, xp, yp, rows, cols, len, tab) }
             };
             for r in runs.iter().filter(|r| r.len > 0) {
-                let xp = s.xs.device_ptr() + (r.start * g.xrow) as u64;
-                gemm(gate_up_ty, g.gi, r.gate, xp, s.hg.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
-                gemm(gate_up_ty, g.gi, r.up, xp, s.hu.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
+                let xp = s.xs.device_ptr() + (r.start * xrow) as u64;
+                gemm(gate_up_ty, gi, r.gate, xp, s.hg.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
+                gemm(gate_up_ty, gi, r.up, xp, s.hu.device_ptr() + (r.start * ff * 4) as u64, ff, d_model, r.len)?;
             }
             self.glu(stream, s.hg, s.hu, s.h, act)?;
-            self.quantize_act(stream, g.dfmt, s.h, n, ff, s.hq)?;
-            let hqrow = act_bytes(g.dfmt, 1, ff)?;
+            self.quantize_act(stream, dfmt, s.h, n, ff, s.hq)?;
             for r in runs.iter().filter(|r| r.len > 0) {
                 let hp = s.hq.device_ptr() + (r.start * hqrow) as u64;
-                gemm(down_ty, g.di, r.down, hp, s.outs.device_ptr() + (r.start * d_model * 4) as u64, d_model, ff, r.len)?;
+                gemm(down_ty, di, r.down, hp, s.outs.device_ptr() + (r.start * d_model * 4) as u64, d_model, ff, r.len)?;
             }
         }
-        self.grouped_scatter(stream, &g, pair_of, s, out)
-    }
-
-    /// Sort a chunk's (token, slot) pairs by their routed expert on the
-    /// device and write the grouped work list (the host's stable sort and run
-    /// tiling, without downloading the ids): `tok_of` / `pair_of` (`[n_pairs]`)
-    /// as [`moe_ffn_grouped`](Self::moe_ffn_grouped) takes them, and `items`
-    /// (`4 * grouped_items_len(n_pairs, min(n_exp, n_pairs)) / 4` items, the
-    /// spare ones empty) from the per-expert (gate, up, down) tables.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_sort_items(
-        &self,
-        stream: &CudaStream,
-        ids: &DeviceBuf<i32>,
-        n_slot: usize,
-        n_exp: usize,
-        tables: [&DeviceBuf<u64>; 3],
-        tok_of: &mut DeviceBuf<i32>,
-        pair_of: &mut DeviceBuf<i32>,
-        items: &mut DeviceBuf<u64>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "moe_sort_items";
-        let n = ids.len();
-        if n_exp == 0 || n_exp > MAX_EXPERTS || n_slot == 0 || n % n_slot != 0 {
-            return Err(shape(OP, format!("{n} pairs of {n_slot} slots over {n_exp} experts")));
-        }
-        for t in &tables {
-            want(OP, "table", t.len(), n_exp)?;
-        }
-        want(OP, "tok_of", tok_of.len(), n)?;
-        want(OP, "pair_of", pair_of.len(), n)?;
-        let max_items = grouped_items_len(n, n_exp.min(n)) / 4;
-        want(OP, "items", items.len(), 4 * max_items)?;
-        let (ni, ns, ne, mi) = (to_i32(OP, "pairs", n)?, n_slot as i32, n_exp as i32, to_i32(OP, "items", max_items)?);
-        let (ip, tg, tu, td) = (ids.device_ptr(), tables[0].device_ptr(), tables[1].device_ptr(), tables[2].device_ptr());
-        let (tp, pp, itp) = (tok_of.device_ptr(), pair_of.device_ptr(), items.device_ptr());
-        let f = self.func(Family::Moe, MOE_SORT_ITEMS)?;
-        // SAFETY: parameters as moe_sort_items; sizes checked; 2 * n_exp ints of shared memory.
-        unsafe { self.launch(f, (1, 1, 1), 1024, (2 * n_exp * 4) as u32, stream, &mut params![ip, ni, ns, ne, tg, tu, td, tp, pp, itp, mi]) }
-    }
-
-    /// [`moe_ffn_grouped`](Self::moe_ffn_grouped) on a work list already in
-    /// `s.items` (from [`moe_sort_items`](Self::moe_sort_items)): no host
-    /// round trip. Tensor-core GPUs only (the dp4a path launches per run).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_ffn_grouped_items(
-        &self,
-        stream: &CudaStream,
-        gate_up_ty: GgmlType,
-        down_ty: GgmlType,
-        tok_of: &DeviceBuf<i32>,
-        pair_of: &DeviceBuf<i32>,
-        x: &DeviceBuf<u8>,
-        n_tok: usize,
-        d_model: usize,
-        ff: usize,
-        act: Activation,
-        s: &mut GroupedScratch<'_>,
-        out: &mut DeviceBuf<f32>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "moe_ffn_grouped_items";
-        if GemmKernel::default_for(self.compute_capability()) != GemmKernel::TensorCore {
-            return Err(shape(OP, "a device work list needs the tensor-core GEMM (sm_80+)".to_string()));
-        }
-        let g = self.grouped_check(OP, gate_up_ty, down_ty, tok_of, pair_of, x, n_tok, d_model, ff, s, out)?;
-        if g.n == 0 {
-            return Ok(());
-        }
-        self.grouped_gather(stream, &g, tok_of, x, s)?;
-        self.grouped_mma(stream, &g, act, s.items.len() / 4, s)?;
-        self.grouped_scatter(stream, &g, pair_of, s, out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_check(
-        &self,
-        op: &'static str,
-        gate_up_ty: GgmlType,
-        down_ty: GgmlType,
-        tok_of: &DeviceBuf<i32>,
-        pair_of: &DeviceBuf<i32>,
-        x: &DeviceBuf<u8>,
-        n_tok: usize,
-        d_model: usize,
-        ff: usize,
-        s: &GroupedScratch<'_>,
-        out: &DeviceBuf<f32>,
-    ) -> Result<Grouped, CudaError> {
-        let gi = quant_index(gate_up_ty).ok_or(CudaError::Unsupported { op, ty: gate_up_ty })?;
-        let di = quant_index(down_ty).ok_or(CudaError::Unsupported { op, ty: down_ty })?;
-        let gfmt = ActFormat::for_weight(gate_up_ty).ok_or(CudaError::Unsupported { op, ty: gate_up_ty })?;
-        let dfmt = ActFormat::for_weight(down_ty).ok_or(CudaError::Unsupported { op, ty: down_ty })?;
-        let n = tok_of.len();
-        want(op, "pair indices", pair_of.len(), n)?;
-        let xrow = act_bytes(gfmt, 1, d_model)?;
-        want(op, "x bytes", x.len(), n_tok * xrow)?;
-        want(op, "gathered x", s.xs.len(), n * xrow)?;
-        for (what, b) in [("hg", &*s.hg), ("hu", &*s.hu), ("h", &*s.h)] {
-            want(op, what, b.len(), n * ff)?;
-        }
-        want(op, "hq", s.hq.len(), act_bytes(dfmt, n, ff)?)?;
-        want(op, "outs", s.outs.len(), n * d_model)?;
-        if out.len() % d_model.max(1) != 0 {
-            return Err(shape(op, format!("out of {} values is not whole rows of {d_model}", out.len())));
-        }
-        weight_bytes(gate_up_ty, ff, d_model)?;
-        weight_bytes(down_ty, d_model, ff)?;
-        to_i32(op, "rows", n)?;
-        to_i32(op, "x row", xrow)?;
-        to_i32(op, "d_model", d_model)?;
-        to_i32(op, "ff", ff)?;
-        Ok(Grouped { gi, di, dfmt, n, xrow, d_model, ff })
-    }
-
-    /// The chunk's rows of x in expert order (gather_rows_u8 by tok_of).
-    fn grouped_gather(&self, stream: &CudaStream, g: &Grouped, tok_of: &DeviceBuf<i32>, x: &DeviceBuf<u8>, s: &mut GroupedScratch<'_>) -> Result<(), CudaError> {
-        let f = self.func(Family::Act, ACT_GATHER_ROWS)?;
-        let (src, idx, dst, ni, xr) = (x.device_ptr(), tok_of.device_ptr(), s.xs.device_ptr(), g.n as i32, g.xrow as i32);
-        // SAFETY: (src, idx, n, row_bytes, dst) as gather_rows_u8; tok_of's
-        // values index `x`'s rows (the caller's contract, like the pointers).
-        unsafe { self.launch(f, (g.n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, xr, dst]) }
-    }
-
-    /// Gate, up, GLU, quantize and down over the first `n_items` work items of `s.items`.
-    fn grouped_mma(&self, stream: &CudaStream, g: &Grouped, act: Activation, n_items: usize, s: &mut GroupedScratch<'_>) -> Result<(), CudaError> {
-        const OP: &str = "moe_ffn_grouped";
-        if n_items > 65535 {
-            return Err(shape(OP, format!("{n_items} work items (at most 65535)")));
-        }
-        let (ip, tab) = (s.items.device_ptr(), self.iq_tables().device_ptr());
-        let mm = |fi: usize, which: i32, xp: u64, yp: u64, rows: usize, cols: usize| -> Result<(), CudaError> {
-            let f = self.func(Family::GemvQuant, gemm_mma_grouped_entry(fi))?;
-            let grid = (rows.div_ceil(MMA_ROWS_PER_BLOCK) as u32, n_items as u32, 1);
-            let (r, c) = (rows as i32, cols as i32);
-            // SAFETY: (items, which, X, Y, rows, cols, tab) as gemm_mma_grouped_*;
-            // the items' rows lie in the checked scratch, their matrices are the caller's.
-            unsafe { self.launch(f, grid, 128, MMA_GROUPED_SMEM_BYTES, stream, &mut params![ip, which, xp, yp, r, c, tab]) }
-        };
-        mm(g.gi, 0, s.xs.device_ptr(), s.hg.device_ptr(), g.ff, g.d_model)?;
-        mm(g.gi, 1, s.xs.device_ptr(), s.hu.device_ptr(), g.ff, g.d_model)?;
-        self.glu(stream, s.hg, s.hu, s.h, act)?;
-        self.quantize_act(stream, g.dfmt, s.h, g.n, g.ff, s.hq)?;
-        mm(g.di, 2, s.hq.device_ptr(), s.outs.device_ptr(), g.d_model, g.ff)
-    }
-
-    /// The rows back in pair order (scatter_rows_f32 by pair_of).
-    fn grouped_scatter(&self, stream: &CudaStream, g: &Grouped, pair_of: &DeviceBuf<i32>, s: &GroupedScratch<'_>, out: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
         let f = self.func(Family::Act, ACT_SCATTER_ROWS)?;
-        let (src, idx, dst, ni, dm) = (s.outs.device_ptr(), pair_of.device_ptr(), out.device_ptr(), g.n as i32, g.d_model as i32);
+        let (src, idx, dst) = (s.outs.device_ptr(), pair_of.device_ptr(), out.device_ptr());
         // SAFETY: (src, idx, n, cols, dst) as scatter_rows_f32; pair_of's
         // values index `out`'s rows (the caller's contract).
-        unsafe { self.launch(f, (g.n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, dm, dst]) }
+        unsafe { self.launch(f, (n as u32, 1, 1), 128, 0, stream, &mut params![src, idx, ni, dm, dst]) }
     }
 
     /// Per-(token, slot) slab pointers from per-expert tables (`[n_exp]`

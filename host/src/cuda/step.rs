@@ -814,11 +814,6 @@ impl<'a> CudaStep<'a> {
             .map_err(err)?;
         }
         self.mark(Some(&|| "moe: expert placement".to_string()));
-        // Prefill on resident experts sorts its pairs by expert on the device
-        // (tensor-core GPUs): no routing ids come down, no run list goes up.
-        let device_sort = resident.is_some()
-            && grouped
-            && pulsar_cuda::GemmKernel::default_for(dev.compute_capability()) == pulsar_cuda::GemmKernel::TensorCore;
         // Host copies, when the host takes part: routing ids, and each
         // selected expert's (gate, up, down) device addresses.
         let mut h_ids: Vec<i32> = Vec::new();
@@ -835,7 +830,7 @@ impl<'a> CudaStep<'a> {
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
             Some(_) => {
-                if grouped && !device_sort {
+                if grouped {
                     h_ids = vec![0i32; n_pairs];
                     ids.download(&stream, &mut h_ids).map_err(err)?;
                     host_ptrs = (0..ne)
@@ -1005,53 +1000,40 @@ impl<'a> CudaStep<'a> {
             }
         } else if grouped {
             let xqi = self.quantized(x, gfmt)?;
+            // Pairs sorted by expert (stable: pair order within an expert).
+            let mut order: Vec<usize> = (0..n_pairs).collect();
+            order.sort_by_key(|&p| h_ids[p]);
+            let tok_of: Vec<i32> = order.iter().map(|&p| (p / k) as i32).collect();
+            let pair_of: Vec<i32> = order.iter().map(|&p| p as i32).collect();
+            let mut runs = Vec::new();
+            let mut i = 0;
+            while i < n_pairs {
+                let e = h_ids[order[i]] as usize;
+                let mut j = i;
+                while j < n_pairs && h_ids[order[j]] as usize == e {
+                    j += 1;
+                }
+                let p = host_ptrs.get(e).copied().ok_or_else(|| format!("moe layer {}: router chose expert {e} of {ne}", spec.layer))?;
+                if p.iter().all(|&a| a != 0) {
+                    runs.push(pulsar_cuda::ExpertRun { gate: p[0], up: p[1], down: p[2], start: i, len: j - i });
+                }
+                i = j;
+            }
             let mut tb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
             let mut pb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
-            // Sized for the most runs a chunk can have (one per expert), so the pool
-            // hands back one buffer instead of allocating one per distinct run count.
-            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, ne.min(n_pairs))).map_err(err)?;
-            let runs = match resident.filter(|_| device_sort) {
-                Some(tables) => {
-                    dev.moe_sort_items(&stream, &ids, k, ne, tables, &mut tb, &mut pb, &mut items).map_err(err)?;
-                    None
-                }
-                None => {
-                    // Pairs sorted by expert (stable: pair order within an expert).
-                    let mut order: Vec<usize> = (0..n_pairs).collect();
-                    order.sort_by_key(|&p| h_ids[p]);
-                    let tok_of: Vec<i32> = order.iter().map(|&p| (p / k) as i32).collect();
-                    let pair_of: Vec<i32> = order.iter().map(|&p| p as i32).collect();
-                    let mut runs = Vec::new();
-                    let mut i = 0;
-                    while i < n_pairs {
-                        let e = h_ids[order[i]] as usize;
-                        let mut j = i;
-                        while j < n_pairs && h_ids[order[j]] as usize == e {
-                            j += 1;
-                        }
-                        let p = host_ptrs.get(e).copied().ok_or_else(|| format!("moe layer {}: router chose expert {e} of {ne}", spec.layer))?;
-                        if p.iter().all(|&a| a != 0) {
-                            runs.push(pulsar_cuda::ExpertRun { gate: p[0], up: p[1], down: p[2], start: i, len: j - i });
-                        }
-                        i = j;
-                    }
-                    tb.upload(&stream, &tok_of).map_err(err)?;
-                    pb.upload(&stream, &pair_of).map_err(err)?;
-                    Some(runs)
-                }
-            };
+            tb.upload(&stream, &tok_of).map_err(err)?;
+            pb.upload(&stream, &pair_of).map_err(err)?;
             let mut xs = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, n_pairs, d_model).map_err(err)?).map_err(err)?;
             let mut hg = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let mut hu = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
             let mut outs = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
+            // Sized for the most runs a chunk can have (one per expert), so the pool
+            // hands back one buffer instead of allocating one per distinct run count.
+            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, ne.min(n_pairs))).map_err(err)?;
             let mut scratch = pulsar_cuda::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
-            let xq = &self.qcache[xqi].2;
-            let r = match &runs {
-                Some(runs) => dev.moe_ffn_grouped(&stream, gate_ty, down_ty, runs, &tb, &pb, xq, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out),
-                None => dev.moe_ffn_grouped_items(&stream, gate_ty, down_ty, &tb, &pb, xq, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out),
-            };
+            let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out);
             self.pools.i32.give(tb);
             self.pools.i32.give(pb);
             self.pools.u64.give(items);
