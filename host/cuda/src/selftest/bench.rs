@@ -22,25 +22,16 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     let mut out = Vec::new();
     for n_ctx in [4096usize, 32768] {
         for f16 in [false, true] {
-            match bench_attention(dev, n_ctx, f16) {
-                Ok(r) => out.push(r),
-                Err(e) => out.push(BenchRow {
-                    op: format!("attention failed: {e}"),
-                    format: String::new(),
-                    shape: String::new(),
-                    us: f64::NAN,
-                    gb_per_s: f64::NAN,
-                }),
-            }
+            out.push(bench_attention(dev, n_ctx, f16).unwrap_or_else(|e| failed_row("attention", "", e)));
         }
     }
     // qwen3-235b's decode shapes: attention q / output / k (q8_0), and one
     // token's eight experts (q2_K, q4_K).
     for (rows, cols) in [(8192usize, 4096usize), (4096, 8192), (512, 4096)] {
-        out.push(bench_gemv(dev, GgmlType::Q8_0, rows, cols).unwrap_or_else(|e| failed_row("gemv", e)));
+        out.push(bench_gemv(dev, GgmlType::Q8_0, rows, cols).unwrap_or_else(|e| failed_row("gemv", "q8_0", e)));
     }
     for ty in [GgmlType::Q2_K, GgmlType::Q4_K] {
-        out.push(bench_moe(dev, ty, 4096, 1536, 8).unwrap_or_else(|e| failed_row("moe_ffn", e)));
+        out.push(bench_moe(dev, ty, 4096, 1536, 8).unwrap_or_else(|e| failed_row("moe_ffn", &fmt_name(ty), e)));
     }
     small_ops::bench(dev, &mut out);
     let shapes = [(4096usize, 4096usize), (14336, 4096), (4096, 14336)];
@@ -53,35 +44,17 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         GgmlType::Q4_0,
     ] {
         for (rows, cols) in shapes {
-            match bench_gemv(dev, ty, rows, cols) {
-                Ok(r) => out.push(r),
-                Err(e) => out.push(BenchRow {
-                    op: format!("gemv failed: {e}"),
-                    format: fmt_name(ty),
-                    shape: String::new(),
-                    us: f64::NAN,
-                    gb_per_s: f64::NAN,
-                }),
-            }
+            out.push(bench_gemv(dev, ty, rows, cols).unwrap_or_else(|e| failed_row("gemv", &fmt_name(ty), e)));
         }
         for kernel in [GemmKernel::Dp4a, GemmKernel::TensorCore] {
-            match bench_one(dev, kernel, ty, 4096, 4096, 512) {
-                Ok(r) => out.push(r),
-                Err(e) => out.push(BenchRow {
-                    op: format!("{kernel:?} failed: {e}"),
-                    format: fmt_name(ty),
-                    shape: String::new(),
-                    us: f64::NAN,
-                    gb_per_s: f64::NAN,
-                }),
-            }
+            out.push(bench_one(dev, kernel, ty, 4096, 4096, 512).unwrap_or_else(|e| failed_row(&format!("{kernel:?}"), &fmt_name(ty), e)));
         }
     }
     out
 }
 
-fn failed_row(op: &str, e: CudaError) -> BenchRow {
-    BenchRow { op: format!("{op} failed: {e}"), format: String::new(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }
+fn failed_row(op: &str, format: &str, e: CudaError) -> BenchRow {
+    BenchRow { op: format!("{op} failed: {e}"), format: format.to_string(), shape: String::new(), us: f64::NAN, gb_per_s: f64::NAN }
 }
 
 /// One decode token's routed experts: `n_pairs` distinct experts of `ty`
