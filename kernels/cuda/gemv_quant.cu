@@ -45,9 +45,7 @@ __device__ __forceinline__ void gemv_impl(const u8* __restrict__ W0, const u8* _
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int first = (blk * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{W, W, 1, first, min(rpw * ng, rows - first), rpw, w_row_bytes<F>(cols)};
-    u8* ring;
-    const u8* x = dd_begin<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), wk, cols / 32, ring);
-    dd_run<F>(wk, x, cols / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
+    dd_dots<F>(gemv_stage, xsb, X, act_row_bytes<F>(cols), wk, cols / 32, vals[warp], tab, [&](int g, int n, float v) {
         if (lane < n) Y[first + g * rpw + lane] = v;
     });
 }

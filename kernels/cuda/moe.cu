@@ -245,12 +245,10 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
     int t = p / n_slot, first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{(const u8*)gp, (const u8*)upp, 2, first, min(rpw * ng, ff - first), rpw, w_row_bytes<F>(cols)};
     size_t xrb = act_row_bytes<F>(cols);
-    u8* ring;
-    const u8* x = dd_begin<F>(moe_stage, xsb, X + (size_t)t * xrb, xrb, wk, cols / 32, ring);
     float* h = H + (size_t)p * ff + first;
-    dd_run<F>(wk, x, cols / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
-        // Lane r holds gate row r of the group, lane n + r its up row.
-        float u = __shfl_down_sync(FULL_MASK, v, n);
+    dd_dots<F>(moe_stage, xsb, X + (size_t)t * xrb, xrb, wk, cols / 32, vals[warp], tab, [&](int g, int n, float v) {
+        // Lane r holds gate row r of the group, lane rpw + r its up row.
+        float u = __shfl_down_sync(FULL_MASK, v, rpw);
         if (lane < n) h[g * rpw + lane] = __fmul_rn(act_f(act, v), u);
     });
 }
@@ -266,10 +264,8 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
     int first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{(const u8*)dp, (const u8*)dp, 1, first, min(rpw * ng, d_model - first), rpw, w_row_bytes<F>(ff)};
     size_t hrb = act_row_bytes<F>(ff);
-    u8* ring;
-    const u8* h = dd_begin<F>(moe_stage, xsb, HQ + (size_t)p * hrb, hrb, wk, ff / 32, ring);
     float* out = OUT + (size_t)p * d_model + first;
-    dd_run<F>(wk, h, ff / 32, ring, vals[warp], tab, [&](int g, int n, float v) {
+    dd_dots<F>(moe_stage, xsb, HQ + (size_t)p * hrb, hrb, wk, ff / 32, vals[warp], tab, [&](int g, int n, float v) {
         if (lane < n) out[g * rpw + lane] = v;
     });
 }
