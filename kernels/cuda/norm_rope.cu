@@ -116,3 +116,52 @@ extern "C" __global__ void rope(const float* x, float* y, int width, const u32* 
     y[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
     y[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
 }
+
+// One head's RMS norm then its rotation, for up to two tensors (decode's q
+// and k, per-head q_norm / k_norm then rope) in one launch: blocks [0, g0)
+// take part 0, the rest part 1; a block is one head (group == head_dim) of
+// one row. It writes the normed head (n*) and the rotated one (r*) with the
+// operations of rms_norm and rope, so both outputs have their bits.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    norm_rope(const float* x0, const float* w0, float* n0, float* r0, int width0, int g0, float eps0,
+              const float* x1, const float* w1, float* n1, float* r1, int width1, float eps1, int n_groups,
+              const u32* positions, int head_dim, int n_rot, float base, float linear_factor, int kind) {
+    pdl_begin();
+    __shared__ double part[NORM_THREADS / 32];
+    int b = blockIdx.x;
+    if (b >= n_groups) return;
+    bool second = b >= g0;
+    if (second) b -= g0;
+    const float* x = second ? x1 : x0;
+    const float* w = second ? w1 : w0;
+    float* yn = second ? n1 : n0;
+    float* yr = second ? r1 : r0;
+    int width = second ? width1 : width0;
+    float eps = second ? eps1 : eps0;
+    size_t off = (size_t)b * head_dim;
+    if (head_dim <= NORM_THREADS)
+        rms_norm_group<1>(x + off, yn + off, w, head_dim, eps, part);
+    else
+        rms_norm_group<0>(x + off, yn + off, w, head_dim, eps, part);
+    // The block's normed values, written above, are visible after the barrier.
+    __syncthreads();
+    int r = b / (width / head_dim);
+    int half = n_rot / 2;
+    const float* xn = yn + off;
+    float* y = yr + off;
+    for (int i = threadIdx.x; i < half + head_dim - n_rot; i += NORM_THREADS) {
+        if (i >= half) {
+            int d = n_rot + (i - half);
+            y[d] = xn[d];
+            continue;
+        }
+        float inv_freq = rope_inv_freq_c(base, i, n_rot);
+        float t = __fdiv_rn((float)positions[r], linear_factor);
+        float c, s;
+        rope_cos_sin_c(__fmul_rn(t, inv_freq), &c, &s);
+        int ia = kind == 0 ? i : 2 * i, ib = kind == 0 ? i + half : 2 * i + 1;
+        float v0 = xn[ia], v1 = xn[ib];
+        y[ia] = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, s));
+        y[ib] = __fadd_rn(__fmul_rn(v0, s), __fmul_rn(v1, c));
+    }
+}

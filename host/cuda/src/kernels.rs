@@ -68,7 +68,7 @@ impl Family {
         match self {
             Family::GemvQuant => GEMV_QUANT,
             Family::GemvFloat => GEMV_FLOAT,
-            Family::NormRope => &["rms_norm", "rope"],
+            Family::NormRope => &["rms_norm", "rope", "norm_rope"],
             Family::Act => &["glu", "add_f32", "mul_f32", "scale_f32", "gather_rows_u8", "scatter_rows_f32"],
             Family::Embed => EMBED,
             Family::Attention => &["attn_partial_f32", "attn_partial_f16", "attn_combine", "kv_write"],

@@ -22,6 +22,6 @@ pub mod ops;
 
 pub use ops::{
     act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, Gating, GemmKernel, KvElem,
-    ExpertRun, GemvPart, GroupedScratch, MoePairs, RouterSpec,
+    ExpertRun, GemvPart, GroupedScratch, MoePairs, NormRopePart, RouterSpec,
 };
 pub mod selftest;

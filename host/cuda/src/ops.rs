@@ -268,6 +268,17 @@ pub struct GemvPart<'a> {
     pub y: &'a mut DeviceBuf<f32>,
 }
 
+/// One tensor of a [`CudaDevice::norm_rope`]: `x` rows of `width` values
+/// (heads of `head_dim`), normed per head with `weight` and `eps`.
+pub struct NormRopePart<'a> {
+    pub x: &'a DeviceBuf<f32>,
+    pub weight: Option<&'a DeviceBuf<f32>>,
+    pub eps: f32,
+    pub width: usize,
+    pub normed: &'a mut DeviceBuf<f32>,
+    pub roped: &'a mut DeviceBuf<f32>,
+}
+
 /// Work-list values [`GroupedScratch::items`] needs for `n` sorted rows in `runs` runs.
 pub fn grouped_items_len(n: usize, runs: usize) -> usize {
     4 * (n / GROUPED_TILE + runs)
@@ -841,6 +852,65 @@ impl CudaDevice {
                 0,
                 stream,
                 &mut params![xp, yp, w, pp, n, hd, nr, base, lf, kind],
+            )
+        }
+    }
+
+    /// Per-head RMS norm then rope of one or two tensors in one launch
+    /// (decode's q and k): each part's `normed` gets [`CudaDevice::rms_norm`]'s
+    /// bits (group = `p.head_dim`) and `roped` gets [`CudaDevice::rope`]'s of
+    /// that, at the rows' positions.
+    pub fn norm_rope(
+        &self,
+        stream: &CudaStream,
+        parts: &mut [NormRopePart<'_>],
+        positions: &DeviceBuf<u32>,
+        p: &RopeParams,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "norm_rope";
+        if parts.is_empty() || parts.len() > 2 {
+            return Err(shape(OP, format!("{} parts (1 or 2)", parts.len())));
+        }
+        if p.head_dim == 0 || p.n_rot > p.head_dim || p.n_rot % 2 != 0 {
+            return Err(shape(OP, format!("head_dim {}, n_rot {}", p.head_dim, p.n_rot)));
+        }
+        let mut groups = [0usize; 2];
+        for (i, part) in parts.iter().enumerate() {
+            if part.width == 0 || part.width % p.head_dim != 0 {
+                return Err(shape(OP, format!("width {} is not whole heads of {}", part.width, p.head_dim)));
+            }
+            want(OP, "x", part.x.len(), part.width * positions.len())?;
+            want(OP, "normed", part.normed.len(), part.x.len())?;
+            want(OP, "roped", part.roped.len(), part.x.len())?;
+            if let Some(w) = part.weight {
+                want(OP, "weight", w.len(), p.head_dim)?;
+            }
+            groups[i] = part.x.len() / p.head_dim;
+        }
+        let total = to_i32(OP, "groups", groups[0] + groups[1])?;
+        let f = self.func(Family::NormRope, 2)?;
+        let ptrs = |i: usize| {
+            let q = &parts[i.min(parts.len() - 1)];
+            (q.x.device_ptr(), ptr_or_null(q.weight), q.normed.device_ptr(), q.roped.device_ptr(), q.width as i32, q.eps)
+        };
+        let (x0, w0, n0, r0, wd0, e0) = ptrs(0);
+        let (x1, w1, n1, r1, wd1, e1) = ptrs(1);
+        let g0 = groups[0] as i32;
+        let (pp, hd, nr) = (positions.device_ptr(), p.head_dim as i32, p.n_rot as i32);
+        let kind: i32 = match p.kind {
+            RopeKind::Neox => 0,
+            RopeKind::Interleaved => 1,
+        };
+        let (base, lf) = (p.base, p.linear_factor);
+        // SAFETY: the argument list of norm_rope; every size checked above.
+        unsafe {
+            self.launch(
+                f,
+                (total as u32, 1, 1),
+                256,
+                0,
+                stream,
+                &mut params![x0, w0, n0, r0, wd0, g0, e0, x1, w1, n1, r1, wd1, e1, total, pp, hd, nr, base, lf, kind],
             )
         }
     }

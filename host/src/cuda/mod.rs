@@ -13,6 +13,7 @@
 //! the kernels (zero-copy). Activations come from a pool reused across steps,
 //! so after the first step a decode allocates nothing.
 
+mod fuse;
 mod pinned;
 mod pool;
 mod profile;

@@ -12,6 +12,7 @@ use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Act, AttnSpec, Gating, MoeSpec, OpResult, Ops, Ops_TO, RopeMode, RopeSpec, Val, Wt};
 
+use super::fuse::{norm_rope_ahead, Ahead, AheadSet, OpKey, TraceOp};
 use super::pool::BufPool;
 use super::profile::{short_name, OpProfile};
 use super::{CudaBackendError, CudaKv, CudaModel, DevWeight};
@@ -41,25 +42,26 @@ struct DVal {
 /// numbers; a step that departs from the recorded sequence stops releasing.
 #[derive(Default)]
 struct Liveness {
-    /// The inputs of each op (by op index) of the last step of this kind.
-    inputs: Vec<Vec<u32>>,
+    /// Each op (by op index) of the last step of this kind: its inputs, and
+    /// what fusing needs (fuse.rs).
+    ops: Vec<TraceOp>,
     /// For each op index, the values whose last read it is.
     frees: Vec<Vec<u32>>,
 }
 
 impl Liveness {
-    fn from_trace(inputs: Vec<Vec<u32>>) -> Liveness {
+    fn from_trace(ops: Vec<TraceOp>) -> Liveness {
         let mut last: HashMap<u32, usize> = HashMap::new();
-        for (i, ins) in inputs.iter().enumerate() {
-            for &v in ins {
+        for (i, op) in ops.iter().enumerate() {
+            for &v in &op.inputs {
                 last.insert(v, i);
             }
         }
-        let mut frees = vec![Vec::new(); inputs.len()];
+        let mut frees = vec![Vec::new(); ops.len()];
         for (v, i) in last {
             frees[i].push(v);
         }
-        Liveness { inputs, frees }
+        Liveness { ops, frees }
     }
 }
 
@@ -226,7 +228,7 @@ impl<'m> CudaEngine<'m> {
         let kind = usize::from(!decode);
         // A decode after one that set the plan may run as a graph: replayed
         // when one was captured for this split bucket, else captured now.
-        let split_ctx = (decode && self.graphs && self.profile.is_none() && self.release_early && !self.live[0].inputs.is_empty())
+        let split_ctx = (decode && self.graphs && self.profile.is_none() && self.release_early && !self.live[0].ops.is_empty())
             .then(|| attention_graph_ctx(positions[0] as usize + 1, self.kv.n_ctx));
         let (mut own_pos, mut own_tok) = (None, None);
         if decode {
@@ -268,6 +270,8 @@ impl<'m> CudaEngine<'m> {
             vals: Vec::new(),
             qcache: Vec::new(),
             plan,
+            last: &self.live[kind].ops,
+            ahead: AheadSet::default(),
             trace: RefCell::new(Vec::new()),
             on_plan: Cell::new(true),
             freed_to: 0,
@@ -371,8 +375,12 @@ struct CudaStep<'a> {
     qcache: Vec<(Val, ActFormat, DeviceBuf<u8>)>,
     /// The last step of this kind's value lifetimes (None: release nothing early).
     plan: Option<&'a Liveness>,
-    /// This step's op inputs, in order (shape() reads through &self).
-    trace: RefCell<Vec<Vec<u32>>>,
+    /// The last step of this kind's ops (what fusions look ahead in).
+    last: &'a [TraceOp],
+    /// Outputs computed ahead of their ops by a fused launch.
+    ahead: AheadSet,
+    /// This step's ops, in order (shape() reads through &self).
+    trace: RefCell<Vec<TraceOp>>,
     /// Whether every op so far matched the plan.
     on_plan: Cell<bool>,
     /// Plan ops whose frees are done.
@@ -408,6 +416,9 @@ impl<'a> CudaStep<'a> {
             self.pools.u8.give(q);
         }
         for (_, _, b) in self.pending.drain(..) {
+            self.pools.f32.give(b);
+        }
+        for b in self.ahead.drain() {
             self.pools.f32.give(b);
         }
     }
@@ -450,13 +461,17 @@ impl<'a> CudaStep<'a> {
 
     /// Record an op reading `inputs`, and whether it matches the plan.
     fn note(&self, inputs: &[Val]) {
+        self.note_as(inputs, OpKey::Other);
+    }
+
+    fn note_as(&self, inputs: &[Val], key: OpKey) {
         let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
         let mut t = self.trace.borrow_mut();
         let i = t.len();
-        if self.on_plan.get() && self.plan.and_then(|p| p.inputs.get(i)) != Some(&ins) {
+        if self.on_plan.get() && self.plan.and_then(|p| p.ops.get(i)).map(|o| &o.inputs) != Some(&ins) {
             self.on_plan.set(false);
         }
-        t.push(ins);
+        t.push(TraceOp { key, inputs: ins, out: u32::MAX });
     }
 
     /// After an op: give back the buffers of values whose last read (in the
@@ -482,10 +497,68 @@ impl<'a> CudaStep<'a> {
     /// An op's result, after releasing what the plan says is dead.
     fn done(&mut self, r: R<Val>) -> OpResult {
         self.mark(None);
-        if r.is_ok() {
+        if let Ok(v) = &r {
+            if let Some(op) = self.trace.get_mut().last_mut() {
+                op.out = v.0;
+            }
             self.release();
         }
         res(r)
+    }
+
+    /// The output of op `key` reading `x` if a fused launch made it ahead.
+    fn claim_ahead(&mut self, key: OpKey, x: Val) -> R<Option<Val>> {
+        let Some(a) = self.ahead.claim(key, x.0) else { return Ok(None) };
+        let v = self.push(a.buf, a.rows, a.cols)?;
+        self.ahead.bind(a.feeds, v.0);
+        Ok(Some(v))
+    }
+
+    /// A per-head norm whose next three ops in the last step were the other
+    /// norm and both ropes (fuse.rs): all four in one launch, the three later
+    /// outputs kept ahead. None: no such pattern (the caller runs the norm).
+    fn norm_rope_fused(&mut self, x: Val, w: Option<Wt>, eps: f32, group: usize) -> R<Option<Val>> {
+        let at = self.trace.borrow().len() - 1;
+        let Some((k, k_key, rope_key)) = norm_rope_ahead(self.last, at) else { return Ok(None) };
+        let (OpKey::Norm { w: kw, eps: k_eps, group: k_group }, OpKey::Rope { head_dim, n_rot, base, factor, mode }) = (k_key, rope_key) else {
+            return Ok(None);
+        };
+        let n = self.positions.len();
+        let (rows, cols) = self.dims(x)?;
+        let k_live = self.vals.get(k as usize).filter(|d| d.buf.is_some()).map(|d| (d.rows, d.cols));
+        let Some((k_rows, k_cols)) = k_live else { return Ok(None) };
+        let hd = head_dim as usize;
+        if group != hd || k_group as usize != hd || rows != n || k_rows != n || cols % hd != 0 || k_cols % hd != 0 {
+            return Ok(None);
+        }
+        let weight = |w: Option<Wt>| -> R<Option<&'a DeviceBuf<f32>>> {
+            let Some(w) = w else { return Ok(None) };
+            let (dw, mw) = self.weight(w)?;
+            let f = dw.f32.as_ref().ok_or_else(|| format!("{} is not a vector", mw.name))?;
+            if f.len() != hd {
+                return Err(format!("rms_norm: weight {} has {} values for group {hd}", mw.name, f.len()));
+            }
+            Ok(Some(f))
+        };
+        let (wq, wk) = (weight(w)?, weight(kw.map(Wt))?);
+        let kind = if mode == 0 { RopeKind::Neox } else { RopeKind::Interleaved };
+        let p = RopeParams { head_dim: hd, n_rot: n_rot as usize, base: f32::from_bits(base), linear_factor: f32::from_bits(factor), kind };
+        let (mut qn, mut qr) = (self.new_val(rows, cols)?, self.new_val(rows, cols)?);
+        let (mut kn, mut kr) = (self.new_val(k_rows, k_cols)?, self.new_val(k_rows, k_cols)?);
+        {
+            let stream = self.cm.dev.compute().clone();
+            let kx = self.vals[k as usize].buf.as_ref().expect("checked live");
+            let mut parts = [
+                pulsar_cuda::NormRopePart { x: self.buf(x)?, weight: wq, eps, width: cols, normed: &mut qn, roped: &mut qr },
+                pulsar_cuda::NormRopePart { x: kx, weight: wk, eps: f32::from_bits(k_eps), width: k_cols, normed: &mut kn, roped: &mut kr },
+            ];
+            self.cm.dev.norm_rope(&stream, &mut parts, self.pos_buf, &p).map_err(err)?;
+        }
+        let q = self.push(qn, rows, cols)?;
+        let kr_slot = self.ahead.add(Ahead { key: rope_key, input: None, buf: kr, rows: k_rows, cols: k_cols, feeds: None });
+        self.ahead.add(Ahead { key: k_key, input: Some(k), buf: kn, rows: k_rows, cols: k_cols, feeds: Some(kr_slot) });
+        self.ahead.add(Ahead { key: rope_key, input: Some(q.0), buf: qr, rows, cols, feeds: None });
+        Ok(Some(q))
     }
 
     fn new_val(&mut self, rows: usize, cols: usize) -> R<DeviceBuf<f32>> {
@@ -1130,11 +1203,18 @@ impl Ops for CudaStep<'_> {
         self.done(r)
     }
     fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
-        self.note(&[x]);
+        let key = OpKey::Norm { w: w.into_option().map(|w| w.0), eps: eps.to_bits(), group };
+        self.note_as(&[x], key);
         self.mark(Some(&|| "rms_norm".to_string()));
         let r = (|| {
-            let (rows, cols) = self.dims(x)?;
+            if let Some(v) = self.claim_ahead(key, x)? {
+                return Ok(v);
+            }
             let g = group as usize;
+            if let Some(v) = self.norm_rope_fused(x, w.into_option(), eps, g)? {
+                return Ok(v);
+            }
+            let (rows, cols) = self.dims(x)?;
             let weight = match w {
                 ROption::RSome(w) => {
                     let (dw, mw) = self.weight(w)?;
@@ -1212,9 +1292,17 @@ impl Ops for CudaStep<'_> {
         self.done(r)
     }
     fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
-        self.note(&[x]);
+        let mode = match spec.mode {
+            RopeMode::Neox => 0,
+            RopeMode::Interleaved => 1,
+        };
+        let key = OpKey::Rope { head_dim: spec.head_dim, n_rot: spec.n_rot, base: spec.base.to_bits(), factor: spec.linear_factor.to_bits(), mode };
+        self.note_as(&[x], key);
         self.mark(Some(&|| "rope".to_string()));
         let r = (|| {
+            if let Some(v) = self.claim_ahead(key, x)? {
+                return Ok(v);
+            }
             let (rows, cols) = self.dims(x)?;
             if rows != self.positions.len() {
                 return Err(format!("rope: {rows} rows for {} positions", self.positions.len()));
@@ -1265,15 +1353,16 @@ impl Ops for CudaStep<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::Liveness;
+    use super::{Liveness, OpKey, TraceOp};
 
     #[test]
     fn a_value_is_released_after_its_last_reader() {
         // op 0 makes v0; op 1 reads v0 (makes v1); op 2 reads v0 and v1; op 3 reads v2.
-        let l = Liveness::from_trace(vec![vec![], vec![0], vec![0, 1], vec![2]]);
+        let ops = [vec![], vec![0], vec![0, 1], vec![2]].into_iter().enumerate();
+        let l = Liveness::from_trace(ops.map(|(i, inputs)| TraceOp { key: OpKey::Other, inputs, out: i as u32 }).collect());
         let mut f: Vec<Vec<u32>> = l.frees.clone();
         f.iter_mut().for_each(|v| v.sort_unstable());
         assert_eq!(f, vec![vec![], vec![], vec![0, 1], vec![2]]);
-        assert_eq!(l.inputs.len(), 4);
+        assert_eq!(l.ops.len(), 4);
     }
 }

@@ -13,7 +13,7 @@ use super::{compare, compare_bytes, fmt_name, norm_case, poisoned, rope_case, ro
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::FLOAT_TYPES;
-use crate::ops::{Gating, RouterSpec, FLOAT_STAGED_MAX_ROWS};
+use crate::ops::{Gating, NormRopePart, RouterSpec, FLOAT_STAGED_MAX_ROWS};
 
 pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, k: &Kernels, next: &mut dyn FnMut() -> u64) {
     // One group per register tier of rms_norm (1, 4, 8, 16, 32 values a
@@ -24,6 +24,15 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, k
     }
     let partial = RopeParams { head_dim: 128, n_rot: 64, base: 10_000.0, linear_factor: 1.0, kind: RopeKind::Neox };
     t.push("rope", "neox partial 64/128", "9x(4x128)".into(), rope_case(dev, 9, 4 * 128, &partial, next()));
+
+    // Decode's per-head q_norm / k_norm then rope, fused (qwen3: 64 and 4
+    // heads of 128), against the two kernels apart.
+    let full = RopeParams { head_dim: 128, n_rot: 128, base: 1_000_000.0, linear_factor: 1.0, kind: RopeKind::Neox };
+    let inter = RopeParams { head_dim: 64, n_rot: 32, base: 10_000.0, linear_factor: 2.0, kind: RopeKind::Interleaved };
+    for (name, rows, heads, p) in [("neox 128/128", 1, (64, 4), &full), ("neox partial 64/128", 3, (5, 2), &partial), ("interleaved 32/64", 2, (3, 0), &inter)] {
+        let shape = format!("{rows}x({}+{})x{}", heads.0, heads.1, p.head_dim);
+        t.push("norm_rope == rms_norm, rope (bits)", name, shape, norm_rope_case(dev, rows, heads, p, next()));
+    }
 
     let spec = |k, gating, renormalize, scale| RouterSpec { k, gating, renormalize, scale };
     let routes = [
@@ -80,6 +89,51 @@ fn float_gemv_case(
         }
     }
     worst.ok_or_else(|| shape("gemv", "no kernel ran"))
+}
+
+/// The fused per-head norm and rope of one or two tensors (heads.1 == 0: one)
+/// against rms_norm then rope: every output byte equal.
+fn norm_rope_case(dev: &CudaDevice, rows: usize, heads: (usize, usize), p: &RopeParams, seed: u64) -> Result<Cmp, CudaError> {
+    let hd = p.head_dim;
+    let positions: Vec<u32> = (0..rows as u32).map(|r| 7 + 131 * r).collect();
+    let pos = dev.upload(&positions)?;
+    let mut want_bytes = Vec::new();
+    let mut got_bytes = Vec::new();
+    let widths: Vec<usize> = [heads.0, heads.1].into_iter().filter(|&h| h > 0).map(|h| h * hd).collect();
+    let mut xs = Vec::new();
+    let mut ws = Vec::new();
+    for (i, &width) in widths.iter().enumerate() {
+        let x = random_values(rows * width, seed ^ (11 * i as u64 + 1));
+        let w = random_values(hd, seed ^ (13 * i as u64 + 2));
+        xs.push(dev.upload(&x)?);
+        ws.push(dev.upload(&w)?);
+    }
+    let eps = [1e-6f32, 1e-5];
+    for (i, &width) in widths.iter().enumerate() {
+        let mut n = poisoned::<f32>(dev, rows * width)?;
+        let mut r = poisoned::<f32>(dev, rows * width)?;
+        dev.rms_norm(dev.compute(), &xs[i], &mut n, Some(&ws[i]), hd, eps[i])?;
+        dev.rope(dev.compute(), &n, &mut r, width, &pos, p)?;
+        want_bytes.extend(dev.download(&n)?.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+        want_bytes.extend(dev.download(&r)?.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+    }
+    let mut outs = Vec::new();
+    for &width in &widths {
+        outs.push((poisoned::<f32>(dev, rows * width)?, poisoned::<f32>(dev, rows * width)?));
+    }
+    {
+        let mut parts: Vec<NormRopePart<'_>> = outs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, (n, r))| NormRopePart { x: &xs[i], weight: Some(&ws[i]), eps: eps[i], width: widths[i], normed: n, roped: r })
+            .collect();
+        dev.norm_rope(dev.compute(), &mut parts, &pos, p)?;
+    }
+    for (n, r) in &outs {
+        got_bytes.extend(dev.download(n)?.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+        got_bytes.extend(dev.download(r)?.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+    }
+    Ok(compare_bytes(&got_bytes, &want_bytes))
 }
 
 const EDGE_ROWS: usize = 7;
