@@ -154,8 +154,10 @@ template <> __device__ __forceinline__ UnitWords unit_words<F_Q4_K>(const u8* w,
 // unit's single scale then multiplies (EQ), one on levels pre-multiplied by
 // their half's scale (PRESCALE, q2_K: levels 0..3 times scales 0..15 stay
 // below 128, bytewise with no carry), else two m16n8k16 for the halves.
+// UNROLL: the unit loop unrolls (formats whose unrolled loop fits the
+// registers without spilling; q5_K spilled).
 template <int F> struct MmaKind {
-    enum { PRESCALE = F == F_Q2_K };
+    enum { PRESCALE = F == F_Q2_K, UNROLL = F == F_Q8_0 || F == F_Q2_K || F == F_Q4_K || F == F_Q4_0 };
 };
 
 
@@ -255,7 +257,13 @@ __device__ __forceinline__ void gemm_mma_impl(const u8* __restrict__ W, const u8
                 xc_off[n][j] = tc * MM_XSTRIDE + phase16(X + (size_t)(tok0 + tc) * xrb + st.xoff);
             }
         }
-        for (int u = 0; u < st.units; u++) {
+        // Unrolled (MmaKind::UNROLL): every unit's offsets become immediates,
+        // and the K formats' per-superblock d and dm load only for the block's
+        // end (ncu: the loop's address arithmetic and those loads were a
+        // quarter of the issued instructions of an issue-bound kernel).
+#pragma unroll(MmaKind<F>::UNROLL ? 8 : 1)
+        for (int u = 0; u < 8; u++) {
+            if (Fmt<F>::UNITS == 1 && u >= st.units) break; // a short last stage
             UnitWords ua = unit_words<F>(wa, u, t, tab);
             UnitWords ub = unit_words<F>(wbr, u, t, tab);
             int alo0 = ua.lo, alo1 = ub.lo, ahi0 = ua.hi, ahi1 = ub.hi;
