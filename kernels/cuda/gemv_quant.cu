@@ -180,26 +180,43 @@ template <int F> struct Stage {
     }
 };
 
-// Copy `len` bytes at `src` into `dst` as the whole granules that hold them;
-// granule i of the row is copied by the caller's lanes stepping over i.
-__device__ __forceinline__ void stage_row(u8* dst, const u8* src, int len, int i) {
-    size_t a = (size_t)src;
-    int head = (int)(a & 15);
-    if (i * 16 < head + len) cp_async16(dst + 16 * i, (const void*)((a & ~(size_t)15) + 16 * (size_t)i));
-}
-
+// One stage's copies. Each thread owns one row (or token) and a fixed run of
+// its granules, so a stage costs it one row address and a few copies: the
+// loop over every (row, granule) of the stride spent a division and 64-bit
+// arithmetic on each, most of them idle (q2_K's 84 bytes span 7 of 19).
 template <int F, int NT>
 __device__ __forceinline__ void mm_issue(u8* buf, const u8* W, const u8* X, int rows, int n_tok, size_t wrb,
                                          size_t xrb, int r0, int tok0, const Stage<F>& st) {
+    // Granules a stage's bytes can span at any phase.
+    const int NGW = ((Fmt<F>::UNITS == 8 ? 1 : 8) * Fmt<F>::BYTES + 15) / 16 + 1;
+    const int NGX = ((Fmt<F>::K ? 292 : 8 * 34) + 15) / 16 + 1;
+    const int THREADS = MM_WARPS * 32, TPW = THREADS / MM_ROWS, TPX = THREADS / (8 * NT);
+    const int GPW = (NGW + TPW - 1) / TPW, GPX = (NGX + TPX - 1) / TPX;
     u8* wb = buf;
     u8* xb = buf + MM_ROWS * MM_WSTRIDE;
-    for (int i = threadIdx.x; i < MM_ROWS * (MM_WSTRIDE / 16); i += MM_WARPS * 32) {
-        int r = i / (MM_WSTRIDE / 16), g = i % (MM_WSTRIDE / 16);
-        if (r0 + r < rows) stage_row(wb + r * MM_WSTRIDE, W + (size_t)(r0 + r) * wrb + st.woff, st.wbytes, g);
+    int r = threadIdx.x / TPW, gw = (threadIdx.x % TPW) * GPW;
+    if (r0 + r < rows) {
+        size_t a = (size_t)(W + (size_t)(r0 + r) * wrb + st.woff);
+        int end = (int)(a & 15) + st.wbytes;
+        const u8* al = (const u8*)(a & ~(size_t)15);
+        u8* dst = wb + r * MM_WSTRIDE;
+#pragma unroll
+        for (int k = 0; k < GPW; k++) {
+            int g = gw + k;
+            if (g < NGW && 16 * g < end) cp_async16(dst + 16 * g, al + 16 * g);
+        }
     }
-    for (int i = threadIdx.x; i < 8 * NT * (MM_XSTRIDE / 16); i += MM_WARPS * 32) {
-        int r = i / (MM_XSTRIDE / 16), g = i % (MM_XSTRIDE / 16);
-        if (tok0 + r < n_tok) stage_row(xb + r * MM_XSTRIDE, X + (size_t)(tok0 + r) * xrb + st.xoff, st.xbytes, g);
+    int tk = threadIdx.x / TPX, gx = (threadIdx.x % TPX) * GPX;
+    if (tok0 + tk < n_tok) {
+        size_t a = (size_t)(X + (size_t)(tok0 + tk) * xrb + st.xoff);
+        int end = (int)(a & 15) + st.xbytes;
+        const u8* al = (const u8*)(a & ~(size_t)15);
+        u8* dst = xb + tk * MM_XSTRIDE;
+#pragma unroll
+        for (int k = 0; k < GPX; k++) {
+            int g = gx + k;
+            if (g < NGX && 16 * g < end) cp_async16(dst + 16 * g, al + 16 * g);
+        }
     }
 }
 
