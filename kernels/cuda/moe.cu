@@ -333,6 +333,25 @@ extern "C" __global__ void moe_combine(const float* out, const float* w, int n_t
     y[(size_t)t * d_model + c] = acc;
 }
 
+// moe_combine_add — moe_combine's y, and s = y + r (r_first: r + y), the
+// residual add that follows the MoE op in a decoder layer, in one launch (the
+// add's operands in the op's order, so s has add_f32's bits).
+extern "C" __global__ void moe_combine_add(const float* out, const float* w, int n_tok, int n_slot, int d_model,
+                                           const float* r, int r_first, float* y, float* s) {
+    pdl_begin();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = blockIdx.y;
+    if (c >= d_model || t >= n_tok) return;
+    float acc = 0.0f;
+    for (int k = 0; k < n_slot; k++) {
+        size_t p = (size_t)t * n_slot + k;
+        acc = __fadd_rn(acc, __fmul_rn(w[p], out[p * d_model + c]));
+    }
+    size_t i = (size_t)t * d_model + c;
+    y[i] = acc;
+    s[i] = r_first ? r[i] + acc : acc + r[i];
+}
+
 // moe_up_<f32|f16|bf16> / moe_down_<...> — the same pairs and null-pointer
 // skipping as the quantized entries above, for float expert weights on f32
 // activations: moe_up writes H[p] = act(gate x_t) * (up x_t) with x_t token t's

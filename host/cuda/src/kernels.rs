@@ -282,6 +282,7 @@ const MOE: &[&str] = &[
     "moe_up_bf16",
     "moe_down_bf16",
     "route_topk_warp",
+    "moe_combine_add",
 ];
 pub(crate) const ACT_GATHER_ROWS: usize = 4;
 pub(crate) const ACT_SCATTER_ROWS: usize = 5;
@@ -289,6 +290,7 @@ pub(crate) const MOE_GATHER_PTRS: usize = 27;
 pub(crate) const MOE_COMBINE: usize = 28;
 pub(crate) const MOE_FLOAT: usize = 29;
 pub(crate) const ROUTE_WARP: usize = 35;
+pub(crate) const MOE_COMBINE_ADD: usize = 36;
 
 #[cfg(test)]
 mod tests {
@@ -325,6 +327,7 @@ mod tests {
         assert_eq!(GEMV_QUANT[QUANTIZE_Q8_K], "quantize_q8_k");
         assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
         assert_eq!(MOE[MOE_COMBINE], "moe_combine");
+        assert_eq!(MOE[MOE_COMBINE_ADD], "moe_combine_add");
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
         assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
         assert_eq!(MOE.len(), ROUTE_WARP + 1);

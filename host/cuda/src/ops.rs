@@ -15,7 +15,7 @@ use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
     float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, GEMV_STAGED, MMA_GROUPED_SMEM_BYTES,
-    MMA_SMEM_BYTES, MOE_COMBINE, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
+    MMA_SMEM_BYTES, MOE_COMBINE, MOE_COMBINE_ADD, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).

@@ -6,7 +6,8 @@
 //! row, the first norm runs all four in one `norm_rope` launch and keeps the
 //! other three outputs here. Each is claimed only by an op with the same
 //! parameters reading the same value, so a step that departs from the last
-//! one wastes a launch but never takes a wrong output.
+//! one wastes a launch but never takes a wrong output. The same holds for the
+//! residual add after a MoE op (`moe_combine_add`).
 
 use pulsar_cuda::DeviceBuf;
 
@@ -18,6 +19,8 @@ pub(super) enum OpKey {
     Norm { w: Option<u32>, eps: u32, group: u32 },
     /// `rope` with these parameters (floats as bits; mode 0 neox, 1 interleaved).
     Rope { head_dim: u32, n_rot: u32, base: u32, factor: u32, mode: u8 },
+    /// `add` (its two inputs, in order, are the match).
+    Add,
 }
 
 /// One op of a recorded step: its key, inputs and output value (`u32::MAX`
@@ -45,16 +48,32 @@ pub(super) fn norm_rope_ahead(plan: &[TraceOp], i: usize) -> Option<(u32, OpKey,
     ok.then(|| (b.inputs[0], b.key, c.key))
 }
 
-/// An output computed ahead: claimed by the op with `key` reading `input`
-/// (None until the value it reads exists: the output of slot `feeds`' claim).
+/// Op `i` (a MoE op) and the one after it in the last step, when that was an
+/// add of op i's output and another value: the other value, and whether it
+/// came first.
+pub(super) fn residual_add_ahead(plan: &[TraceOp], i: usize) -> Option<(u32, bool)> {
+    let [a, b] = plan.get(i..i + 2)? else { return None };
+    if b.key != OpKey::Add || a.out == u32::MAX || b.inputs.len() != 2 {
+        return None;
+    }
+    match (b.inputs[0] == a.out, b.inputs[1] == a.out) {
+        (true, false) => Some((b.inputs[1], false)),
+        (false, true) => Some((b.inputs[0], true)),
+        _ => None,
+    }
+}
+
+/// An output computed ahead: claimed by the op with `key` reading `inputs`
+/// (a None until the value it stands for exists: the output of the claim of
+/// the slot whose `feeds` points here).
 pub(super) struct Ahead {
     pub key: OpKey,
-    pub input: Option<u32>,
+    pub inputs: Vec<Option<u32>>,
     pub buf: DeviceBuf<f32>,
     pub rows: usize,
     pub cols: usize,
-    /// The slot whose input is this output's value once claimed.
-    pub feeds: Option<usize>,
+    /// (slot, input position) that reads this output's value once claimed.
+    pub feeds: Option<(usize, usize)>,
 }
 
 #[derive(Default)]
@@ -69,17 +88,21 @@ impl AheadSet {
         self.slots.len() - 1
     }
 
-    /// The output for the op `key` reading `input`, if one was computed
+    /// The output for the op `key` reading `inputs`, if one was computed
     /// ahead; `bind` then gets the value it becomes (see [`AheadSet::bind`]).
-    pub fn claim(&mut self, key: OpKey, input: u32) -> Option<Ahead> {
-        let s = self.slots.iter_mut().find(|s| s.as_ref().is_some_and(|a| a.key == key && a.input == Some(input)))?;
+    pub fn claim(&mut self, key: OpKey, inputs: &[u32]) -> Option<Ahead> {
+        let hit = |a: &Ahead| a.key == key && a.inputs.len() == inputs.len() && a.inputs.iter().zip(inputs).all(|(x, y)| *x == Some(*y));
+        let s = self.slots.iter_mut().find(|s| s.as_ref().is_some_and(hit))?;
         s.take()
     }
 
-    /// Slot `feeds` (from a claimed output) reads value `v`.
-    pub fn bind(&mut self, feeds: Option<usize>, v: u32) {
-        if let Some(Some(a)) = feeds.and_then(|i| self.slots.get_mut(i)) {
-            a.input = Some(v);
+    /// The input that `feeds` (from a claimed output) names is value `v`.
+    pub fn bind(&mut self, feeds: Option<(usize, usize)>, v: u32) {
+        let Some((slot, at)) = feeds else { return };
+        if let Some(Some(a)) = self.slots.get_mut(slot) {
+            if let Some(x) = a.inputs.get_mut(at) {
+                *x = Some(v);
+            }
         }
     }
 
@@ -129,5 +152,17 @@ mod tests {
         failed[0].out = u32::MAX;
         assert_eq!(norm_rope_ahead(&failed, 0), None);
         assert_eq!(norm_rope_ahead(&base, 0), Some((2, N2, R)));
+    }
+
+    #[test]
+    fn finds_the_residual_add_after_a_moe_op() {
+        let moe = op(OpKey::Other, &[7], 9);
+        assert_eq!(residual_add_ahead(&[moe.clone(), op(OpKey::Add, &[5, 9], 10)], 0), Some((5, true)));
+        assert_eq!(residual_add_ahead(&[moe.clone(), op(OpKey::Add, &[9, 5], 10)], 0), Some((5, false)));
+        // Not an add of the output, an add of it with itself, or past the end.
+        assert_eq!(residual_add_ahead(&[moe.clone(), op(OpKey::Add, &[5, 6], 10)], 0), None);
+        assert_eq!(residual_add_ahead(&[moe.clone(), op(OpKey::Add, &[9, 9], 10)], 0), None);
+        assert_eq!(residual_add_ahead(&[moe.clone(), op(OpKey::Other, &[5, 9], 10)], 0), None);
+        assert_eq!(residual_add_ahead(&[moe], 0), None);
     }
 }

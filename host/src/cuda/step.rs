@@ -12,7 +12,7 @@ use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Act, AttnSpec, Gating, MoeSpec, OpResult, Ops, Ops_TO, RopeMode, RopeSpec, Val, Wt};
 
-use super::fuse::{norm_rope_ahead, Ahead, AheadSet, OpKey, TraceOp};
+use super::fuse::{norm_rope_ahead, residual_add_ahead, Ahead, AheadSet, OpKey, TraceOp};
 use super::pool::BufPool;
 use super::profile::{short_name, OpProfile};
 use super::{CudaBackendError, CudaKv, CudaModel, DevWeight};
@@ -506,9 +506,10 @@ impl<'a> CudaStep<'a> {
         res(r)
     }
 
-    /// The output of op `key` reading `x` if a fused launch made it ahead.
-    fn claim_ahead(&mut self, key: OpKey, x: Val) -> R<Option<Val>> {
-        let Some(a) = self.ahead.claim(key, x.0) else { return Ok(None) };
+    /// The output of op `key` reading `inputs` if a fused launch made it ahead.
+    fn claim_ahead(&mut self, key: OpKey, inputs: &[Val]) -> R<Option<Val>> {
+        let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
+        let Some(a) = self.ahead.claim(key, &ins) else { return Ok(None) };
         let v = self.push(a.buf, a.rows, a.cols)?;
         self.ahead.bind(a.feeds, v.0);
         Ok(Some(v))
@@ -555,10 +556,32 @@ impl<'a> CudaStep<'a> {
             self.cm.dev.norm_rope(&stream, &mut parts, self.pos_buf, &p).map_err(err)?;
         }
         let q = self.push(qn, rows, cols)?;
-        let kr_slot = self.ahead.add(Ahead { key: rope_key, input: None, buf: kr, rows: k_rows, cols: k_cols, feeds: None });
-        self.ahead.add(Ahead { key: k_key, input: Some(k), buf: kn, rows: k_rows, cols: k_cols, feeds: Some(kr_slot) });
-        self.ahead.add(Ahead { key: rope_key, input: Some(q.0), buf: qr, rows, cols, feeds: None });
+        let kr_slot = self.ahead.add(Ahead { key: rope_key, inputs: vec![None], buf: kr, rows: k_rows, cols: k_cols, feeds: None });
+        self.ahead.add(Ahead { key: k_key, inputs: vec![Some(k)], buf: kn, rows: k_rows, cols: k_cols, feeds: Some((kr_slot, 0)) });
+        self.ahead.add(Ahead { key: rope_key, inputs: vec![Some(q.0)], buf: qr, rows, cols, feeds: None });
         Ok(Some(q))
+    }
+
+    /// The MoE op's slot combine into `y`; when the last step added this op's
+    /// output to another live value next, that sum too (one launch), kept
+    /// ahead for the add.
+    fn combine(&mut self, out: &DeviceBuf<f32>, wts: &DeviceBuf<f32>, rows: usize, k: usize, d_model: usize) -> R<Val> {
+        let stream = self.cm.dev.compute().clone();
+        let mut y = self.new_val(rows, d_model)?;
+        let at = self.trace.borrow().len() - 1;
+        let other = residual_add_ahead(self.last, at)
+            .filter(|&(r, _)| self.vals.get(r as usize).is_some_and(|d| d.buf.is_some() && (d.rows, d.cols) == (rows, d_model)));
+        let Some((r, r_first)) = other else {
+            self.cm.dev.moe_combine(&stream, out, wts, rows, k, &mut y).map_err(err)?;
+            return self.push(y, rows, d_model);
+        };
+        let mut sum = self.new_val(rows, d_model)?;
+        let rb = self.vals[r as usize].buf.as_ref().expect("checked live");
+        self.cm.dev.moe_combine_add(&stream, out, wts, rows, k, rb, r_first, &mut y, &mut sum).map_err(err)?;
+        let v = self.push(y, rows, d_model)?;
+        let inputs = if r_first { vec![Some(r), Some(v.0)] } else { vec![Some(v.0), Some(r)] };
+        self.ahead.add(Ahead { key: OpKey::Add, inputs, buf: sum, rows, cols: d_model, feeds: None });
+        Ok(v)
     }
 
     fn new_val(&mut self, rows: usize, cols: usize) -> R<DeviceBuf<f32>> {
@@ -1149,15 +1172,14 @@ impl<'a> CudaStep<'a> {
         }
         // Weighted sum over slots, in slot order, as the CPU backend does.
         self.mark(Some(&|| "moe: combine".to_string()));
-        let mut y = self.new_val(rows, d_model)?;
-        dev.moe_combine(&stream, &out, &wts, rows, k, &mut y).map_err(err)?;
+        let y = self.combine(&out, &wts, rows, k, d_model);
         for b in pbufs {
             self.pools.u64.give(b);
         }
         self.pools.i32.give(ids);
         self.pools.f32.give(wts);
         self.pools.f32.give(out);
-        self.push(y, rows, d_model)
+        y
     }
 }
 
@@ -1207,7 +1229,7 @@ impl Ops for CudaStep<'_> {
         self.note_as(&[x], key);
         self.mark(Some(&|| "rms_norm".to_string()));
         let r = (|| {
-            if let Some(v) = self.claim_ahead(key, x)? {
+            if let Some(v) = self.claim_ahead(key, &[x])? {
                 return Ok(v);
             }
             let g = group as usize;
@@ -1234,9 +1256,13 @@ impl Ops for CudaStep<'_> {
         self.done(r)
     }
     fn add(&mut self, a: Val, b: Val) -> OpResult {
-        self.note(&[a, b]);
+        self.note_as(&[a, b], OpKey::Add);
         self.mark(Some(&|| "add".to_string()));
-        let r = self.binary(a, b, 0);
+        let r = match self.claim_ahead(OpKey::Add, &[a, b]) {
+            Ok(Some(v)) => Ok(v),
+            Ok(None) => self.binary(a, b, 0),
+            Err(e) => Err(e),
+        };
         self.done(r)
     }
     fn mul(&mut self, a: Val, b: Val) -> OpResult {
@@ -1300,7 +1326,7 @@ impl Ops for CudaStep<'_> {
         self.note_as(&[x], key);
         self.mark(Some(&|| "rope".to_string()));
         let r = (|| {
-            if let Some(v) = self.claim_ahead(key, x)? {
+            if let Some(v) = self.claim_ahead(key, &[x])? {
                 return Ok(v);
             }
             let (rows, cols) = self.dims(x)?;

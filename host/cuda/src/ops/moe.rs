@@ -447,27 +447,60 @@ impl CudaDevice {
         n_slot: usize,
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "moe_combine";
-        want(OP, "weights", w.len(), n_tok * n_slot)?;
-        let d_model = y.len().checked_div(n_tok).unwrap_or(0);
-        want(OP, "y", y.len(), n_tok * d_model)?;
-        want(OP, "out", out.len(), n_tok * n_slot * d_model)?;
-        if n_tok > 65535 {
-            return Err(shape(OP, format!("{n_tok} tokens in one launch (at most 65535)")));
-        }
-        let (nt, ns, dm) = (to_i32(OP, "n_tok", n_tok)?, to_i32(OP, "n_slot", n_slot)?, to_i32(OP, "d_model", d_model)?);
+        let (nt, ns, dm) = check_combine("moe_combine", out, w, n_tok, n_slot, y)?;
         let (op, wp, yp) = (out.device_ptr(), w.device_ptr(), y.device_ptr());
         let f = self.func(Family::Moe, MOE_COMBINE)?;
         // SAFETY: parameters as moe_combine; sizes checked.
-        unsafe {
-            self.launch(
-                f,
-                (d_model.div_ceil(128).max(1) as u32, n_tok.max(1) as u32, 1),
-                128,
-                0,
-                stream,
-                &mut params![op, wp, nt, ns, dm, yp],
-            )
-        }
+        unsafe { self.launch(f, combine_grid(dm, nt), 128, 0, stream, &mut params![op, wp, nt, ns, dm, yp]) }
     }
+
+    /// [`CudaDevice::moe_combine`]'s `y`, and `sum = y + r` (`r_first`:
+    /// `r + y`) with [`CudaDevice::add`]'s bits, in one launch: the residual
+    /// add after a decoder layer's MoE.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_add(
+        &self,
+        stream: &CudaStream,
+        out: &DeviceBuf<f32>,
+        w: &DeviceBuf<f32>,
+        n_tok: usize,
+        n_slot: usize,
+        r: &DeviceBuf<f32>,
+        r_first: bool,
+        y: &mut DeviceBuf<f32>,
+        sum: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "moe_combine_add";
+        let (nt, ns, dm) = check_combine(OP, out, w, n_tok, n_slot, y)?;
+        want(OP, "r", r.len(), y.len())?;
+        want(OP, "sum", sum.len(), y.len())?;
+        let (op, wp, rp, yp, sp) = (out.device_ptr(), w.device_ptr(), r.device_ptr(), y.device_ptr(), sum.device_ptr());
+        let rf = i32::from(r_first);
+        let f = self.func(Family::Moe, MOE_COMBINE_ADD)?;
+        // SAFETY: parameters as moe_combine_add; sizes checked.
+        unsafe { self.launch(f, combine_grid(dm, nt), 128, 0, stream, &mut params![op, wp, nt, ns, dm, rp, rf, yp, sp]) }
+    }
+}
+
+/// The sizes a slot combine checks: `(n_tok, n_slot, d_model)` as kernel ints.
+fn check_combine(
+    op: &'static str,
+    out: &DeviceBuf<f32>,
+    w: &DeviceBuf<f32>,
+    n_tok: usize,
+    n_slot: usize,
+    y: &DeviceBuf<f32>,
+) -> Result<(i32, i32, i32), CudaError> {
+    want(op, "weights", w.len(), n_tok * n_slot)?;
+    let d_model = y.len().checked_div(n_tok).unwrap_or(0);
+    want(op, "y", y.len(), n_tok * d_model)?;
+    want(op, "out", out.len(), n_tok * n_slot * d_model)?;
+    if n_tok > 65535 {
+        return Err(shape(op, format!("{n_tok} tokens in one launch (at most 65535)")));
+    }
+    Ok((to_i32(op, "n_tok", n_tok)?, to_i32(op, "n_slot", n_slot)?, to_i32(op, "d_model", d_model)?))
+}
+
+fn combine_grid(d_model: i32, n_tok: i32) -> (u32, u32, u32) {
+    ((d_model as u32).div_ceil(128).max(1), (n_tok as u32).max(1), 1)
 }

@@ -34,6 +34,11 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, k
         t.push("norm_rope == rms_norm, rope (bits)", name, shape, norm_rope_case(dev, rows, heads, p, next()));
     }
 
+    for r_first in [true, false] {
+        let name = if r_first { "r + y" } else { "y + r" };
+        t.push("moe_combine_add == moe_combine, add (bits)", name, "3 tok x 8 slot x 4096".into(), combine_add_case(dev, 3, 8, 4096, r_first, next()));
+    }
+
     let spec = |k, gating, renormalize, scale| RouterSpec { k, gating, renormalize, scale };
     let routes = [
         ("softmax renorm (decode)", spec(8, Gating::Softmax, true, 1.0), 1, 128, false),
@@ -134,6 +139,25 @@ fn norm_rope_case(dev: &CudaDevice, rows: usize, heads: (usize, usize), p: &Rope
         got_bytes.extend(dev.download(r)?.iter().flat_map(|v| v.to_bits().to_le_bytes()));
     }
     Ok(compare_bytes(&got_bytes, &want_bytes))
+}
+
+/// The slot combine with the residual add fused, against the two kernels apart.
+fn combine_add_case(dev: &CudaDevice, n_tok: usize, n_slot: usize, d_model: usize, r_first: bool, seed: u64) -> Result<Cmp, CudaError> {
+    let out = dev.upload(&random_values(n_tok * n_slot * d_model, seed))?;
+    let w = dev.upload(&random_values(n_tok * n_slot, seed ^ 3))?;
+    let r = dev.upload(&random_values(n_tok * d_model, seed ^ 5))?;
+    let n = n_tok * d_model;
+    let (mut y0, mut s0) = (poisoned::<f32>(dev, n)?, poisoned::<f32>(dev, n)?);
+    dev.moe_combine(dev.compute(), &out, &w, n_tok, n_slot, &mut y0)?;
+    if r_first {
+        dev.add(dev.compute(), &r, &y0, &mut s0)?;
+    } else {
+        dev.add(dev.compute(), &y0, &r, &mut s0)?;
+    }
+    let (mut y1, mut s1) = (poisoned::<f32>(dev, n)?, poisoned::<f32>(dev, n)?);
+    dev.moe_combine_add(dev.compute(), &out, &w, n_tok, n_slot, &r, r_first, &mut y1, &mut s1)?;
+    let bytes = |a: Vec<f32>, b: Vec<f32>| -> Vec<u8> { a.iter().chain(&b).flat_map(|v| v.to_bits().to_le_bytes()).collect() };
+    Ok(compare_bytes(&bytes(dev.download(&y1)?, dev.download(&s1)?), &bytes(dev.download(&y0)?, dev.download(&s0)?)))
 }
 
 const EDGE_ROWS: usize = 7;
