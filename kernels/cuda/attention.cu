@@ -147,3 +147,448 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const u32* p
             vc[(size_t)pos * vw + (i - kw)] = v[(size_t)r * vw + (i - kw)];
     }
 }
+
+// ---- Prefill: the same `part` as attn_partial, bit for bit, for many queries.
+// A block takes one kv head, AP_ROWS consecutive (query, head-of-the-group)
+// rows (row g = t * group + h % group) and one split. It stages the keys the
+// rows need KT at a time in shared memory, so every staged k/v row serves all
+// the rows instead of one. The arithmetic is attn_partial's:
+// - score: thread (row, key) forms lane l's partial (d = l, l+32, ..., the
+//   products folded in order) for the 32 lanes in the order of the butterfly's
+//   tree (bit-reversed l: lanes l and l^16 first, ...) and adds them as lane 0
+//   of warp_sum does. The leading `0.0f +` of each partial is skipped: that
+//   can only give -0 where attn_partial has +0 (whose partials and sums are
+//   never -0), sums of such values differ only so too, and a `+ 0.0f` (the
+//   subtree pairing, and before the scale) maps -0 back to +0.
+// - max / sum: virtual thread v = i mod 128 of attn_partial's block, its
+//   virtual warp's butterfly, then the four warp values in order.
+// - o[d]: one fold over the row's keys in increasing order.
+// K rows are staged lane-major (lane l's DK/32 values contiguous) so one
+// vector load gives a lane's whole partial; rows are padded so the 8 rows or
+// keys a warp loads at once hit distinct banks. A row's score for key j sits
+// at slot (j - J0) mod 256, J0 the block's first key (a row has at most 256
+// keys), whatever the row's start.
+
+#define AP_THREADS 256
+#define AP_ROWS 64
+#define AP_CHUNK 256  // the keys of a split: the host's ATT_CHUNK
+#define AP_SCS (AP_ROWS + 8)  // score slot stride: the 4 keys x 8 rows a warp stores hit distinct banks
+
+template <int DK, int DV> struct ApGeo {
+    static constexpr int NT = DK / 32;                // values of a lane partial
+    static constexpr int DM = DK > DV ? DK : DV;
+    static constexpr int KT = 8192 / DM;              // keys staged at a time
+    static constexpr int CK = KT >= 64 ? 4 : 2;       // keys a thread scores: 8 warp tiles at least
+    static constexpr int QS = DK + 4;                 // q row stride (floats)
+    static constexpr int KS = DM + 4;                 // k / v row stride
+    static constexpr int SMEM = (AP_ROWS * QS + KT * KS + AP_CHUNK * AP_SCS) * 4;
+    static_assert(DK % 64 == 0 && DV % 64 == 0 && AP_CHUNK % KT == 0 && KT % (4 * CK) == 0, "tile shape");
+    static_assert(AP_THREADS == 4 * AP_ROWS && AP_ROWS == 64, "a thread per (row, virtual warp); two 32-row halves");
+};
+
+__device__ __forceinline__ constexpr int ap_brev3(int i) { return ((i & 1) << 2) | (i & 2) | ((i >> 2) & 1); }
+
+template <int N> __device__ __forceinline__ void ap_ld(float (&x)[N], const float* p) {
+    if constexpr (N == 2) {
+        float2 v = *(const float2*)p;
+        x[0] = v.x, x[1] = v.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            float4 v = *(const float4*)(p + i);
+            x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+        }
+    }
+}
+template <int N> __device__ __forceinline__ void ap_st(float* p, const float (&x)[N]) {
+    if constexpr (N == 2) {
+        *(float2*)p = make_float2(x[0], x[1]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) *(float4*)(p + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+    }
+}
+// Element e of a 16-byte granule of f32 (KV 0) or f16 (KV 1) values.
+template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
+    u32 w = e < (KV ? 2 : 1) ? g.x : e < (KV ? 4 : 2) ? g.y : e < (KV ? 6 : 3) ? g.z : g.w;
+    if (KV == 0) return __uint_as_float(w);
+    return h2f((u16)((e & 1) ? w >> 16 : w & 0xffffu));
+}
+
+// N rows of D values (f32, or f16 widened) staged into shared memory as f32
+// rows of STRIDE floats, through registers: load() early, store() after the
+// last tile's readers are done, so the loads overlap that tile's arithmetic.
+// Lane-major (LANE): a unit (row, a) loads 16-byte granules a + A c (c < D/32)
+// of EPG values, whose values e are lane EPG a + e's; else a unit is a granule
+// stored in place.
+template <int KV, int N, int D, bool LANE, int STRIDE> struct ApStage {
+    static constexpr int EPG = KV ? 8 : 4, A = 32 / EPG, NT = D / 32;
+    static constexpr int G = LANE ? NT : 1;                    // granules a unit
+    static constexpr int UR = LANE ? A : D / EPG;              // units a row
+    static constexpr int NU = N * UR, UPT = (NU + AP_THREADS - 1) / AP_THREADS;
+    uint4 g[UPT][G];
+
+    // rowp(r) is row r's first element; rows r >= n are zero.
+    template <class RowP> __device__ __forceinline__ void load(RowP rowp, int n) {
+#pragma unroll
+        for (int k = 0; k < UPT; k++) {
+            int u = threadIdx.x + k * AP_THREADS, r = u / UR, a = u % UR;
+            bool ok = (NU % AP_THREADS == 0 || u < NU) && r < n;
+            const uint4* p = ok ? (const uint4*)rowp(r) : nullptr;
+#pragma unroll
+            for (int c = 0; c < G; c++) g[k][c] = ok ? p[LANE ? a + A * c : a] : make_uint4(0, 0, 0, 0);
+        }
+    }
+    __device__ __forceinline__ void store(float* dst) const {
+#pragma unroll
+        for (int k = 0; k < UPT; k++) {
+            int u = threadIdx.x + k * AP_THREADS, r = u / UR, a = u % UR;
+            if (NU % AP_THREADS != 0 && u >= NU) continue;
+            if (LANE) {
+#pragma unroll
+                for (int e = 0; e < EPG; e++) {
+                    float x[NT];
+#pragma unroll
+                    for (int c = 0; c < NT; c++) x[c] = ap_el<KV>(g[k][c], e);
+                    ap_st(dst + r * STRIDE + NT * (EPG * a + e), x);
+                }
+            } else {
+                float x[EPG];
+#pragma unroll
+                for (int e = 0; e < EPG; e++) x[e] = ap_el<KV>(g[k][0], e);
+                ap_st(dst + r * STRIDE + EPG * a, x);
+            }
+        }
+    }
+};
+
+// Eight leaves of the score tree for a thread's 4 rows x 4 keys: lanes
+// 4 brev3(i) + lb, i < 8 (qp, kp already offset by lb's values), combined as
+// the butterfly combines them.
+template <int NT, int CK, int QS, int KS>
+__device__ __forceinline__ void ap_leaves(const float* qp, const float* kp, float (&t)[4][CK]) {
+    float s0[4][CK], s1[4][CK], s2[4][CK];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int off = NT * 4 * ap_brev3(i);
+        float q[4][NT], k[CK][NT];
+#pragma unroll
+        for (int a = 0; a < 4; a++) ap_ld(q[a], qp + a * 8 * QS + off);
+#pragma unroll
+        for (int c = 0; c < CK; c++) ap_ld(k[c], kp + c * 4 * KS + off);
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int c = 0; c < CK; c++) {
+                float x = __fmul_rn(q[a][0], k[c][0]);
+#pragma unroll
+                for (int n = 1; n < NT; n++) x = __fadd_rn(x, __fmul_rn(q[a][n], k[c][n]));
+                if (i & 1) {
+                    x = __fadd_rn(s0[a][c], x);
+                    if (i & 2) {
+                        x = __fadd_rn(s1[a][c], x);
+                        if (i & 4)
+                            t[a][c] = __fadd_rn(s2[a][c], x);
+                        else
+                            s2[a][c] = x;
+                    } else {
+                        s1[a][c] = x;
+                    }
+                } else {
+                    s0[a][c] = x;
+                }
+            }
+    }
+}
+
+// A warp's butterfly over leaf(v0 + l), l < 32, as lane 0 of warp_sum /
+// warp_max sees it (op(lower lanes, upper lanes) at every node): four 8-leaf
+// subtrees (lanes = lb mod 4) in a loop, to keep the code small. Starting
+// each pairing from `id` is exact: id is op's identity on the values here
+// (sums of e >= 0 are never -0; maxima that start from -inf never NaN).
+template <class Leaf, class Op>
+__device__ __forceinline__ float ap_tree32(int v0, Leaf leaf, Op op, float id) {
+    float acc = id;
+#pragma unroll 1
+    for (int mm = 0; mm < 2; mm++) {
+        float x = id;
+#pragma unroll 1
+        for (int h = 0; h < 2; h++) {
+            const int lb = h << 1 | mm;
+            float s0, s1, s2, t;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float y = leaf(v0 + 4 * ap_brev3(i) + lb);
+                if (i & 1) {
+                    y = op(s0, y);
+                    if (i & 2) {
+                        y = op(s1, y);
+                        if (i & 4) t = op(s2, y); else s2 = y;
+                    } else {
+                        s1 = y;
+                    }
+                } else {
+                    s0 = y;
+                }
+            }
+            x = op(x, t);
+        }
+        acc = op(acc, x);
+    }
+    return acc;
+}
+
+template <int KV, int DK, int DV>
+__device__ __forceinline__ void attn_prefill(const float* q, const u32* positions, const void* k, const void* v,
+                                             float* part, int n_q, int n_head, int n_kv_head, int n_ctx,
+                                             float scale, int window, float softcap, int n_split) {
+    typedef ApGeo<DK, DV> Geo;
+    constexpr int NT = Geo::NT, KT = Geo::KT, QS = Geo::QS, KS = Geo::KS, DPT = DV / 16;
+    constexpr int CK = Geo::CK, WK = 4 * CK;  // keys a thread / a warp tile scores
+    extern __shared__ float4 ap_smem4[];
+    float* Qs = (float*)ap_smem4;       // [AP_ROWS][QS], lane-major
+    float* KVs = Qs + AP_ROWS * QS;     // [KT][KS]: k lane-major, then v as is
+    float* sc = KVs + KT * KS;          // [AP_CHUNK][AP_SCS]: scores, then e
+    __shared__ int ra[AP_ROWS], rb[AP_ROWS], rt[AP_ROWS], rh[AP_ROWS], rs[AP_ROWS];
+    __shared__ float red[2][4][AP_ROWS];
+    __shared__ int span[6];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int kvh = blockIdx.y, s = blockIdx.z, group = n_head / n_kv_head;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * AP_ROWS;  // the longest rows first
+    const size_t kw = (size_t)n_kv_head * DK, vw = (size_t)n_kv_head * DV;
+    // Row r: keys [ra, rb) of this split; rs 0 = computed, 1 = NaN (position
+    // beyond the cache), 2 = no keys, 3 = past the last row.
+    if (tid < AP_ROWS) {
+        int g = r0 + tid, st = 3, a = 0x7fffffff, b = 0, t = 0, h = 0;
+        if (g < n_q * group) {
+            t = g / group, h = kvh * group + g % group;
+            u32 pos = positions[t];
+            st = 1;
+            if (pos < (u32)n_ctx) {
+                int start = window > 0 ? max(0, (int)pos + 1 - window) : 0;
+                int j0 = start + s * AP_CHUNK, j1 = min((int)pos + 1, j0 + AP_CHUNK);
+                st = j0 < j1 ? 0 : 2;
+                if (st == 0) a = j0, b = j1;
+            }
+        }
+        ra[tid] = a, rb[tid] = b, rt[tid] = t, rh[tid] = h, rs[tid] = st;
+    }
+    __syncthreads();
+    auto out_row = [&](int r) { return part + (((size_t)rt[r] * n_head + rh[r]) * n_split + s) * (DV + 2); };
+    for (int r = warp; r < AP_ROWS; r += AP_THREADS / 32) {
+        if (rs[r] == 1 || rs[r] == 2) {
+            float* pp = out_row(r);
+            for (int d = lane; d < DV + 2; d += 32)
+                pp[d] = rs[r] == 1 ? __int_as_float(0x7fc00000) : d == 0 ? NEG_INF : 0.0f;
+        }
+    }
+    // The keys of each 32-row half and of the block.
+    if (tid == 0) {
+        int a0 = 0x7fffffff, b0 = 0, a1 = 0x7fffffff, b1 = 0;
+#pragma unroll 8
+        for (int r = 0; r < 32; r++) {
+            a0 = min(a0, ra[r]), b0 = max(b0, rb[r]);
+            a1 = min(a1, ra[r + 32]), b1 = max(b1, rb[r + 32]);
+        }
+        span[0] = a0, span[1] = b0, span[2] = a1, span[3] = b1, span[4] = min(a0, a1), span[5] = max(b0, b1);
+    }
+    __syncthreads();
+    const int J0 = span[4], J1 = span[5];
+    if (J0 >= J1) return;
+    auto krow = [&](int j) { return (const u8*)k + ((size_t)j * kw + (size_t)kvh * DK) * (KV ? 2 : 4); };
+    auto vrow = [&](int j) { return (const u8*)v + ((size_t)j * vw + (size_t)kvh * DV) * (KV ? 2 : 4); };
+    {
+        ApStage<0, AP_ROWS, DK, true, QS> qst;
+        qst.load([&](int r) { return (const u8*)(q + ((size_t)rt[r] * n_head + rh[r]) * DK); }, AP_ROWS);
+        qst.store(Qs);
+    }
+    ApStage<KV, KT, DK, true, KS> kst;
+    ApStage<KV, KT, DV, false, KS> vst;
+    kst.load([&](int r) { return krow(J0 + r); }, J1 - J0);
+
+    // Scores. Warp tile: 32 rows (half rh) x WK keys (group kq); lane (rg, kg)
+    // takes rows rg + 8 a and keys kg + 4 c.
+    const int rg = lane >> 2, kg = lane & 3;
+    for (int jt = J0; jt < J1; jt += KT) {
+        __syncthreads();  // the last tile's readers are done
+        kst.store(KVs);
+        __syncthreads();
+        if (jt + KT < J1) kst.load([&](int r) { return krow(jt + KT + r); }, J1 - jt - KT);
+        for (int tl = warp; tl < 2 * (KT / WK); tl += AP_THREADS / 32) {
+            const int half = tl & 1, kq = tl >> 1, kb = jt + kq * WK;
+            if (kb >= span[2 * half + 1] || kb + WK <= span[2 * half]) continue;
+            const int rr = half * 32 + rg;
+            const float* qp = Qs + rr * QS;
+            const float* kp = KVs + (kq * WK + kg) * KS;
+            // The four 8-leaf subtrees (lanes = lb mod 4), paired as the
+            // butterfly pairs them. Adding to +0 first is harmless (above).
+            float sco[4][CK];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int c = 0; c < CK; c++) sco[a][c] = 0.0f;
+#pragma unroll 1
+            for (int mm = 0; mm < 2; mm++) {
+                float x[4][CK];
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int c = 0; c < CK; c++) x[a][c] = 0.0f;
+#pragma unroll 1
+                for (int h = 0; h < 2; h++) {
+                    const int lb = h << 1 | mm;
+                    float t[4][CK];
+                    ap_leaves<NT, CK, QS, KS>(qp + NT * lb, kp + NT * lb, t);
+#pragma unroll
+                    for (int a = 0; a < 4; a++)
+#pragma unroll
+                        for (int c = 0; c < CK; c++) x[a][c] = __fadd_rn(x[a][c], t[a][c]);
+                }
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int c = 0; c < CK; c++) sco[a][c] = __fadd_rn(sco[a][c], x[a][c]);
+            }
+            // The butterfly's sums; the softmax scales (and caps) them.
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                const int r = rr + 8 * a, lo = ra[r], hi = rb[r];
+#pragma unroll
+                for (int c = 0; c < CK; c++) {
+                    const int j = kb + kg + 4 * c;
+                    if (j >= lo && j < hi) sc[((j - J0) & (AP_CHUNK - 1)) * AP_SCS + r] = sco[a][c];
+                }
+            }
+        }
+    }
+    vst.load([&](int r) { return vrow(J0 + r); }, J1 - J0);  // arrives during the softmax
+    __syncthreads();
+
+    // Softmax: thread (row r, virtual warp w) reduces virtual threads 32 w + l.
+    {
+        const int r = tid % AP_ROWS, w = tid / AP_ROWS;
+        const bool live = rs[r] == 0;
+        const int a = ra[r], n = rb[r] - a;
+        float* scr = sc + r;
+        auto at = [&](int i) -> float& { return scr[((a + i - J0) & (AP_CHUNK - 1)) * AP_SCS]; };
+        // Virtual thread vt's max over its keys vt, vt + 128, scoring them as
+        // attn_partial does (the + 0.0f: above).
+        auto vmax = [&](int vt) {
+            float x = NEG_INF;
+#pragma unroll
+            for (int i = vt; i < vt + 256; i += 128)
+                if (i < n) {
+                    float y = __fmul_rn(__fadd_rn(at(i), 0.0f), scale);
+                    if (softcap > 0.0f) y = __fmul_rn(softcap, tanh_c(__fdiv_rn(y, softcap)));
+                    at(i) = y;
+                    x = fmaxf(x, y);
+                }
+            return x;
+        };
+        auto fmax_ = [](float p, float q) { return fmaxf(p, q); };
+        float m = live ? ap_tree32(32 * w, vmax, fmax_, NEG_INF) : NEG_INF;
+        red[0][w][r] = m;
+        __syncthreads();
+        m = red[0][0][r];
+#pragma unroll
+        for (int i = 1; i < 4; i++) m = fmaxf(m, red[0][i][r]);
+        auto vsum = [&](int vt) {
+            float x = 0.0f;
+#pragma unroll
+            for (int i = vt; i < vt + 256; i += 128)
+                if (i < n) {
+                    float e = exp_c(__fsub_rn(at(i), m));
+                    at(i) = e;
+                    x = __fadd_rn(x, e);
+                }
+            return x;
+        };
+        auto fadd_ = [](float p, float q) { return __fadd_rn(p, q); };
+        float l = live ? ap_tree32(32 * w, vsum, fadd_, 0.0f) : 0.0f;
+        red[1][w][r] = l;
+        __syncthreads();
+        if (live && w == 0) {
+            l = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) l = __fadd_rn(l, red[1][i][r]);
+            float* pp = out_row(r);
+            pp[0] = m;
+            pp[1] = l;
+        }
+    }
+
+    // o = sum e v. Thread: rows pr .. pr + 3, dims 4 g + 64 h (h < DV / 64).
+    const int pr = warp * 8 + (lane >> 4) * 4, g = lane & 15;
+    int la[4], lb4[4], lo = 0, hi = 0x7fffffff, ulo = 0x7fffffff, uhi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        la[i] = ra[pr + i], lb4[i] = rb[pr + i];
+        lo = max(lo, la[i]), hi = min(hi, lb4[i]), ulo = min(ulo, la[i]), uhi = max(uhi, lb4[i]);
+    }
+    float acc[4][DPT];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int d = 0; d < DPT; d++) acc[i][d] = 0.0f;
+    for (int jt = J0; jt < J1; jt += KT) {
+        __syncthreads();  // scores (softmax) or the last tile's readers are done
+        vst.store(KVs);
+        __syncthreads();
+        if (jt + KT < J1) vst.load([&](int r) { return vrow(jt + KT + r); }, J1 - jt - KT);
+        // Keys every row of the thread has run unmasked; the others per row.
+        const int j0 = max(jt, ulo), j1 = min(jt + KT, uhi);
+        const int f0 = min(max(j0, lo), j1), f1 = max(min(j1, hi), f0);
+        const float* eb = sc + ((jt - J0) & (AP_CHUNK - 1)) * AP_SCS + pr;  // KT divides 256: no wrap in a tile
+        auto masked = [&](int j) {
+            float vv[DPT / 4][4];
+#pragma unroll
+            for (int h = 0; h < DPT / 4; h++) ap_ld(vv[h], KVs + (j - jt) * KS + 4 * g + 64 * h);
+            const float* er = eb + (j - jt) * AP_SCS;
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (j >= la[i] && j < lb4[i]) {
+                    float e = er[i];
+#pragma unroll
+                    for (int d = 0; d < DPT; d++) acc[i][d] = __fadd_rn(acc[i][d], __fmul_rn(e, vv[d >> 2][d & 3]));
+                }
+        };
+        for (int j = j0; j < f0; j++) masked(j);
+#pragma unroll 4
+        for (int j = f0; j < f1; j++) {
+            float vv[DPT / 4][4], e[4];
+#pragma unroll
+            for (int h = 0; h < DPT / 4; h++) ap_ld(vv[h], KVs + (j - jt) * KS + 4 * g + 64 * h);
+            ap_ld(e, eb + (j - jt) * AP_SCS);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int d = 0; d < DPT; d++) acc[i][d] = __fadd_rn(acc[i][d], __fmul_rn(e[i], vv[d >> 2][d & 3]));
+        }
+        for (int j = f1; j < j1; j++) masked(j);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (rs[pr + i] != 0) continue;
+        float* pp = out_row(pr + i) + 2;
+#pragma unroll
+        for (int h = 0; h < DPT / 4; h++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pp[4 * g + 64 * h + e] = acc[i][4 * h + e];
+    }
+}
+
+#define AP_ENTRY(NAME, KV, D)                                                                               \
+    extern "C" __global__ void __launch_bounds__(AP_THREADS, 1) attn_prefill_##NAME(                        \
+        const float* q, const u32* positions, const void* k, const void* v, float* part, int n_q,          \
+        int n_head, int n_kv_head, int n_ctx, float scale, int window, float softcap, int n_split) {       \
+        pdl_begin();                                                                                        \
+        attn_prefill<KV, D, D>(q, positions, k, v, part, n_q, n_head, n_kv_head, n_ctx, scale, window,      \
+                               softcap, n_split);                                                           \
+    }
+
+AP_ENTRY(f32_d64, 0, 64)
+AP_ENTRY(f16_d64, 1, 64)
+AP_ENTRY(f32_d128, 0, 128)
+AP_ENTRY(f16_d128, 1, 128)
+AP_ENTRY(f32_d256, 0, 256)
+AP_ENTRY(f16_d256, 1, 256)

@@ -19,6 +19,8 @@ use crate::kernels::Family;
 struct Loaded {
     _module: Arc<CudaModule>,
     funcs: Vec<CudaFunction>,
+    /// The dynamic shared memory each entry was opted in to (0: the default 48 KiB).
+    smem: Vec<u32>,
 }
 
 /// An open CUDA device. Cheap to share by reference across threads; each op
@@ -29,6 +31,8 @@ pub struct CudaDevice {
     copy: Arc<CudaStream>,
     name: String,
     cc: (i32, i32),
+    /// The most shared memory (static + dynamic) a block may opt in to.
+    smem_optin: u32,
     arch: String,
     cache_dir: Option<PathBuf>,
     modules: [OnceLock<Loaded>; Family::ALL.len()],
@@ -97,6 +101,7 @@ impl CudaDevice {
         let copy = ctx.new_stream()?;
         let name = ctx.name()?;
         let cc = ctx.compute_capability()?;
+        let smem_optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32;
         let tables = iq_tables()?;
         let mut iq = DeviceBuf::<u64>::alloc(&ctx, tables.len())?;
         iq.upload(&compute, &tables)?;
@@ -107,6 +112,7 @@ impl CudaDevice {
             copy,
             name,
             cc,
+            smem_optin,
             cache_dir,
             modules: std::array::from_fn(|_| OnceLock::new()),
             iq_tables: iq,
@@ -241,20 +247,34 @@ impl CudaDevice {
                     .map_err(|_| CudaError::MissingEntry(e))?,
             );
         }
+        let mut smem = vec![0u32; funcs.len()];
         for (i, f) in funcs.iter().enumerate() {
             if let Some(bytes) = crate::kernels::large_smem(family, i) {
+                // An entry needing more than this device has stays at the
+                // default (its op checks `func_smem` and uses another kernel).
+                if bytes as u64 + f.shared_size_bytes()?.max(0) as u64 > self.smem_optin as u64 {
+                    continue;
+                }
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     bytes as i32,
                 )?;
+                smem[i] = bytes;
             }
         }
         // A racing thread may have set it first; either value is the same module.
         let _ = cell.set(Loaded {
             _module: module,
             funcs,
+            smem,
         });
         Ok(cell.get().expect("set above"))
+    }
+
+    /// The dynamic shared memory above 48 KiB entry `index` of `family` may
+    /// launch with on this device (0 when it was not opted in).
+    pub(crate) fn func_smem(&self, family: Family, index: usize) -> Result<u32, CudaError> {
+        Ok(self.loaded(family)?.smem.get(index).copied().unwrap_or(0))
     }
 
     /// Entry `index` of `family`'s table.

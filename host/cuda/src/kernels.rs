@@ -71,7 +71,7 @@ impl Family {
             Family::NormRope => &["rms_norm", "rope", "norm_rope"],
             Family::Act => &["glu", "add_f32", "mul_f32", "scale_f32", "gather_rows_u8", "scatter_rows_f32"],
             Family::Embed => EMBED,
-            Family::Attention => &["attn_partial_f32", "attn_partial_f16", "attn_combine", "kv_write"],
+            Family::Attention => ATTENTION,
             Family::Moe => MOE,
         }
     }
@@ -184,10 +184,39 @@ pub(crate) const MMA_SMEM_BYTES: u32 = 2 * (64 * 304 + 64 * 336);
 /// The same for gemm_mma_grouped_* (32-token tiles: MM_STAGE_BYTES(4)).
 pub(crate) const MMA_GROUPED_SMEM_BYTES: u32 = 2 * (64 * 304 + 32 * 336);
 
+// attn_prefill_<kv>_d<dim> at ATT_PREFILL + 2 i + (0 f32, 1 f16) for dim
+// ATT_PREFILL_DIMS[i].
+const ATTENTION: &[&str] = &[
+    "attn_partial_f32",
+    "attn_partial_f16",
+    "attn_combine",
+    "kv_write",
+    "attn_prefill_f32_d64",
+    "attn_prefill_f16_d64",
+    "attn_prefill_f32_d128",
+    "attn_prefill_f16_d128",
+    "attn_prefill_f32_d256",
+    "attn_prefill_f16_d256",
+];
+pub(crate) const ATT_PREFILL: usize = 4;
+/// The head dims (d_k = d_v) attn_prefill_* is built for.
+pub(crate) const ATT_PREFILL_DIMS: [usize; 3] = [64, 128, 256];
+/// Threads and (query, head) rows of an attn_prefill block (AP_THREADS, AP_ROWS).
+pub(crate) const ATT_PREFILL_THREADS: u32 = 256;
+pub(crate) const ATT_PREFILL_ROWS: usize = 64;
+
+/// Dynamic shared memory of attn_prefill_* for head dim `d` (ApGeo::SMEM in
+/// attention.cu): 64 q rows and KT = 8192 / d k or v rows of d + 4 floats,
+/// and 256 score slots of 64 + 8 rows.
+pub(crate) const fn attn_prefill_smem(d: usize) -> u32 {
+    ((ATT_PREFILL_ROWS * (d + 4) + (8192 / d) * (d + 4) + 256 * (ATT_PREFILL_ROWS + 8)) * 4) as u32
+}
+
 /// The dynamic shared memory above the default 48 KiB that entry `index` of
 /// `family` needs opted in at load.
 pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
     match family {
+        Family::Attention if index >= ATT_PREFILL => ATT_PREFILL_DIMS.get((index - ATT_PREFILL) / 2).map(|&d| attn_prefill_smem(d)),
         Family::GemvQuant if index < QUANTIZE_Q8_0 => match index % 4 {
             0 => Some(DECODE_SMEM_MAX),
             2 => Some(MMA_SMEM_BYTES),
@@ -330,6 +359,21 @@ mod tests {
         assert_eq!(MOE[MOE_COMBINE_ADD], "moe_combine_add");
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
         assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
+        for (i, d) in ATT_PREFILL_DIMS.iter().enumerate() {
+            for (kv, name) in ["f32", "f16"].iter().enumerate() {
+                let e = ATT_PREFILL + 2 * i + kv;
+                assert_eq!(ATTENTION[e], format!("attn_prefill_{name}_d{d}"));
+                assert_eq!(large_smem(Family::Attention, e), Some(attn_prefill_smem(*d)));
+            }
+        }
+        assert_eq!(ATTENTION.len(), ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len());
+        assert_eq!(large_smem(Family::Attention, 0), None);
+        // The kernel's geometry (attention.cu), which the sizes above restate.
+        let src = Family::Attention.source();
+        for def in ["#define AP_THREADS 256", "#define AP_ROWS 64", "#define AP_CHUNK 256", "#define AP_SCS (AP_ROWS + 8)"] {
+            assert!(src.contains(def), "attention.cu lacks {def}");
+        }
+        assert_eq!(attn_prefill_smem(128), (64 * 132 + 64 * 132 + 256 * 72) * 4);
         assert_eq!(MOE.len(), ROUTE_WARP + 1);
     }
 
@@ -378,6 +422,7 @@ mod tests {
                 "FGEMV_ENTRY" => &["gemv_", "gemm_", "gemv_staged_"],
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],
+                "AP_ENTRY" => &["attn_prefill_"],
                 "MOE_ENTRY" | "MOE_FENTRY" => &["moe_up_", "moe_down_"],
                 _ => &[],
             };

@@ -21,7 +21,7 @@ pub use device::CudaDevice;
 pub mod ops;
 
 pub use ops::{
-    act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, Gating, GemmKernel, KvElem,
+    act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, AttnKernel, Gating, GemmKernel, KvElem,
     ExpertRun, GemvPart, GroupedScratch, MoePairs, NormRopePart, RouterSpec,
 };
 pub mod selftest;

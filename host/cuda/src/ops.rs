@@ -14,8 +14,10 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
-    float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family, ACT_GATHER_ROWS, ACT_SCATTER_ROWS, GEMV_STAGED, MMA_GROUPED_SMEM_BYTES,
-    MMA_SMEM_BYTES, MOE_COMBINE, MOE_COMBINE_ADD, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0, QUANTIZE_Q8_K, ROUTE_WARP,
+    attn_prefill_smem, float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family,
+    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, ATT_PREFILL, ATT_PREFILL_DIMS, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
+    MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES, MOE_COMBINE, MOE_COMBINE_ADD, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
+    QUANTIZE_Q8_K, ROUTE_WARP,
 };
 
 /// Pointers to the kernel's parameters, in order (each must outlive the launch call).
@@ -33,6 +35,12 @@ const QGEMM_TOKENS: usize = 8; // QM_T
 const MMA_ROWS_PER_BLOCK: usize = 64; // MM_ROWS
 const MMA_TOKENS: usize = 64; // MM_TOK
 const ATT_CHUNK: usize = 256;
+// attn_prefill's AP_CHUNK (its score slots are key mod 256).
+const _: () = assert!(ATT_CHUNK == 256);
+// CudaDevice::attention takes the tiled kernel from this many queries and
+// blocks (fewer blocks than about half the SMs run faster as one per query).
+const ATT_TILED_MIN_Q: usize = 16;
+const ATT_TILED_MIN_BLOCKS: usize = 64;
 
 /// Which kernel runs a quantized GEMM. Both sum every dot in the canonical
 /// order of the GEMV (quant_units.cuh, block_value), so they give the GEMV's
@@ -83,6 +91,19 @@ pub struct RouterSpec {
     pub gating: Gating,
     pub renormalize: bool,
     pub scale: f32,
+}
+
+/// Which kernel forms attention's per-split partials. attn_combine merges
+/// either's, and both give the same bits (the CPU twin's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// attn_partial: one block per (head, query, split); decode's.
+    PerQuery,
+    /// attn_prefill: one block per (kv head, 64 (query, head) rows, split),
+    /// each k / v row staged in shared memory once for all of them. Needs
+    /// d_k = d_v in 64 / 128 / 256 and the shared memory of sm_80 / sm_90
+    /// (d 256: sm_90).
+    Tiled,
 }
 
 /// Element types of a KV cache the attention kernels read.
@@ -1109,10 +1130,59 @@ impl CudaDevice {
     /// Causal attention of `positions.len()` queries over the first `n_ctx`
     /// rows of a KV cache (f32, or f16 bits as `u16`), split over the keys.
     /// `work` holds [`attention_workspace_len`] values. Twin: `ops::attend_rows`.
+    /// Prefill-sized steps take [`AttnKernel::Tiled`] where it applies.
     #[allow(clippy::too_many_arguments)]
     pub fn attention<K: KvElem>(
         &self,
         stream: &CudaStream,
+        p: &AttnParams,
+        q: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        k_cache: &DeviceBuf<K>,
+        v_cache: &DeviceBuf<K>,
+        n_ctx: usize,
+        work: &mut DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        let n_q = positions.len();
+        let rows = n_q.saturating_mul(p.n_head / p.n_kv_head.max(1));
+        let blocks = rows.div_ceil(ATT_PREFILL_ROWS).saturating_mul(p.n_kv_head).saturating_mul(attention_splits(p, n_ctx));
+        let tiled = n_q >= ATT_TILED_MIN_Q
+            && blocks >= ATT_TILED_MIN_BLOCKS
+            && self.attention_tiled_entry::<K>(p, n_q, [q.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr()])?.is_some();
+        let kernel = if tiled { AttnKernel::Tiled } else { AttnKernel::PerQuery };
+        self.attention_with(stream, kernel, p, q, positions, k_cache, v_cache, n_ctx, work, out)
+    }
+
+    /// Whether [`AttnKernel::Tiled`] takes these heads on this device
+    /// (given 16-byte aligned buffers, as [`CudaDevice::alloc`] makes them).
+    pub fn attention_tiled_available<K: KvElem>(&self, p: &AttnParams) -> Result<bool, CudaError> {
+        Ok(self.attention_tiled_entry::<K>(p, 1, [0; 3])?.is_some())
+    }
+
+    /// The attn_prefill entry and its dynamic shared memory for these
+    /// heads, or None where it does not apply (head dims, this device's
+    /// shared memory, rows past i32, pointers not 16-byte aligned).
+    fn attention_tiled_entry<K: KvElem>(&self, p: &AttnParams, n_q: usize, ptrs: [u64; 3]) -> Result<Option<(usize, u32)>, CudaError> {
+        let Some(i) = ATT_PREFILL_DIMS.iter().position(|&d| d == p.head_dim_k) else {
+            return Ok(None);
+        };
+        let index = ATT_PREFILL + 2 * i + K::ENTRY;
+        let smem = attn_prefill_smem(p.head_dim_k);
+        let fits = p.head_dim_v == p.head_dim_k
+            && n_q.checked_mul(p.n_head).is_some_and(|r| r <= i32::MAX as usize)
+            && ptrs.iter().all(|a| a % 16 == 0)
+            && self.func_smem(Family::Attention, index)? >= smem;
+        Ok(fits.then_some((index, smem)))
+    }
+
+    /// [`CudaDevice::attention`] with an explicit kernel for the partials;
+    /// [`AttnKernel::Tiled`] where it does not apply is an error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with<K: KvElem>(
+        &self,
+        stream: &CudaStream,
+        kernel: AttnKernel,
         p: &AttnParams,
         q: &DeviceBuf<f32>,
         positions: &DeviceBuf<u32>,
@@ -1167,21 +1237,41 @@ impl CudaDevice {
             work.device_ptr(),
             out.device_ptr(),
         );
-        let f = self.func(Family::Attention, K::ENTRY)?;
-        let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
-        let grid = (p.n_head as u32, n_q as u32, n_split as u32);
-        // SAFETY: parameters as ATT_ENTRY; sizes checked above.
-        unsafe {
-            self.launch(
-                f,
-                grid,
-                ATT_THREADS,
-                smem,
-                stream,
-                &mut params![
-                    qp, pp, kp, vp, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns
-                ],
-            )?;
+        if kernel == AttnKernel::Tiled {
+            let Some((index, smem)) = self.attention_tiled_entry::<K>(p, n_q, [qp, kp, vp])? else {
+                return Err(shape(OP, format!("no tiled kernel for d_k {} d_v {} here", p.head_dim_k, p.head_dim_v)));
+            };
+            let f = self.func(Family::Attention, index)?;
+            let tiles = (n_q * (p.n_head / p.n_kv_head)).div_ceil(ATT_PREFILL_ROWS);
+            let grid = (tiles as u32, p.n_kv_head as u32, n_split as u32);
+            // SAFETY: parameters as AP_ENTRY; sizes checked above, rows within i32.
+            unsafe {
+                self.launch(
+                    f,
+                    grid,
+                    ATT_PREFILL_THREADS,
+                    smem,
+                    stream,
+                    &mut params![qp, pp, kp, vp, wp, nq, nh, nkv, nc, scale, window, softcap, ns],
+                )?;
+            }
+        } else {
+            let f = self.func(Family::Attention, K::ENTRY)?;
+            let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
+            let grid = (p.n_head as u32, n_q as u32, n_split as u32);
+            // SAFETY: parameters as ATT_ENTRY; sizes checked above.
+            unsafe {
+                self.launch(
+                    f,
+                    grid,
+                    ATT_THREADS,
+                    smem,
+                    stream,
+                    &mut params![
+                        qp, pp, kp, vp, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns
+                    ],
+                )?;
+            }
         }
         let f = self.func(Family::Attention, 2)?;
         // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.

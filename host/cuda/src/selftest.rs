@@ -8,7 +8,7 @@
 
 
 use pulsar_gguf::GgmlType;
-use pulsar_kernels::ops::{self, Activation, AttnParams, RopeKind, RopeParams};
+use pulsar_kernels::ops::{self, Activation, RopeKind, RopeParams};
 use pulsar_kernels::quant::{random_blocks, random_values};
 use pulsar_kernels::{dequantize, ActFormat, Activations, Isa, Kernels, WeightMatrix};
 
@@ -16,8 +16,9 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::CudaError;
 use crate::kernels::{FLOAT_TYPES, QUANT_TYPES};
-use crate::ops::{attention_workspace_len, Gating, GemmKernel, MoePairs, RouterSpec};
+use crate::ops::{Gating, GemmKernel, MoePairs, RouterSpec};
 
+mod attention;
 mod bench;
 mod small_ops;
 
@@ -316,94 +317,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
             embed_case(dev, ty, 50, 512, next()),
         );
     }
-    let attn = [
-        (
-            "decode",
-            AttnParams {
-                n_head: 8,
-                n_kv_head: 2,
-                head_dim_k: 128,
-                head_dim_v: 128,
-                scale: 0.088,
-                window: 0,
-                softcap: 0.0,
-            },
-            vec![1500u32],
-            1501,
-        ),
-        (
-            "decode window 256 softcap 50",
-            AttnParams {
-                n_head: 8,
-                n_kv_head: 4,
-                head_dim_k: 64,
-                head_dim_v: 64,
-                scale: 0.125,
-                window: 256,
-                softcap: 50.0,
-            },
-            vec![999],
-            1000,
-        ),
-        (
-            "prefill 96 tok",
-            AttnParams {
-                n_head: 4,
-                n_kv_head: 1,
-                head_dim_k: 64,
-                head_dim_v: 64,
-                scale: 0.125,
-                window: 0,
-                softcap: 0.0,
-            },
-            (200..296).collect(),
-            296,
-        ),
-        (
-            "prefill window 40",
-            AttnParams {
-                n_head: 4,
-                n_kv_head: 2,
-                head_dim_k: 256,
-                head_dim_v: 256,
-                scale: 0.0625,
-                window: 40,
-                softcap: 30.0,
-            },
-            (0..70).collect(),
-            70,
-        ),
-    ];
-    for (name, p, pos, n_ctx) in &attn {
-        let shape = format!(
-            "{}q h{}/{} d{} ctx{n_ctx}",
-            pos.len(),
-            p.n_head,
-            p.n_kv_head,
-            p.head_dim_k
-        );
-        t.push(
-            "attention f32 kv",
-            name,
-            shape.clone(),
-            attention_case(dev, &pool, p, pos, *n_ctx, false, next()),
-        );
-        t.push(
-            "attention f16 kv",
-            name,
-            shape,
-            attention_case(dev, &pool, p, pos, *n_ctx, true, next()),
-        );
-    }
-    // A decode graph sizes the split count for a bucket of the context, not
-    // the exact length: the extra splits are empty and must change nothing.
-    let padded = attn[0].1;
-    t.push(
-        "attention f32 kv",
-        "decode, splits sized for 4096",
-        "1q h8/2 d128 pos1500 ctx4096".into(),
-        attention_case(dev, &pool, &padded, &[1500], 4096, false, next()),
-    );
+    attention::cases(dev, &mut t, &pool, &mut next);
     t.push(
         "kv_write",
         "rows at device positions",
@@ -897,70 +811,6 @@ fn embed_case(
     dev.embed(dev.compute(), ty, &td, n_vocab, cols, &idd, &mut o)?;
     // The IQ formats scale by a power of two in another place than the CPU:
     // exact (0 on the H200) unless a value is subnormal, so this stays strict.
-    Ok(compare(&dev.download(&o)?, &cpu, 0.0))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention_case(
-    dev: &CudaDevice,
-    pool: &rayon::ThreadPool,
-    p: &AttnParams,
-    pos: &[u32],
-    n_ctx: usize,
-    f16_kv: bool,
-    seed: u64,
-) -> Result<Cmp, CudaError> {
-    let n_q = pos.len();
-    let q = random_values(n_q * p.n_head * p.head_dim_k, seed);
-    let mut kc = random_values(n_ctx * p.n_kv_head * p.head_dim_k, seed ^ 1);
-    let mut vc = random_values(n_ctx * p.n_kv_head * p.head_dim_v, seed ^ 2);
-    let to_f16 = |v: &mut Vec<f32>| -> Vec<u16> {
-        let bits: Vec<u16> = v
-            .iter()
-            .map(|x| half::f16::from_f32(*x).to_bits())
-            .collect();
-        v.iter_mut()
-            .zip(&bits)
-            .for_each(|(x, b)| *x = half::f16::from_bits(*b).to_f32());
-        bits
-    };
-    let (kh, vh) = if f16_kv {
-        (to_f16(&mut kc), to_f16(&mut vc))
-    } else {
-        (Vec::new(), Vec::new())
-    };
-    let mut cpu = vec![0f32; n_q * p.n_head * p.head_dim_v];
-    ops::attend_rows(pool, p, &q, pos, &kc, &vc, &mut cpu);
-    let (qd, pd) = (dev.upload(&q)?, dev.upload(pos)?);
-    let mut work = dev.alloc::<f32>(attention_workspace_len(p, n_q, n_ctx))?;
-    let mut o = poisoned::<f32>(dev, cpu.len())?;
-    if f16_kv {
-        let (kd, vd) = (dev.upload(&kh)?, dev.upload(&vh)?);
-        dev.attention(
-            dev.compute(),
-            p,
-            &qd,
-            &pd,
-            &kd,
-            &vd,
-            n_ctx,
-            &mut work,
-            &mut o,
-        )?;
-    } else {
-        let (kd, vd) = (dev.upload(&kc)?, dev.upload(&vc)?);
-        dev.attention(
-            dev.compute(),
-            p,
-            &qd,
-            &pd,
-            &kd,
-            &vd,
-            n_ctx,
-            &mut work,
-            &mut o,
-        )?;
-    }
     Ok(compare(&dev.download(&o)?, &cpu, 0.0))
 }
 

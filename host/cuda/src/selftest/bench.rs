@@ -1,5 +1,6 @@
 //! `--bench` timings of the self-test binary: decode GEMVs per format and
-//! the qwen3-235b decode shapes, one token's experts, decode attention, and
+//! the qwen3-235b decode shapes, one token's experts, decode attention, a
+//! qwen3-235b prefill chunk's attention (both partial kernels), and
 //! the dp4a / tensor-core GEMMs (weights read once per call: microseconds
 //! and achieved GB/s or TOPS).
 
@@ -14,7 +15,7 @@ use super::{fmt_name, small_ops, BenchRow};
 use crate::buf::DeviceBuf;
 use crate::device::CudaDevice;
 use crate::error::CudaError;
-use crate::ops::{attention_workspace_len, GemmKernel, MoePairs};
+use crate::ops::{attention_workspace_len, AttnKernel, GemmKernel, MoePairs};
 
 /// Decode-shaped GEMV timings (weights read once per call): microseconds per
 /// call and the achieved weight bandwidth.
@@ -24,6 +25,9 @@ pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
         for f16 in [false, true] {
             out.push(bench_attention(dev, n_ctx, f16).unwrap_or_else(|e| failed_row("attention", "", e)));
         }
+    }
+    for (f16, kernel) in [(false, AttnKernel::Tiled), (false, AttnKernel::PerQuery), (true, AttnKernel::Tiled)] {
+        out.push(bench_attention_prefill(dev, f16, kernel).unwrap_or_else(|e| failed_row("attention prefill", "", e)));
     }
     // qwen3-235b's decode shapes: attention q / output / k (q8_0), and one
     // token's eight experts (q2_K, q4_K).
@@ -179,6 +183,40 @@ fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow
         shape: format!("h32/8 d128 ctx{n_ctx}"),
         us,
         gb_per_s: (2 * kv * elem) as f64 / (us * 1e-6) / 1e9,
+    })
+}
+
+/// One layer's attention of a 512-token prefill chunk at positions 0..511
+/// (qwen3-235b: 64 heads over 4 KV heads, d 128): the partials of `kernel`
+/// and the combine. Compute-bound: the op names the achieved TFLOPS (a
+/// multiply and an add per q.k and e.v term; the causal half only); GB/s is
+/// over the KV bytes.
+fn bench_attention_prefill(dev: &CudaDevice, f16: bool, kernel: AttnKernel) -> Result<BenchRow, CudaError> {
+    let p = AttnParams { n_head: 64, n_kv_head: 4, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 };
+    let (n_q, n_ctx) = (512usize, 512usize);
+    let kv = n_ctx * p.n_kv_head * p.head_dim_k;
+    let q = dev.upload(&random_values(n_q * p.n_head * p.head_dim_k, 3))?;
+    let pos = dev.upload(&(0..n_q as u32).collect::<Vec<u32>>())?;
+    let mut work = dev.alloc::<f32>(attention_workspace_len(&p, n_q, n_ctx))?;
+    let mut o = dev.alloc::<f32>(n_q * p.n_head * p.head_dim_v)?;
+    let s = dev.compute();
+    let vals = random_values(kv, 4);
+    let us = if f16 {
+        let bits: Vec<u16> = vals.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
+        let (k, v) = (dev.upload(&bits)?, dev.upload(&bits)?);
+        time_calls(dev, 20, || dev.attention_with(s, kernel, &p, &q, &pos, &k, &v, n_ctx, &mut work, &mut o))?
+    } else {
+        let (k, v) = (dev.upload(&vals)?, dev.upload(&vals)?);
+        time_calls(dev, 20, || dev.attention_with(s, kernel, &p, &q, &pos, &k, &v, n_ctx, &mut work, &mut o))?
+    };
+    let terms = (n_q * (n_q + 1) / 2 * p.n_head * p.head_dim_k) as f64;
+    let tflops = 4.0 * terms / (us * 1e-6) / 1e12;
+    Ok(BenchRow {
+        op: format!("attention prefill {} ({tflops:.1} TFLOPS)", if kernel == AttnKernel::Tiled { "tiled" } else { "per-query" }),
+        format: if f16 { "f16 kv".into() } else { "f32 kv".into() },
+        shape: format!("{n_q}q h64/4 d128 ctx{n_ctx}"),
+        us,
+        gb_per_s: (2 * kv * if f16 { 2 } else { 4 }) as f64 / (us * 1e-6) / 1e9,
     })
 }
 
