@@ -374,7 +374,7 @@ mod tests {
             assert!(src.contains(def), "attention.cu lacks {def}");
         }
         assert_eq!(attn_prefill_smem(128), (64 * 132 + 64 * 132 + 256 * 72) * 4);
-        assert_eq!(MOE.len(), ROUTE_WARP + 1);
+        assert_eq!(MOE.len(), MOE_COMBINE_ADD + 1);
     }
 
     #[test]
