@@ -192,12 +192,16 @@ unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
         let (m2, m4) = (_mm512_set1_epi8(3), _mm512_set1_epi8(0x0f));
         // Shifted by 2s, the 64 bytes of `qs` are values [32s, 32s + 32) and
         // [128 + 32s, ...): byte b is in run j = 8 (b / 32) + 2s + b % 32 / 16.
-        // `pick[s]` puts scale j in the low byte of each dword, zero above.
+        // Without VBMI, the dots of s = 2h and 2h + 1 are packed to words
+        // (`vpackssdw`: lane words 0-3 from the first, 4-7 from the second) and
+        // scaled by `vpdpwssd`; `pick[h]` puts each word's scale j in its low byte.
         let run = |s: usize, b: usize| 8 * (b / 32) + 2 * s + b % 32 / 16;
-        let pick: [__m512i; 4] = std::array::from_fn(|s| {
+        let pick: [__m512i; 2] = std::array::from_fn(|h| {
             let mut v = [-1i8; 64];
-            for b in (0..64).step_by(4) {
-                v[b] = run(s, b) as i8;
+            for wd in 0..32 {
+                // Word wd packs dword 4 (wd / 8) + wd % 4 of the dot of s.
+                let s = 2 * h + wd % 8 / 4;
+                v[2 * wd] = run(s, 16 * (wd / 8)) as i8;
             }
             _mm512_loadu_si512(v.as_ptr() as *const __m512i)
         });
@@ -263,11 +267,13 @@ unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
                         _mm512_and_si512(_mm512_srli_epi16::<4>(q), m2),
                         _mm512_and_si512(_mm512_srli_epi16::<6>(q), m2),
                     ];
-                    // Each dpbusd lane is at most 4 * 3 * 127 in magnitude, so its low
-                    // word is the whole value and `vpdpwssd` scales it exactly.
-                    for s in 0..4 {
-                        let p = _mm512_dpbusd_epi32(zero, lv[s], y[s]);
-                        v = _mm512_dpwssd_epi32(v, p, _mm512_shuffle_epi8(sc, pick[s]));
+                    // Each dpbusd lane is at most 4 * 3 * 127 in magnitude: its
+                    // words pack without saturating.
+                    let p: [__m512i; 4] =
+                        std::array::from_fn(|s| _mm512_dpbusd_epi32(zero, lv[s], y[s]));
+                    for h in 0..2 {
+                        let pw = _mm512_packs_epi32(p[2 * h], p[2 * h + 1]);
+                        v = _mm512_dpwssd_epi32(v, pw, _mm512_shuffle_epi8(sc, pick[h]));
                     }
                 }
                 s8[r] =

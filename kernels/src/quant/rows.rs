@@ -6,7 +6,7 @@
 
 use pulsar_gguf::GgmlType;
 
-use super::{dot_row_bytes, q2_k, q8_0, ActRow};
+use super::{dot_row_bytes, q2_k, q3_k, q4_k, q8_0, ActRow};
 use crate::error::QuantError;
 use crate::isa::{Isa, Kernels};
 
@@ -67,6 +67,8 @@ impl Kernels {
                     }
                     return unsafe { q2_k::dot_rows_avx512(rows, x.bytes(), out) };
                 }
+                GgmlType::Q3_K => return unsafe { q3_k::dot_rows_avx512(rows, x.bytes(), out) },
+                GgmlType::Q4_K => return unsafe { q4_k::dot_rows_avx512(rows, x.bytes(), out) },
                 GgmlType::Q8_0 => return unsafe { q8_0::dot_rows_avx512(rows, x.bytes(), out) },
                 _ => {}
             }
