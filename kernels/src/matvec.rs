@@ -150,7 +150,10 @@ impl Kernels {
         let threads = pool.current_num_threads().max(1);
         let by_cache = (ROW_TILE_BYTES / w.row_bytes().max(1)).max(1);
         let by_balance = rows.div_ceil(4 * threads).max(1);
-        let chunk = by_cache.min(by_balance);
+        let chunk = by_cache
+            .min(by_balance)
+            .next_multiple_of(Kernels::DOT_ROWS_GROUP)
+            .min(rows);
 
         let run = |r0: usize, outs: &mut [&mut [f32]]| {
             let r1 = (r0 + chunk).min(rows);

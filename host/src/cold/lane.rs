@@ -191,11 +191,12 @@ fn row0(a: &Activations) -> Result<ActRow<'_>, QuantError> {
     a.row(0).ok_or(QuantError::LengthMismatch { what: "activation rows", expected: 1, got: 0 })
 }
 
-/// Rows per task for `rows`-row matrices of `row_bytes` each, over `n_mats` of them.
+/// Rows per task for `rows`-row matrices of `row_bytes` each, over `n_mats` of
+/// them: whole groups of `dot_rows` rows where there are enough.
 fn chunk_rows(rows: usize, row_bytes: usize, n_mats: usize, threads: usize) -> usize {
     let by_balance = (rows * n_mats).div_ceil(TASKS_PER_THREAD * threads.max(1));
     let by_size = MIN_TASK_BYTES.div_ceil(row_bytes.max(1));
-    by_balance.max(by_size).clamp(1, rows.max(1))
+    by_balance.max(by_size).next_multiple_of(Kernels::DOT_ROWS_GROUP).clamp(1, rows.max(1))
 }
 
 /// The CPU lane: its own threads, so it never queues behind the host's other work.

@@ -11,6 +11,10 @@ use crate::error::QuantError;
 use crate::isa::{Isa, Kernels};
 
 impl Kernels {
+    /// The multi-row kernels take rows in groups of this many: callers that
+    /// split rows into chunks should make chunks a multiple of it.
+    pub const DOT_ROWS_GROUP: usize = 4;
+
     /// `out[r] = dot(ty, row r, x)` for the `n_rows` rows of `ty` laid end to
     /// end in `rows` (each `x.cols()` weights); `out` has `n_rows` values.
     /// Equal to `n_rows` calls of [`Kernels::dot`] bit for bit, at any ISA.
