@@ -15,8 +15,8 @@ pub enum Isa {
     Avx2,
     /// AVX2 plus AVX-512 F/BW/VL/VNNI: `vpdpbusd` replaces the
     /// `vpmaddubsw`+`vpmaddwd` pair in the 32-block formats, and
-    /// `Kernels::dot_rows` has multi-row 512-bit kernels (some also use VBMI
-    /// where the CPU has it); other single-row dots use their AVX2 kernel.
+    /// `Kernels::dot_rows` has multi-row 512-bit kernels; other single-row
+    /// dots use their AVX2 kernel.
     Avx512Vnni,
 }
 

@@ -128,6 +128,7 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
 /// for the four, the integer sums stay in vector lanes until one reduction
 /// per four rows, and the float expression of [`dot`] runs with the rows as
 /// vector lanes (each lane the scalar's operations in its order, no FMA).
+/// Levels 0..=3 are the u8 side of `vpdpbusd`.
 ///
 /// # Safety
 /// AVX2 + FMA + F16C + AVX-512 F/BW/VL/VNNI; `x` is whole superblocks and
@@ -135,38 +136,19 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn dot_rows_avx512(w: &[u8], x: &[u8], out: &mut [f32]) {
-    // SAFETY: the caller's guarantees are the driver's.
-    unsafe { rows_driver::<false>(w, x, out) }
-}
-
-/// [`dot_rows_avx512`] with AVX-512 VBMI: the sub-block scales go into the
-/// weights by one 64-byte table lookup (`vpermb`) per 64 values.
-///
-/// # Safety
-/// As [`dot_rows_avx512`] plus AVX-512 VBMI.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
-pub(crate) unsafe fn dot_rows_avx512vbmi(w: &[u8], x: &[u8], out: &mut [f32]) {
-    // SAFETY: the caller's guarantees are the driver's.
-    unsafe { rows_driver::<true>(w, x, out) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn rows_driver<const VBMI: bool>(w: &[u8], x: &[u8], out: &mut [f32]) {
     let rb = x.len() / q8_k::BYTES * BYTES;
     debug_assert_eq!(w.len(), out.len() * rb);
     let mut r = 0;
     // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
     unsafe {
         while r + 4 <= out.len() {
-            rows_avx512::<4, VBMI>(w, r * rb, rb, x, &mut out[r..r + 4]);
+            rows_avx512::<4>(w, r * rb, rb, x, &mut out[r..r + 4]);
             r += 4;
         }
         match out.len() - r {
-            3 => rows_avx512::<3, VBMI>(w, r * rb, rb, x, &mut out[r..]),
-            2 => rows_avx512::<2, VBMI>(w, r * rb, rb, x, &mut out[r..]),
-            1 => rows_avx512::<1, VBMI>(w, r * rb, rb, x, &mut out[r..]),
+            3 => rows_avx512::<3>(w, r * rb, rb, x, &mut out[r..]),
+            2 => rows_avx512::<2>(w, r * rb, rb, x, &mut out[r..]),
+            1 => rows_avx512::<1>(w, r * rb, rb, x, &mut out[r..]),
             _ => {}
         }
     }
@@ -175,13 +157,7 @@ unsafe fn rows_driver<const VBMI: bool>(w: &[u8], x: &[u8], out: &mut [f32]) {
 /// `R <= 4` rows starting at byte `o0` of `w`, `rb` bytes each.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
-    w: &[u8],
-    o0: usize,
-    rb: usize,
-    x: &[u8],
-    out: &mut [f32],
-) {
+unsafe fn rows_avx512<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
     use crate::simd::*;
     use std::arch::x86_64::*;
     let nb = rb / BYTES;
@@ -192,9 +168,9 @@ unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
         let (m2, m4) = (_mm512_set1_epi8(3), _mm512_set1_epi8(0x0f));
         // Shifted by 2s, the 64 bytes of `qs` are values [32s, 32s + 32) and
         // [128 + 32s, ...): byte b is in run j = 8 (b / 32) + 2s + b % 32 / 16.
-        // Without VBMI, the dots of s = 2h and 2h + 1 are packed to words
-        // (`vpackssdw`: lane words 0-3 from the first, 4-7 from the second) and
-        // scaled by `vpdpwssd`; `pick[h]` puts each word's scale j in its low byte.
+        // The dots of s = 2h and 2h + 1 are packed to words (`vpackssdw`:
+        // lane words 0-3 from the first, 4-7 from the second) and scaled by
+        // `vpdpwssd`; `pick[h]` puts each word's scale j in its low byte.
         let run = |s: usize, b: usize| 8 * (b / 32) + 2 * s + b % 32 / 16;
         let pick: [__m512i; 2] = std::array::from_fn(|h| {
             let mut v = [-1i8; 64];
@@ -205,22 +181,6 @@ unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
             }
             _mm512_loadu_si512(v.as_ptr() as *const __m512i)
         });
-        // VBMI: table byte 16 l + j = l * sc_j; `jidx[s]` is j of each byte.
-        let jidx: [__m512i; 4] = std::array::from_fn(|s| {
-            let v: [i8; 64] = std::array::from_fn(|b| run(s, b) as i8);
-            _mm512_loadu_si512(v.as_ptr() as *const __m512i)
-        });
-        let lmul = _mm512_set_epi64(
-            0x0003_0003_0003_0003,
-            0x0003_0003_0003_0003,
-            0x0002_0002_0002_0002,
-            0x0002_0002_0002_0002,
-            0x0001_0001_0001_0001,
-            0x0001_0001_0001_0001,
-            0,
-            0,
-        );
-        let m30 = _mm512_set1_epi8(0x30);
         // d (low half of each u32) and dmin (high) -> [d0 d1 d2 d3 m0 m1 m2 m3].
         let split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
         let mut acc = _mm_setzero_ps();
@@ -246,35 +206,20 @@ unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
                 let q = load512(w, ow + QS);
                 sbs[r] = load128(w, ow);
                 let sc = _mm512_and_si512(_mm512_broadcast_i32x4(sbs[r]), m4);
+                let lv = [
+                    _mm512_and_si512(q, m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m2),
+                ];
+                // Each dpbusd lane is at most 4 * 3 * 127 in magnitude: its
+                // words pack without saturating.
+                let p: [__m512i; 4] =
+                    std::array::from_fn(|s| _mm512_dpbusd_epi32(zero, lv[s], y[s]));
                 let mut v = zero;
-                if VBMI {
-                    let table = _mm512_mullo_epi16(sc, lmul);
-                    // Level l of byte b to bits 4-5, run j below: index 16 l + j.
-                    let lq = [
-                        _mm512_slli_epi16::<4>(q),
-                        _mm512_slli_epi16::<2>(q),
-                        q,
-                        _mm512_srli_epi16::<2>(q),
-                    ];
-                    for s in 0..4 {
-                        let idx = _mm512_ternarylogic_epi32::<0xEA>(lq[s], m30, jidx[s]);
-                        v = _mm512_dpbusd_epi32(v, _mm512_permutexvar_epi8(idx, table), y[s]);
-                    }
-                } else {
-                    let lv = [
-                        _mm512_and_si512(q, m2),
-                        _mm512_and_si512(_mm512_srli_epi16::<2>(q), m2),
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(q), m2),
-                        _mm512_and_si512(_mm512_srli_epi16::<6>(q), m2),
-                    ];
-                    // Each dpbusd lane is at most 4 * 3 * 127 in magnitude: its
-                    // words pack without saturating.
-                    let p: [__m512i; 4] =
-                        std::array::from_fn(|s| _mm512_dpbusd_epi32(zero, lv[s], y[s]));
-                    for h in 0..2 {
-                        let pw = _mm512_packs_epi32(p[2 * h], p[2 * h + 1]);
-                        v = _mm512_dpwssd_epi32(v, pw, _mm512_shuffle_epi8(sc, pick[h]));
-                    }
+                for h in 0..2 {
+                    let pw = _mm512_packs_epi32(p[2 * h], p[2 * h + 1]);
+                    v = _mm512_dpwssd_epi32(v, pw, _mm512_shuffle_epi8(sc, pick[h]));
                 }
                 s8[r] =
                     _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
@@ -318,51 +263,5 @@ unsafe fn rows_avx512<const R: usize, const VBMI: bool>(
             acc = _mm_add_ps(acc, _mm_sub_ps(a, b));
         }
         store_lanes(acc, out);
-    }
-}
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-    use crate::quant::{random_blocks, random_values, ActFormat, Activations};
-
-    /// Both AVX-512 variants (the dispatcher picks only one on a given CPU).
-    #[test]
-    fn multi_row_variants_equal_the_scalar_dot() {
-        if !crate::Isa::Avx512Vnni.is_available() {
-            return;
-        }
-        let vbmi = is_x86_feature_detected!("avx512vbmi");
-        for (seed, (rows, nb)) in [(1, 1), (3, 2), (4, 1), (5, 3), (8, 16), (9, 5)]
-            .into_iter()
-            .enumerate()
-        {
-            let w = random_blocks(pulsar_gguf::GgmlType::Q2_K, rows * nb, seed as u64).unwrap();
-            let xv = random_values(nb * QK, 100 + seed as u64);
-            let a = Activations::quantize(ActFormat::Q8K, &xv, nb * QK).unwrap();
-            let x = a.row(0).unwrap().bytes();
-            let want: Vec<u32> = w
-                .chunks_exact(nb * BYTES)
-                .map(|r| dot(r, x).to_bits())
-                .collect();
-            let mut got = vec![f32::NAN; rows];
-            // SAFETY: the features were checked above.
-            unsafe { dot_rows_avx512(&w, x, &mut got) };
-            assert_eq!(
-                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want,
-                "rows={rows} nb={nb}"
-            );
-            if vbmi {
-                got.fill(f32::NAN);
-                // SAFETY: as above, plus VBMI.
-                unsafe { dot_rows_avx512vbmi(&w, x, &mut got) };
-                assert_eq!(
-                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    want,
-                    "vbmi rows={rows} nb={nb}"
-                );
-            }
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! `Kernels::dot_rows`: the dots of several weight rows with one activation
 //! row. Each output is bit for bit the [`Kernels::dot`] of its row; where a
-//! multi-row kernel exists (AVX-512 VNNI: q2_K, q8_0) it reuses every
+//! multi-row kernel exists (AVX-512 VNNI: q2_K, q3_K, q4_K, q8_0) it reuses every
 //! activation load across rows and reduces integer sums for several rows at
 //! once, else it is a loop over the single-row kernel.
 
@@ -65,12 +65,7 @@ impl Kernels {
             // features; check_dot fixed the row length for x, and rows holds
             // exactly out.len() of them.
             match ty {
-                GgmlType::Q2_K => {
-                    if is_x86_feature_detected!("avx512vbmi") {
-                        return unsafe { q2_k::dot_rows_avx512vbmi(rows, x.bytes(), out) };
-                    }
-                    return unsafe { q2_k::dot_rows_avx512(rows, x.bytes(), out) };
-                }
+                GgmlType::Q2_K => return unsafe { q2_k::dot_rows_avx512(rows, x.bytes(), out) },
                 GgmlType::Q3_K => return unsafe { q3_k::dot_rows_avx512(rows, x.bytes(), out) },
                 GgmlType::Q4_K => return unsafe { q4_k::dot_rows_avx512(rows, x.bytes(), out) },
                 GgmlType::Q8_0 => return unsafe { q8_0::dot_rows_avx512(rows, x.bytes(), out) },
