@@ -8,6 +8,11 @@
 //!
 //!     CARGO_TARGET_DIR=/work/targets/kernels cargo bench -p pulsar-kernels --bench dot
 //!
+//! - `dot_rows_<isa>`: one thread, 4096-value rows, `Kernels::dot_rows` over
+//!   all rows (`rows`) against a loop of `Kernels::dot` (`dot_loop`), for 128
+//!   rows that stay in L2 (`l2/`) and for a 96 MiB matrix streamed from DRAM
+//!   (`dram/`, past the 32 MiB L3 of the machines we bench on).
+//!
 //! `PULSAR_BENCH_FORMATS=q4_K,q8_0` limits the formats; `PULSAR_BENCH_SECS` sets
 //! the measurement time per case (default 2 s).
 
@@ -133,5 +138,34 @@ fn matmul(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matvec, dot_cached, matmul);
+fn dot_rows(c: &mut Criterion) {
+    let k = Kernels::detect();
+    let x = random_values(COLS, 4);
+    let mut g = c.benchmark_group(format!("dot_rows_{}", k.isa()));
+    configure(&mut g);
+    for ty in formats() {
+        let a = Activations::for_weight(ty, &x, COLS).expect("activations");
+        let r = a.row(0).expect("row");
+        let rb = COLS / ty.block_elems() as usize * ty.block_bytes() as usize;
+        for (place, rows) in [("l2", 128), ("dram", (96 << 20) / rb)] {
+            let data =
+                random_blocks(ty, rows * COLS / ty.block_elems() as usize, 10).expect("blocks");
+            let mut y = vec![0f32; rows];
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            g.bench_function(format!("{}/{place}/rows", ty.name()), |b| {
+                b.iter(|| k.dot_rows(ty, &data, rows, r, &mut y).expect("dot_rows"))
+            });
+            g.bench_function(format!("{}/{place}/dot_loop", ty.name()), |b| {
+                b.iter(|| {
+                    for (o, w) in y.iter_mut().zip(data.chunks_exact(rb)) {
+                        *o = k.dot(ty, w, r).expect("dot");
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, matvec, dot_cached, matmul, dot_rows);
 criterion_main!(benches);

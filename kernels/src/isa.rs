@@ -14,8 +14,9 @@ pub enum Isa {
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
     /// AVX2 plus AVX-512 F/BW/VL/VNNI: `vpdpbusd` replaces the
-    /// `vpmaddubsw`+`vpmaddwd` pair in the 32-block formats; other formats use
-    /// their AVX2 kernel.
+    /// `vpmaddubsw`+`vpmaddwd` pair in the 32-block formats, and
+    /// `Kernels::dot_rows` has multi-row 512-bit kernels; other single-row
+    /// dots use their AVX2 kernel.
     Avx512Vnni,
 }
 

@@ -1,9 +1,10 @@
 //! Matrix-vector (decode) and small matrix-matrix (prefill) products of a
 //! quantized weight matrix with activations, threaded over weight rows.
 //!
-//! Each output element is one call of [`Kernels::dot`]'s kernel on one thread,
-//! so results do not depend on the thread count or the tiling, and `matmul`
-//! gives exactly what `matvec` gives for each of its tokens.
+//! Each output element is exactly its row's [`Kernels::dot`] (computed on one
+//! thread by [`Kernels::dot_rows`], several rows at a time), so results do not
+//! depend on the thread count or the tiling, and `matmul` gives exactly what
+//! `matvec` gives for each of its tokens.
 
 use pulsar_gguf::GgmlType;
 use rayon::prelude::*;
@@ -75,10 +76,7 @@ impl<'a> WeightMatrix<'a> {
     }
 }
 
-/// Tokens whose activations are walked per weight row: their q8 rows (~1.1
-/// bytes a value) stay in L2 while one tile of weight rows is reused from L1/L2.
-const TOKEN_TILE: usize = 16;
-/// Bytes of weight rows one task walks per token tile (fits in L2 with the tile).
+/// Bytes of weight rows one task walks once per token (they stay in L2).
 const ROW_TILE_BYTES: usize = 64 * 1024;
 /// Below this many weight bytes, threads cost more than they save.
 const SERIAL_BYTES: usize = 256 * 1024;
@@ -118,7 +116,7 @@ impl Kernels {
 
     /// `Y = X W^T` for `n = x.rows()` tokens: `y[t * w.rows() + r] = dot(row r, token t)`.
     /// Activations are quantized once (by the caller) and reused for every weight row;
-    /// each task walks a tile of weight rows against tiles of tokens, so weights
+    /// each task walks a tile of weight rows for every token in turn, so weights
     /// are read from memory once.
     pub fn matmul(
         &self,
@@ -152,19 +150,17 @@ impl Kernels {
         let threads = pool.current_num_threads().max(1);
         let by_cache = (ROW_TILE_BYTES / w.row_bytes().max(1)).max(1);
         let by_balance = rows.div_ceil(4 * threads).max(1);
-        let chunk = by_cache.min(by_balance);
+        let chunk = by_cache
+            .min(by_balance)
+            .next_multiple_of(Kernels::DOT_ROWS_GROUP)
+            .min(rows);
 
         let run = |r0: usize, outs: &mut [&mut [f32]]| {
             let r1 = (r0 + chunk).min(rows);
-            for t0 in (0..n).step_by(TOKEN_TILE) {
-                let t1 = (t0 + TOKEN_TILE).min(n);
-                for r in r0..r1 {
-                    let wr = w.row(r);
-                    for (t, out) in outs[t0..t1].iter_mut().enumerate() {
-                        let xr = x.row(t0 + t).expect("t < n");
-                        out[r - r0] = self.dot_checked(w.ty(), wr, xr);
-                    }
-                }
+            let tile = &w.data()[r0 * w.row_bytes()..r1 * w.row_bytes()];
+            for (t, out) in outs.iter_mut().enumerate() {
+                let xr = x.row(t).expect("t < n");
+                self.dot_rows_checked(w.ty(), tile, xr, out);
             }
         };
 

@@ -2,10 +2,10 @@
 //! while the GPU serves the rest of the step.
 //!
 //! It calls exactly what the CPU backend's MoE op calls (activation row
-//! quantized by `Activations`, one `Kernels::dot` per output value,
+//! quantized by `Activations`, `Kernels::dot_rows` over row chunks,
 //! `ops::glu_rows`), so an expert gives the same bits on either. Each output
-//! value is one dot on one thread, so tiling and thread count never change
-//! the result.
+//! value is exactly its row's `Kernels::dot`, computed on one thread, so
+//! tiling and thread count never change the result.
 
 use pulsar_gguf::GgmlType;
 use pulsar_kernels::ops::{self, Activation};
@@ -118,9 +118,10 @@ struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
-    fn row(&self, r: usize) -> &'a [u8] {
+    /// Rows `r..r + n`, end to end.
+    fn rows(&self, r: usize, n: usize) -> &'a [u8] {
         let at = (self.first + r) * self.row_bytes;
-        &self.bytes[at..at + self.row_bytes]
+        &self.bytes[at..at + n * self.row_bytes]
     }
 }
 
@@ -190,11 +191,12 @@ fn row0(a: &Activations) -> Result<ActRow<'_>, QuantError> {
     a.row(0).ok_or(QuantError::LengthMismatch { what: "activation rows", expected: 1, got: 0 })
 }
 
-/// Rows per task for `rows`-row matrices of `row_bytes` each, over `n_mats` of them.
+/// Rows per task for `rows`-row matrices of `row_bytes` each, over `n_mats` of
+/// them: whole groups of `dot_rows` rows where there are enough.
 fn chunk_rows(rows: usize, row_bytes: usize, n_mats: usize, threads: usize) -> usize {
     let by_balance = (rows * n_mats).div_ceil(TASKS_PER_THREAD * threads.max(1));
     let by_size = MIN_TASK_BYTES.div_ceil(row_bytes.max(1));
-    by_balance.max(by_size).clamp(1, rows.max(1))
+    by_balance.max(by_size).next_multiple_of(Kernels::DOT_ROWS_GROUP).clamp(1, rows.max(1))
 }
 
 /// The CPU lane: its own threads, so it never queues behind the host's other work.
@@ -262,11 +264,10 @@ impl CpuLane {
                 let (k, c, (xg, xu)) = (&checked[p], &ctxs[p], &xs[p]);
                 let gx = row0(xg).map_err(c.kernel("gate"))?;
                 let ux = row0(xu.as_ref().unwrap_or(xg)).map_err(c.kernel("up"))?;
-                let mut up = vec![0f32; out.len()];
-                for (i, (g, u)) in out.iter_mut().zip(up.iter_mut()).enumerate() {
-                    *g = self.kernels.dot(k.gate.ty, k.gate.row(r0 + i), gx).map_err(c.kernel("gate"))?;
-                    *u = self.kernels.dot(k.up.ty, k.up.row(r0 + i), ux).map_err(c.kernel("up"))?;
-                }
+                let n = out.len();
+                let mut up = vec![0f32; n];
+                self.kernels.dot_rows(k.gate.ty, k.gate.rows(r0, n), n, gx, out).map_err(c.kernel("gate"))?;
+                self.kernels.dot_rows(k.up.ty, k.up.rows(r0, n), n, ux, &mut up).map_err(c.kernel("up"))?;
                 // Elementwise, so a chunk gives the same bits as the whole row.
                 ops::glu_rows(out, &up, job.act);
                 Ok::<(), LaneError>(())
@@ -291,9 +292,8 @@ impl CpuLane {
             tasks.into_par_iter().try_for_each(|(p, r0, dst)| {
                 let (k, c) = (&checked[p], &ctxs[p]);
                 let hx = row0(&hs[p]).map_err(c.kernel("down"))?;
-                for (i, y) in dst.iter_mut().enumerate() {
-                    *y = self.kernels.dot(k.down.ty, k.down.row(r0 + i), hx).map_err(c.kernel("down"))?;
-                }
+                let n = dst.len();
+                self.kernels.dot_rows(k.down.ty, k.down.rows(r0, n), n, hx, dst).map_err(c.kernel("down"))?;
                 Ok::<(), LaneError>(())
             })
         })?;
@@ -359,6 +359,19 @@ mod tests {
         mm(&e.down, D, FF, &h)
     }
 
+    /// The same FFN for one token from one `Kernels::dot` per output value:
+    /// the definition `dot_rows` must reproduce.
+    fn reference_by_dots(k: Kernels, ty: GgmlType, e: &Expert, x: &[f32], act: Activation) -> Vec<f32> {
+        let dots = |bytes: &[u8], n_out: usize, n_in: usize, x: &[f32]| {
+            let a = Activations::for_weight(ty, x, n_in).unwrap();
+            let rb = bytes.len() / n_out;
+            (0..n_out).map(|r| k.dot(ty, &bytes[r * rb..(r + 1) * rb], a.row(0).unwrap()).unwrap()).collect::<Vec<f32>>()
+        };
+        let mut h = dots(&e.gate, FF, D, x);
+        ops::glu_rows(&mut h, &dots(&e.up, FF, D, x), act);
+        dots(&e.down, D, FF, &h)
+    }
+
     fn split<'a>(ty: GgmlType, e: &'a Expert, x: &'a [f32], id: u32) -> LanePair<'a> {
         LanePair {
             expert: id,
@@ -393,6 +406,8 @@ mod tests {
             assert!(same_bits(&out[..D], &r0[..D]), "{ty}: token 0 expert 0");
             assert!(same_bits(&out[D..2 * D], &r1), "{ty}: token 1 expert 1");
             assert!(same_bits(&out[2 * D..], &r0[D..]), "{ty}: token 1 expert 0");
+            assert!(same_bits(&out[D..2 * D], &reference_by_dots(cpu.kernels, ty, &e1, x1, act)), "{ty}: per-value dots");
+            assert!(same_bits(&out[..D], &reference_by_dots(Kernels::scalar(), ty, &e0, x0, act)), "{ty}: scalar dots");
         }
     }
 

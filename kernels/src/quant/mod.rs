@@ -5,7 +5,8 @@
 //!
 //! One format is one module. Each module has the same crate-internal shape:
 //! `dequantize(src, dst)`, optionally `quantize(src, dst)`, a scalar reference
-//! `dot(w, x)`, and on x86-64 `dot_avx2` (and `dot_avx512` where VNNI helps).
+//! `dot(w, x)`, and on x86-64 `dot_avx2` (and `dot_avx512` where VNNI helps),
+//! plus `dot_rows_avx512` where a multi-row kernel exists (`rows.rs`).
 //! Lengths are checked here, once, before a module is called.
 
 use half::f16;
@@ -21,6 +22,7 @@ pub(crate) mod float_dot;
 #[rustfmt::skip]
 pub(crate) mod iq_tables;
 mod random;
+mod rows;
 
 pub mod bf16;
 #[path = "f16.rs"]
@@ -262,15 +264,7 @@ impl Kernels {
 
 /// The checks `Kernels::dot` makes: format pairing and lengths.
 pub(crate) fn check_dot(ty: GgmlType, w_len: usize, x: ActRow<'_>) -> Result<(), QuantError> {
-    let expected = ActFormat::for_weight(ty).ok_or(QuantError::Unsupported { ty, op: "dot" })?;
-    if x.format() != expected {
-        return Err(QuantError::WrongActivationFormat {
-            ty,
-            expected,
-            got: x.format(),
-        });
-    }
-    let need = row_bytes(ty, x.cols())?;
+    let need = dot_row_bytes(ty, x)?;
     if w_len != need {
         return Err(QuantError::LengthMismatch {
             what: "weight row bytes",
@@ -279,6 +273,19 @@ pub(crate) fn check_dot(ty: GgmlType, w_len: usize, x: ActRow<'_>) -> Result<(),
         });
     }
     Ok(())
+}
+
+/// Bytes of the `ty` weight row that dots with `x`, once the formats pair.
+pub(crate) fn dot_row_bytes(ty: GgmlType, x: ActRow<'_>) -> Result<usize, QuantError> {
+    let expected = ActFormat::for_weight(ty).ok_or(QuantError::Unsupported { ty, op: "dot" })?;
+    if x.format() != expected {
+        return Err(QuantError::WrongActivationFormat {
+            ty,
+            expected,
+            got: x.format(),
+        });
+    }
+    row_bytes(ty, x.cols())
 }
 
 fn dot_scalar(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
@@ -344,9 +351,10 @@ unsafe fn dot_avx512(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
             Q5_0 => q5_0::dot_avx512(w, x.bytes()),
             Q5_1 => q5_1::dot_avx512(w, x.bytes()),
             Q8_0 => q8_0::dot_avx512(w, x.bytes()),
-            // The K and IQ formats scale every 16 or 32 products by a small
-            // integer, which `vpmaddwd` does in the same instruction that
-            // widens: VNNI saves nothing there, so they run their AVX2 kernel.
+            // One row at a time, the K and IQ formats gain nothing from VNNI:
+            // their per-16 or per-32 scale multiply is the `vpmaddwd` that
+            // widens anyway. Their AVX-512 speed-up is in `dot_rows` (several
+            // rows per activation load, see rows.rs).
             _ => dot_avx2(ty, w, x),
         }
     }

@@ -122,3 +122,146 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     }
     acc
 }
+
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, bit for
+/// bit, four rows at a time: each superblock's activations are loaded once
+/// for the four, the integer sums stay in vector lanes until one reduction
+/// per four rows, and the float expression of [`dot`] runs with the rows as
+/// vector lanes (each lane the scalar's operations in its order, no FMA).
+/// Levels 0..=3 are the u8 side of `vpdpbusd`.
+///
+/// # Safety
+/// AVX2 + FMA + F16C + AVX-512 F/BW/VL/VNNI; `x` is whole superblocks and
+/// `w` is `out.len()` rows of as many superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn dot_rows_avx512(w: &[u8], x: &[u8], out: &mut [f32]) {
+    let rb = x.len() / q8_k::BYTES * BYTES;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    let mut r = 0;
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe {
+        while r + 4 <= out.len() {
+            rows_avx512::<4>(w, r * rb, rb, x, &mut out[r..r + 4]);
+            r += 4;
+        }
+        match out.len() - r {
+            3 => rows_avx512::<3>(w, r * rb, rb, x, &mut out[r..]),
+            2 => rows_avx512::<2>(w, r * rb, rb, x, &mut out[r..]),
+            1 => rows_avx512::<1>(w, r * rb, rb, x, &mut out[r..]),
+            _ => {}
+        }
+    }
+}
+
+/// `R <= 4` rows starting at byte `o0` of `w`, `rb` bytes each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_avx512<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = rb / BYTES;
+    // SAFETY: the caller has the CPU features; every load lies in superblock i
+    // of rows 0..R of `w` (from o0) or of `x`, which are whole superblocks.
+    unsafe {
+        let zero = _mm512_setzero_si512();
+        let (m2, m4) = (_mm512_set1_epi8(3), _mm512_set1_epi8(0x0f));
+        // Shifted by 2s, the 64 bytes of `qs` are values [32s, 32s + 32) and
+        // [128 + 32s, ...): byte b is in run j = 8 (b / 32) + 2s + b % 32 / 16.
+        // The dots of s = 2h and 2h + 1 are packed to words (`vpackssdw`:
+        // lane words 0-3 from the first, 4-7 from the second) and scaled by
+        // `vpdpwssd`; `pick[h]` puts each word's scale j in its low byte.
+        let run = |s: usize, b: usize| 8 * (b / 32) + 2 * s + b % 32 / 16;
+        let pick: [__m512i; 2] = std::array::from_fn(|h| {
+            let mut v = [-1i8; 64];
+            for wd in 0..32 {
+                // Word wd packs dword 4 (wd / 8) + wd % 4 of the dot of s.
+                let s = 2 * h + wd % 8 / 4;
+                v[2 * wd] = run(s, 16 * (wd / 8)) as i8;
+            }
+            _mm512_loadu_si512(v.as_ptr() as *const __m512i)
+        });
+        // d (low half of each u32) and dmin (high) -> [d0 d1 d2 d3 m0 m1 m2 m3].
+        let split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        let mut acc = _mm_setzero_ps();
+        for i in 0..nb {
+            let ox = i * q8_k::BYTES + q8_k::QS;
+            let y: [__m512i; 4] = std::array::from_fn(|s| {
+                join256(load256(x, ox + 32 * s), load256(x, ox + 128 + 32 * s))
+            });
+            let bsums = load256(x, i * q8_k::BYTES + q8_k::BSUMS);
+            if R == 4 {
+                prefetch_lines::<true>(
+                    w,
+                    o0 + 4 * rb + i * 4 * BYTES,
+                    (4 * BYTES).div_ceil(64) + 1,
+                );
+            }
+            // Per row: sumi's sixteen lanes folded to eight; per pair of rows:
+            // summ's m_j * bsum_j, eight lanes a row.
+            let (mut s8, mut sbs) = ([_mm256_setzero_si256(); 4], [_mm_setzero_si128(); 4]);
+            let mut dd = [0u32; 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                let q = load512(w, ow + QS);
+                sbs[r] = load128(w, ow);
+                let sc = _mm512_and_si512(_mm512_broadcast_i32x4(sbs[r]), m4);
+                let lv = [
+                    _mm512_and_si512(q, m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m2),
+                ];
+                // Each dpbusd lane is at most 4 * 3 * 127 in magnitude: its
+                // words pack without saturating.
+                let p: [__m512i; 4] =
+                    std::array::from_fn(|s| _mm512_dpbusd_epi32(zero, lv[s], y[s]));
+                let mut v = zero;
+                for h in 0..2 {
+                    let pw = _mm512_packs_epi32(p[2 * h], p[2 * h + 1]);
+                    v = _mm512_dpwssd_epi32(v, pw, _mm512_shuffle_epi8(sc, pick[h]));
+                }
+                s8[r] =
+                    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+                dd[r] = ld_u32(w, ow + D);
+            }
+            let bs2 = join256(bsums, bsums);
+            let mins = |a: __m128i, b: __m128i| {
+                let m = _mm256_and_si256(
+                    _mm256_srli_epi16::<4>(_mm256_set_m128i(b, a)),
+                    _mm256_set1_epi8(0x0f),
+                );
+                _mm512_madd_epi16(_mm512_cvtepu8_epi16(m), bs2)
+            };
+            let (m01, m23) = (
+                mins(sbs[0], sbs[1]),
+                if R > 2 { mins(sbs[2], sbs[3]) } else { zero },
+            );
+            let (s01, s23) = (join256(s8[0], s8[1]), join256(s8[2], s8[3]));
+            // Lane L of c: [sumi r0|r1, sumi r2|r3, summ r0|r1, summ r2|r3] partials
+            // (r0, r2 in lanes 0-1; r1, r3 in lanes 2-3).
+            let a = _mm512_add_epi32(
+                _mm512_unpacklo_epi32(s01, s23),
+                _mm512_unpackhi_epi32(s01, s23),
+            );
+            let b = _mm512_add_epi32(
+                _mm512_unpacklo_epi32(m01, m23),
+                _mm512_unpackhi_epi32(m01, m23),
+            );
+            let c = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            let e = _mm512_add_epi32(c, _mm512_shuffle_i64x2::<0b10_11_00_01>(c, c));
+            let (e02, e13) = (_mm512_castsi512_si128(e), _mm512_extracti32x4_epi32::<2>(e));
+            let (sumi, summ) = (_mm_unpacklo_epi32(e02, e13), _mm_unpackhi_epi32(e02, e13));
+            // d (low half of each u32) and dmin (high) of the rows, as f32.
+            let h = _mm_set_epi32(dd[3] as i32, dd[2] as i32, dd[1] as i32, dd[0] as i32);
+            let f = _mm256_cvtph_ps(_mm_shuffle_epi8(h, split));
+            let (d, dmin) = (_mm256_castps256_ps128(f), _mm256_extractf128_ps::<1>(f));
+            let dx = _mm_set1_ps(ld_f32(x, i * q8_k::BYTES));
+            // The scalar `dx * d * sumi - dx * dmin * summ`, then `acc +=`.
+            let a = _mm_mul_ps(_mm_mul_ps(dx, d), _mm_cvtepi32_ps(sumi));
+            let b = _mm_mul_ps(_mm_mul_ps(dx, dmin), _mm_cvtepi32_ps(summ));
+            acc = _mm_add_ps(acc, _mm_sub_ps(a, b));
+        }
+        store_lanes(acc, out);
+    }
+}

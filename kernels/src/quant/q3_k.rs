@@ -164,3 +164,166 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     }
     acc
 }
+
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, bit for
+/// bit, four rows at a time (as `q2_k::dot_rows_avx512`). Levels 0..=7 (low
+/// bits and hmask bit) are the u8 side of `vpdpbusd`; the -4 offset is
+/// `4 * sum_j sc_j * bsum_j`, subtracted from the exact integer sum.
+///
+/// # Safety
+/// AVX2 + FMA + F16C + AVX-512 F/BW/VL/VNNI; `x` is whole superblocks and
+/// `w` is `out.len()` rows of as many superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn dot_rows_avx512(w: &[u8], x: &[u8], out: &mut [f32]) {
+    let rb = x.len() / q8_k::BYTES * BYTES;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    let mut r = 0;
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe {
+        while r + 4 <= out.len() {
+            rows_avx512::<4>(w, r * rb, rb, x, &mut out[r..r + 4]);
+            r += 4;
+        }
+        match out.len() - r {
+            3 => rows_avx512::<3>(w, r * rb, rb, x, &mut out[r..]),
+            2 => rows_avx512::<2>(w, r * rb, rb, x, &mut out[r..]),
+            1 => rows_avx512::<1>(w, r * rb, rb, x, &mut out[r..]),
+            _ => {}
+        }
+    }
+}
+
+/// `R <= 4` rows starting at byte `o0` of `w`, `rb` bytes each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_avx512<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = rb / BYTES;
+    // SAFETY: the caller has the CPU features; every load lies in superblock i
+    // of rows 0..R of `w` (from o0) or of `x`, which are whole superblocks.
+    unsafe {
+        let zero = _mm512_setzero_si512();
+        let (m2, b2) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
+        // As in q2_K, byte b of `qs >> 2s` is value 128 (b / 32) + 32 s + b % 32,
+        // in run j = 8 (b / 32) + 2s + b % 32 / 16; its hmask bit is bit
+        // 4 (b / 32) + s of hmask[b % 32], which a dword rotate moves to bit 2.
+        let rot: [__m512i; 4] = std::array::from_fn(|s| {
+            let (lo, hi) = (
+                (2 - s as i32).rem_euclid(32),
+                (-2 - s as i32).rem_euclid(32),
+            );
+            join256(_mm256_set1_epi32(lo), _mm256_set1_epi32(hi))
+        });
+        // The dots of s = 2h and 2h + 1 are packed to words (`vpackssdw`:
+        // lane words 0-3 from the first, 4-7 from the second) and scaled by
+        // `vpdpwssd`; word k of `pick[p][h]` is that word's scale j, as index
+        // 16p + j into the words of both rows of a pair.
+        let pick: [[__m512i; 2]; 2] = std::array::from_fn(|p| {
+            std::array::from_fn(|h| {
+                let v: [i16; 32] = std::array::from_fn(|k| {
+                    let (lane, s) = (k / 8, 2 * h + k % 8 / 4);
+                    (16 * p + 8 * (lane / 2) + 2 * s + lane % 2) as i16
+                });
+                _mm512_loadu_si512(v.as_ptr() as *const __m512i)
+            })
+        });
+        // Scale unpacking per lane (dwords a0 a1 t of the 12 bytes), as in
+        // `dot_avx2`: out dwords [sc0-3, sc4-7, sc8-11, sc12-15], minus 32.
+        let lo_shift = _mm512_set4_epi32(4, 4, 0, 0);
+        let hi_rot = _mm512_set4_epi32(30, 0, 2, 4);
+        let (m4, m30) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0x30));
+        let mut acc = _mm_setzero_ps();
+        for i in 0..nb {
+            let ox = i * q8_k::BYTES + q8_k::QS;
+            let y: [__m512i; 4] = std::array::from_fn(|s| {
+                join256(load256(x, ox + 32 * s), load256(x, ox + 128 + 32 * s))
+            });
+            let bsums = load256(x, i * q8_k::BYTES + q8_k::BSUMS);
+            let bs2 = join256(bsums, bsums);
+            if R == 4 {
+                prefetch_lines::<true>(
+                    w,
+                    o0 + 4 * rb + i * 4 * BYTES,
+                    (4 * BYTES).div_ceil(64) + 1,
+                );
+            }
+            // Lane r: row r's 12 scale bytes (and the f16 d, unused).
+            let mut s4 = zero;
+            let mut dd = [0u32; 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                s4 = _mm512_mask_broadcast_i32x4(s4, 0xf << (4 * r), load128(w, ow + SC - 4));
+                dd[r] = ld_u32(w, ow + D - 2);
+            }
+            // The load started 4 bytes early: dwords 1, 2, 3 are a0, a1, t.
+            let a = _mm512_shuffle_epi32::<0b10_01_10_01>(s4);
+            let t = _mm512_shuffle_epi32::<0b11_11_11_11>(s4);
+            let sc8 = _mm512_ternarylogic_epi32::<0xEA>(
+                _mm512_rolv_epi32(t, hi_rot),
+                m30,
+                _mm512_and_si512(_mm512_srlv_epi32(a, lo_shift), m4),
+            );
+            let sc8 = _mm512_sub_epi8(sc8, _mm512_set1_epi8(32));
+            // Both rows of a pair as 32 words, and their sum_j sc_j * bsum_j.
+            let sc16 = [
+                _mm512_cvtepi8_epi16(_mm512_castsi512_si256(sc8)),
+                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(sc8)),
+            ];
+            let offs = sc16.map(|s| _mm512_madd_epi16(s, bs2));
+            let mut s8 = [_mm256_setzero_si256(); 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                let q = load512(w, ow + QS);
+                let hm = _mm512_broadcast_i64x4(load256(w, ow));
+                let lo = [
+                    _mm512_and_si512(q, m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m2),
+                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m2),
+                ];
+                // Each dpbusd lane is at most 4 * 7 * 127 in magnitude: its
+                // words pack without saturating.
+                let p: [__m512i; 4] = std::array::from_fn(|s| {
+                    let lv =
+                        _mm512_ternarylogic_epi32::<0xEC>(_mm512_rolv_epi32(hm, rot[s]), lo[s], b2);
+                    _mm512_dpbusd_epi32(zero, lv, y[s])
+                });
+                let mut v = zero;
+                for h in 0..2 {
+                    let sc = _mm512_permutexvar_epi16(pick[r % 2][h], sc16[r / 2]);
+                    v = _mm512_dpwssd_epi32(v, _mm512_packs_epi32(p[2 * h], p[2 * h + 1]), sc);
+                }
+                s8[r] =
+                    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+            }
+            let (s01, s23) = (join256(s8[0], s8[1]), join256(s8[2], s8[3]));
+            // Lane L of c: [sums r0|r1, sums r2|r3, offs r0|r1, offs r2|r3]
+            // partials (r0, r2 in lanes 0-1; r1, r3 in lanes 2-3), as in q2_K.
+            let a = _mm512_add_epi32(
+                _mm512_unpacklo_epi32(s01, s23),
+                _mm512_unpackhi_epi32(s01, s23),
+            );
+            let b = _mm512_add_epi32(
+                _mm512_unpacklo_epi32(offs[0], offs[1]),
+                _mm512_unpackhi_epi32(offs[0], offs[1]),
+            );
+            let c = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            let e = _mm512_add_epi32(c, _mm512_shuffle_i64x2::<0b10_11_00_01>(c, c));
+            let (e02, e13) = (_mm512_castsi512_si128(e), _mm512_extracti32x4_epi32::<2>(e));
+            let (sums, offs) = (_mm_unpacklo_epi32(e02, e13), _mm_unpackhi_epi32(e02, e13));
+            let sumi = _mm_sub_epi32(sums, _mm_slli_epi32::<2>(offs));
+            // d: the high half of each u32.
+            let h = _mm_set_epi32(dd[3] as i32, dd[2] as i32, dd[1] as i32, dd[0] as i32);
+            let d = _mm_cvtph_ps(_mm_shuffle_epi8(
+                h,
+                _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1),
+            ));
+            let dx = _mm_set1_ps(ld_f32(x, i * q8_k::BYTES));
+            // The scalar `dx * d * sumi`, then `acc +=`.
+            acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(dx, d), _mm_cvtepi32_ps(sumi)));
+        }
+        store_lanes(acc, out);
+    }
+}

@@ -146,6 +146,158 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     acc
 }
 
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, bit for
+/// bit, four rows at a time (as `q2_k::dot_rows_avx512`): activations loaded
+/// once per superblock for the four rows, the 6-bit scales and mins of the
+/// four unpacked together, integer sums reduced for the four at once, and
+/// the scalar's float expression with rows as vector lanes.
+///
+/// # Safety
+/// AVX2 + FMA + F16C + AVX-512 F/BW/VL/VNNI; `x` is whole superblocks and
+/// `w` is `out.len()` rows of as many superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn dot_rows_avx512(w: &[u8], x: &[u8], out: &mut [f32]) {
+    let rb = x.len() / q8_k::BYTES * BYTES;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    let mut r = 0;
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe {
+        while r + 4 <= out.len() {
+            rows_avx512::<4>(w, r * rb, rb, x, &mut out[r..r + 4]);
+            r += 4;
+        }
+        match out.len() - r {
+            3 => rows_avx512::<3>(w, r * rb, rb, x, &mut out[r..]),
+            2 => rows_avx512::<2>(w, r * rb, rb, x, &mut out[r..]),
+            1 => rows_avx512::<1>(w, r * rb, rb, x, &mut out[r..]),
+            _ => {}
+        }
+    }
+}
+
+/// `R <= 4` rows starting at byte `o0` of `w`, `rb` bytes each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_avx512<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = rb / BYTES;
+    // SAFETY: the caller has the CPU features; every load lies in superblock i
+    // of rows 0..R of `w` (from o0) or of `x`, which are whole superblocks.
+    unsafe {
+        let zero = _mm512_setzero_si512();
+        let m4 = _mm512_set1_epi8(0x0f);
+        // Nibble vectors k = lo(qs[0..64]), hi(..), lo(qs[64..128]), hi(..)
+        // hold sub-blocks j and j + 2 (j = 0, 1, 4, 5) in their low / high 256
+        // bits. The dots of k = 2h and 2h + 1 are packed to words (`vpackssdw`:
+        // lane words 0-3 from the first, 4-7 from the second) and scaled by
+        // `vpdpwssd`; `pick[h]` puts each word's scale byte (bytes 0-7 of a
+        // lane hold sc0-7) in the word's low byte.
+        let pick: [__m512i; 2] = std::array::from_fn(|h| {
+            let mut v = [-1i8; 64];
+            for wd in 0..32 {
+                let (lane, k) = (wd / 8, 2 * h + wd % 8 / 4);
+                v[2 * wd] = ([0, 1, 4, 5][k] + 2 * (lane / 2)) as i8;
+            }
+            _mm512_loadu_si512(v.as_ptr() as *const __m512i)
+        });
+        // Mins (bytes 8-15 of a lane) to words.
+        let min_words = _mm512_broadcast_i32x4(_mm_setr_epi8(
+            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1,
+        ));
+        // Scale unpacking per lane (dwords u0 u1 u2 of the 12 bytes), see
+        // `scales_mins`: out dwords [sc0-3, sc4-7, m0-3, m4-7].
+        let lo_shift = _mm512_set_epi32(4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0);
+        let lo_mask = _mm512_set4_epi32(0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f);
+        let hi_mask = _mm512_set4_epi32(0x3030_3030, 0, 0x3030_3030, 0);
+        let split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm_setzero_ps();
+        for i in 0..nb {
+            let ox = i * q8_k::BYTES + q8_k::QS;
+            // Activations in the nibble vectors' order.
+            let y: [__m512i; 4] = std::array::from_fn(|k| {
+                let o = ox + 128 * (k / 2) + 32 * (k % 2);
+                join256(load256(x, o), load256(x, o + 64))
+            });
+            // Sums of the sixteen-value pairs (one per sub-block) as words in every lane.
+            let bs = _mm256_madd_epi16(load256(x, i * q8_k::BYTES + q8_k::BSUMS), ones);
+            let pair_sums = _mm512_broadcast_i32x4(_mm256_cvtepi32_epi16(bs));
+            if R == 4 {
+                prefetch_lines::<true>(
+                    w,
+                    o0 + 4 * rb + i * 4 * BYTES,
+                    (4 * BYTES).div_ceil(64) + 1,
+                );
+            }
+            // Lane r: row r's 12 scale bytes (and 4 bytes of qs, unused).
+            let mut s4 = zero;
+            let mut dd = [0u32; 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                s4 = _mm512_mask_broadcast_i32x4(s4, 0xf << (4 * r), load128(w, ow + 4));
+                dd[r] = ld_u32(w, ow);
+            }
+            let a = _mm512_shuffle_epi32::<0b10_01_10_00>(s4);
+            let b = _mm512_shuffle_epi32::<0b01_01_00_00>(s4);
+            let sm = _mm512_ternarylogic_epi32::<0xEA>(
+                _mm512_srli_epi32::<2>(b),
+                hi_mask,
+                _mm512_and_si512(_mm512_srlv_epi32(a, lo_shift), lo_mask),
+            );
+            // Lane r: row r's m_j * pair_sum_j, four dwords.
+            let mins = _mm512_madd_epi16(_mm512_shuffle_epi8(sm, min_words), pair_sums);
+            let mut v = [zero; 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                let q = [load512(w, ow + 16), load512(w, ow + 80)];
+                let sc = match r {
+                    0 => _mm512_shuffle_i32x4::<0b00_00_00_00>(sm, sm),
+                    1 => _mm512_shuffle_i32x4::<0b01_01_01_01>(sm, sm),
+                    2 => _mm512_shuffle_i32x4::<0b10_10_10_10>(sm, sm),
+                    _ => _mm512_shuffle_i32x4::<0b11_11_11_11>(sm, sm),
+                };
+                let nib = [
+                    _mm512_and_si512(q[0], m4),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q[0]), m4),
+                    _mm512_and_si512(q[1], m4),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q[1]), m4),
+                ];
+                // Each dpbusd lane is at most 4 * 15 * 127: its words pack
+                // without saturating.
+                let p: [__m512i; 4] =
+                    std::array::from_fn(|k| _mm512_dpbusd_epi32(zero, nib[k], y[k]));
+                for h in 0..2 {
+                    let pw = _mm512_packs_epi32(p[2 * h], p[2 * h + 1]);
+                    v[r] = _mm512_dpwssd_epi32(v[r], pw, _mm512_shuffle_epi8(sc, pick[h]));
+                }
+            }
+            // sumi: rows as the lanes of each 128-bit lane, then the four summed.
+            let c = reduce4_lanes(&v);
+            let c = _mm512_add_epi32(c, _mm512_shuffle_i64x2::<0b01_00_11_10>(c, c));
+            let sumi = _mm_add_epi32(_mm512_castsi512_si128(c), _mm512_extracti32x4_epi32::<1>(c));
+            // summ: each lane's four dwords summed, lane r to dword r.
+            let t = _mm512_add_epi32(mins, _mm512_shuffle_epi32::<0b01_00_11_10>(mins));
+            let t = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b10_11_00_01>(t));
+            let summ = _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+                _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0),
+                t,
+            ));
+            // d (low half of each u32) and dmin (high) of the rows, as f32.
+            let h = _mm_set_epi32(dd[3] as i32, dd[2] as i32, dd[1] as i32, dd[0] as i32);
+            let f = _mm256_cvtph_ps(_mm_shuffle_epi8(h, split));
+            let (d, dmin) = (_mm256_castps256_ps128(f), _mm256_extractf128_ps::<1>(f));
+            let dx = _mm_set1_ps(ld_f32(x, i * q8_k::BYTES));
+            // The scalar `dx * d * sumi - dx * dmin * summ`, then `acc +=`.
+            let a = _mm_mul_ps(_mm_mul_ps(dx, d), _mm_cvtepi32_ps(sumi));
+            let b = _mm_mul_ps(_mm_mul_ps(dx, dmin), _mm_cvtepi32_ps(summ));
+            acc = _mm_add_ps(acc, _mm_sub_ps(a, b));
+        }
+        store_lanes(acc, out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
