@@ -15,6 +15,28 @@ use pulsar_gguf::GgmlType;
 use crate::error::QuantError;
 use crate::isa::{Isa, Kernels};
 
+/// The multi-row kernels' driver: `out.len()` rows of `$rb` bytes of `$w` in
+/// groups of four, then the 3, 2 or 1 left, each group by `$rows::<R>(w, byte
+/// offset, rb, x, its outputs)`. Expands to unsafe calls (callers hold the
+/// CPU features and the lengths).
+#[allow(unused_macros)]
+macro_rules! row_groups {
+    ($rows:ident, $w:expr, $rb:expr, $x:expr, $out:expr) => {{
+        let (w, rb, x, out): (&[u8], usize, &[u8], &mut [f32]) = ($w, $rb, $x, $out);
+        let mut r = 0;
+        while r + 4 <= out.len() {
+            $rows::<4>(w, r * rb, rb, x, &mut out[r..r + 4]);
+            r += 4;
+        }
+        match out.len() - r {
+            3 => $rows::<3>(w, r * rb, rb, x, &mut out[r..]),
+            2 => $rows::<2>(w, r * rb, rb, x, &mut out[r..]),
+            1 => $rows::<1>(w, r * rb, rb, x, &mut out[r..]),
+            _ => {}
+        }
+    }};
+}
+
 mod activations;
 mod block32;
 mod fit;

@@ -103,20 +103,8 @@ pub(crate) unsafe fn dot_avx512(w: &[u8], x: &[u8]) -> f32 {
 pub(crate) unsafe fn dot_rows_avx512(w: &[u8], x: &[u8], out: &mut [f32]) {
     let rb = x.len();
     debug_assert_eq!(w.len(), out.len() * rb);
-    let mut r = 0;
     // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
-    unsafe {
-        while r + 4 <= out.len() {
-            rows_avx512::<4>(w, r * rb, rb, x, &mut out[r..r + 4]);
-            r += 4;
-        }
-        match out.len() - r {
-            3 => rows_avx512::<3>(w, r * rb, rb, x, &mut out[r..]),
-            2 => rows_avx512::<2>(w, r * rb, rb, x, &mut out[r..]),
-            1 => rows_avx512::<1>(w, r * rb, rb, x, &mut out[r..]),
-            _ => {}
-        }
-    }
+    unsafe { row_groups!(rows_avx512, w, rb, x, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
