@@ -8,7 +8,10 @@
 // moe_up_* / moe_down_* — pairs p = t * n_slot + s. gate_ptrs[p], up_ptrs[p],
 // down_ptrs[p] are device addresses of that expert's [ff, cols] gate/up and
 // [d_model, ff] down matrices; 0 means "not mine": the pair is skipped and its
-// rows of H / OUT are left untouched. moe_up writes H[p] = act(gate x_t) * (up x_t)
+// rows of H / OUT are left untouched. row_lo (null: all 0) gives each pair its
+// first row: moe_up leaves H[p] rows below row_lo[p] untouched (the CPU lane
+// computes those rows of a split expert and its weights there are absent).
+// moe_up writes H[p] = act(gate x_t) * (up x_t)
 // (x_t: token t's q8 activation row); the host quantizes H to q8 (quantize_*),
 // then moe_down writes OUT[p] = down · Hq[p]. The host sums OUT over slots in
 // slot order. Twin: Kernels::matvec + ops::glu_rows + Activations + matvec.
@@ -234,14 +237,17 @@ extern "C" __global__ void __launch_bounds__(ROUTE_WARPS * 32)
 // streamed step by step (decode_dot.cuh). xsb > 0: the pair's activation row
 // is staged in the first xsb bytes of dynamic shared memory.
 template <int F>
-__device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff,
-                                       int cols, int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) {
+__device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs, const int* row_lo, const u8* X,
+                                       float* H, int ff, int cols, int n_slot, int act, int rpw, int ng, int xsb,
+                                       const u64* tab) {
     __shared__ __align__(16) float vals[DD_WARPS][DD_MAX_ROWS * DD_VALS_STRIDE];
     extern __shared__ __align__(16) u8 moe_stage[];
     int p = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u64 gp = gate_ptrs[p], upp = up_ptrs[p];
-    // The whole block skips a null pair (before any barrier).
-    if (gp == 0 || upp == 0) return;
+    int lo = row_lo ? row_lo[p] : 0;
+    // The whole block skips a null pair, or one whose rows all lie below its
+    // first row (before any barrier).
+    if (gp == 0 || upp == 0 || (int)((blockIdx.x + 1) * blockDim.x / 32) * rpw * ng <= lo) return;
     int t = p / n_slot, first = (blockIdx.x * (blockDim.x >> 5) + warp) * rpw * ng;
     DDWork wk{(const u8*)gp, (const u8*)upp, 2, first, min(rpw * ng, ff - first), rpw, w_row_bytes<F>(cols)};
     size_t xrb = act_row_bytes<F>(cols);
@@ -249,7 +255,7 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
     dd_dots<F>(moe_stage, xsb, X + (size_t)t * xrb, xrb, wk, cols / 32, vals[warp], tab, [&](int g, int n, float v) {
         // Lane r holds gate row r of the group, lane rpw + r its up row.
         float u = __shfl_down_sync(FULL_MASK, v, rpw);
-        if (lane < n) h[g * rpw + lane] = __fmul_rn(act_f(act, v), u);
+        if (lane < n && first + g * rpw + lane >= lo) h[g * rpw + lane] = __fmul_rn(act_f(act, v), u);
     });
 }
 
@@ -273,10 +279,10 @@ __device__ __forceinline__ void moe_down(const u64* down_ptrs, const u8* HQ, flo
 // rpw, ng: rows a group and groups a warp, chosen by the host from the pairs' total rows.
 #define MOE_ENTRY(NAME, F)                                                                          \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32)                                    \
-        moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const u8* X, float* H, int ff, int cols, \
-                      int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) { \
+        moe_up_##NAME(const u64* gate_ptrs, const u64* up_ptrs, const int* row_lo, const u8* X, float* H, \
+                      int ff, int cols, int n_slot, int act, int rpw, int ng, int xsb, const u64* tab) { \
         pdl_begin(); \
-        moe_up<F>(gate_ptrs, up_ptrs, X, H, ff, cols, n_slot, act, rpw, ng, xsb, tab);              \
+        moe_up<F>(gate_ptrs, up_ptrs, row_lo, X, H, ff, cols, n_slot, act, rpw, ng, xsb, tab);      \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(DD_WARPS * 32) moe_down_##NAME(                   \
         const u64* down_ptrs, const u8* HQ, float* OUT, int d_model, int ff, int rpw, int ng,      \

@@ -20,6 +20,7 @@ use crate::ops::{Gating, GemmKernel, MoePairs, RouterSpec};
 
 mod attention;
 mod bench;
+mod moe_split;
 mod small_ops;
 
 pub use bench::bench;
@@ -408,6 +409,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         );
     }
     small_ops::cases(dev, &mut t, &pool, &k, &mut next);
+    moe_split::cases(dev, &mut t, &mut next);
     t.push(
         "moe_gather_ptrs",
         "u64",

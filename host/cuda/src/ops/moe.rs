@@ -142,6 +142,32 @@ impl CudaDevice {
         hq: &mut DeviceBuf<u8>,
         out: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
+        self.moe_ffn_split(stream, gate_up_ty, down_ty, pairs, None, x, d_model, ff, act, h, hq, out, &mut |_| Ok(()))
+    }
+
+    /// [`moe_ffn`](Self::moe_ffn) with some rows of `h` computed elsewhere:
+    /// pair `p`'s rows below `row_lo[p]` (`[n_pairs]`, each in `0..=ff`) are
+    /// not computed on the device, and `fill_h` runs between the `h` kernel's
+    /// launch and its quantization to write them (on `stream`, so in order).
+    /// The GPU's `h` kernel is queued before `fill_h` is called, so the two
+    /// work at once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_ffn_split(
+        &self,
+        stream: &CudaStream,
+        gate_up_ty: GgmlType,
+        down_ty: GgmlType,
+        pairs: &MoePairs<'_>,
+        row_lo: Option<&DeviceBuf<i32>>,
+        x: &DeviceBuf<u8>,
+        d_model: usize,
+        ff: usize,
+        act: Activation,
+        h: &mut DeviceBuf<f32>,
+        hq: &mut DeviceBuf<u8>,
+        out: &mut DeviceBuf<f32>,
+        fill_h: &mut dyn FnMut(&mut DeviceBuf<f32>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "moe_ffn";
         let gi = quant_index(gate_up_ty).ok_or(CudaError::Unsupported {
             op: OP,
@@ -166,6 +192,10 @@ impl CudaDevice {
             x.len(),
             act_bytes(gfmt, pairs.n_tok, d_model)?,
         )?;
+        if let Some(r) = row_lo {
+            want(OP, "row_lo", r.len(), n_pairs)?;
+        }
+        let lop = row_lo.map_or(0, |r| r.device_ptr());
         // Weight shapes must be whole blocks (the pointers themselves are the caller's contract).
         weight_bytes(gate_up_ty, ff, d_model)?;
         weight_bytes(down_ty, d_model, ff)?;
@@ -199,9 +229,10 @@ impl CudaDevice {
                 up.threads(),
                 up.smem as u32,
                 stream,
-                &mut params![gp, upp, xp, hp, ffi, dm, ns, a, rui, gui, xui, tab],
+                &mut params![gp, upp, lop, xp, hp, ffi, dm, ns, a, rui, gui, xui, tab],
             )?
         };
+        fill_h(h)?;
         self.quantize_act(stream, dfmt, h, n_pairs, ff, hq)?;
         let hqp = hq.device_ptr();
         let f = self.func(Family::Moe, 2 + 2 * di)?;
