@@ -11,8 +11,9 @@ use pulsar_gguf::GgmlType;
 use pulsar_kernels::ops::{self, Activation};
 use pulsar_kernels::quant::row_bytes;
 use pulsar_kernels::{ActFormat, ActRow, Activations, Kernels, QuantError};
-use rayon::prelude::*;
-use rayon::ThreadPool;
+use std::sync::Mutex;
+
+use super::spin::SpinPool;
 
 /// Fewest weight bytes one task walks: below this, scheduling costs more than it spreads.
 const MIN_TASK_BYTES: usize = 32 * 1024;
@@ -77,8 +78,12 @@ pub enum LaneError {
     Pool {
         threads: usize,
         #[source]
-        source: rayon::ThreadPoolBuildError,
+        source: std::io::Error,
     },
+    #[error("cpu lane: a task panicked")]
+    Panicked,
+    #[error("cpu lane pair {pair} (expert {expert}): {rows} head rows of an ff of {ff}")]
+    HeadRows { pair: usize, expert: u32, rows: usize, ff: usize },
     #[error("cpu lane job: d_model {d_model} and ff {ff} must both be non-zero")]
     EmptyShape { d_model: usize, ff: usize },
     #[error("cpu lane pair {pair} (expert {expert}): x has {got} values, d_model is {d_model}")]
@@ -164,18 +169,22 @@ impl Ctx {
     }
 
     fn check<'a>(&self, p: &LanePair<'a>, d_model: usize, ff: usize) -> Result<Checked<'a>, LaneError> {
-        if p.x.len() != d_model {
-            return Err(LaneError::InputWidth { pair: self.pair, expert: self.expert, got: p.x.len(), d_model });
+        let (gate, up) = self.check_gate_up(p.x, p.gate_up, d_model, ff)?;
+        let down = self.rows("down", p.down, d_model, ff)?;
+        Ok(Checked { gate, up, down })
+    }
+
+    fn check_gate_up<'a>(&self, x: &[f32], g: GateUp<'a>, d_model: usize, ff: usize) -> Result<(Rows<'a>, Rows<'a>), LaneError> {
+        if x.len() != d_model {
+            return Err(LaneError::InputWidth { pair: self.pair, expert: self.expert, got: x.len(), d_model });
         }
-        let (gate, up) = match p.gate_up {
+        Ok(match g {
             GateUp::Split { gate, up } => (self.rows("gate", gate, ff, d_model)?, self.rows("up", up, ff, d_model)?),
             GateUp::Fused(s) => {
                 let both = self.rows("gate_up", s, ff.saturating_mul(2), d_model)?;
                 (both, Rows { first: ff, ..both })
             }
-        };
-        let down = self.rows("down", p.down, d_model, ff)?;
-        Ok(Checked { gate, up, down })
+        })
     }
 }
 
@@ -199,11 +208,57 @@ fn chunk_rows(rows: usize, row_bytes: usize, n_mats: usize, threads: usize) -> u
     by_balance.max(by_size).next_multiple_of(Kernels::DOT_ROWS_GROUP).clamp(1, rows.max(1))
 }
 
-/// The CPU lane: its own threads, so it never queues behind the host's other work.
+/// The CPU lane: its own threads, so it never queues behind the host's other
+/// work, and spinning ones ([`SpinPool`]), so a layer's job starts at once.
 pub struct CpuLane {
     kernels: Kernels,
-    pool: ThreadPool,
-    threads: usize,
+    pool: SpinPool,
+}
+
+/// The gate and up rows `0..rows` of one (token row, expert) pair: the head
+/// of a split expert, whose other rows the GPU computes.
+#[derive(Clone, Copy, Debug)]
+pub struct LaneHead<'a> {
+    /// For error messages only.
+    pub expert: u32,
+    pub x: &'a [f32],
+    pub gate_up: GateUp<'a>,
+    pub rows: usize,
+}
+
+/// Work for one call of [`CpuLane::heads`].
+#[derive(Clone, Debug)]
+pub struct LaneHeadJob<'a> {
+    pub d_model: usize,
+    pub ff: usize,
+    pub act: Activation,
+    pub pairs: Vec<LaneHead<'a>>,
+}
+
+/// One pair's gate/up work, checked: rows `0..rows` into `h`.
+struct GateUpItem<'a> {
+    gate: Rows<'a>,
+    up: Rows<'a>,
+    x: &'a [f32],
+    rows: usize,
+}
+
+/// Tasks over disjoint chunks of one output, each taken once by one thread.
+type Chunks<'a> = Vec<Mutex<Option<(usize, usize, &'a mut [f32])>>>;
+
+/// (item, first row, output chunk) tasks over `out`, laid out as `lens`
+/// consecutive runs, `chunk` rows each.
+fn chunk_tasks<'a>(out: &'a mut [f32], lens: &[usize], chunk: usize) -> Chunks<'a> {
+    let mut tasks = Vec::new();
+    let mut rest = out;
+    for (p, &len) in lens.iter().enumerate() {
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len);
+        rest = tail;
+        for (i, c) in mine.chunks_mut(chunk.max(1)).enumerate() {
+            tasks.push(Mutex::new(Some((p, i * chunk, c))));
+        }
+    }
+    tasks
 }
 
 impl CpuLane {
@@ -215,20 +270,74 @@ impl CpuLane {
     /// A lane at a given SIMD level (tests pin it to the backend's).
     pub fn with_kernels(kernels: Kernels, threads: usize) -> Result<CpuLane, LaneError> {
         let threads = threads.max(1);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("pulsar-lane-{i}"))
-            .build()
-            .map_err(|source| LaneError::Pool { threads, source })?;
-        Ok(CpuLane { kernels, pool, threads })
+        let pool = SpinPool::new(threads, "pulsar-lane").map_err(|source| LaneError::Pool { threads, source })?;
+        Ok(CpuLane { kernels, pool })
     }
 
     pub fn threads(&self) -> usize {
-        self.threads
+        self.pool.threads()
     }
 
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// Run `f` once per task on the lane's threads; the first error wins.
+    fn for_each<T: Send>(&self, tasks: &[Mutex<Option<T>>], f: impl Fn(T) -> Result<(), LaneError> + Sync) -> Result<(), LaneError> {
+        let first_err: Mutex<Option<LaneError>> = Mutex::new(None);
+        self.pool
+            .run(tasks.len(), &|i| {
+                let Some(t) = tasks[i].lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+                if let Err(e) = f(t) {
+                    first_err.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                }
+            })
+            .map_err(|_| LaneError::Panicked)?;
+        match first_err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// `h = act(gate x) * (up x)` over each item's rows `0..rows`, the items'
+    /// rows end to end in the result.
+    fn gate_up(&self, items: &[GateUpItem<'_>], ctxs: &[Ctx], act: Activation) -> Result<Vec<f32>, LaneError> {
+        // Each distinct input quantized once (a decode token's pairs share it).
+        let mut acts: Vec<(Activations, Option<Activations>)> = Vec::new();
+        let mut xs: Vec<usize> = Vec::with_capacity(items.len());
+        for (i, (k, c)) in items.iter().zip(ctxs).enumerate() {
+            let same = |j: usize| {
+                let o = &items[j];
+                std::ptr::eq(o.x, k.x) && o.gate.ty == k.gate.ty && o.up.ty == k.up.ty
+            };
+            if let Some(j) = (0..i).find(|&j| same(j)) {
+                xs.push(xs[j]);
+                continue;
+            }
+            let xg = Activations::for_weight(k.gate.ty, k.x, k.x.len()).map_err(c.kernel("gate"))?;
+            let xu = acts_for(k.up.ty, k.x, Some(&xg)).map_err(c.kernel("up"))?;
+            xs.push(acts.len());
+            acts.push((xg, xu));
+        }
+        let lens: Vec<usize> = items.iter().map(|k| k.rows).collect();
+        let mut h = vec![0f32; lens.iter().sum()];
+        let Some(k0) = items.first() else { return Ok(h) };
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let chunk = chunk_rows(longest, k0.gate.row_bytes + k0.up.row_bytes, items.len(), self.threads());
+        let tasks = chunk_tasks(&mut h, &lens, chunk);
+        self.for_each(&tasks, |(p, r0, out)| {
+            let (k, c, (xg, xu)) = (&items[p], &ctxs[p], &acts[xs[p]]);
+            let gx = row0(xg).map_err(c.kernel("gate"))?;
+            let ux = row0(xu.as_ref().unwrap_or(xg)).map_err(c.kernel("up"))?;
+            let n = out.len();
+            let mut up = vec![0f32; n];
+            self.kernels.dot_rows(k.gate.ty, k.gate.rows(r0, n), n, gx, out).map_err(c.kernel("gate"))?;
+            self.kernels.dot_rows(k.up.ty, k.up.rows(r0, n), n, ux, &mut up).map_err(c.kernel("up"))?;
+            // Elementwise, so a chunk gives the same bits as the whole row.
+            ops::glu_rows(out, &up, act);
+            Ok(())
+        })?;
+        Ok(h)
     }
 
     /// `down · (act(gate · x) * (up · x))` for every pair: `[pairs, d_model]`, in job order.
@@ -245,34 +354,8 @@ impl CpuLane {
         let checked = job.pairs.iter().zip(&ctxs).map(|(p, c)| c.check(p, d, ff)).collect::<Result<Vec<_>, _>>()?;
 
         // Phase 1: h = act(gate x) * (up x), tasks over (pair, ff rows).
-        let mut xs = Vec::with_capacity(n);
-        for ((p, c), k) in job.pairs.iter().zip(&ctxs).zip(&checked) {
-            let xg = Activations::for_weight(k.gate.ty, p.x, d).map_err(c.kernel("gate"))?;
-            let xu = acts_for(k.up.ty, p.x, Some(&xg)).map_err(c.kernel("up"))?;
-            xs.push((xg, xu));
-        }
-        let mut h = vec![0f32; n * ff];
-        let gu_bytes = checked[0].gate.row_bytes + checked[0].up.row_bytes;
-        let c1 = chunk_rows(ff, gu_bytes, n, self.threads);
-        let tasks: Vec<(usize, usize, &mut [f32])> = h
-            .chunks_mut(ff)
-            .enumerate()
-            .flat_map(|(p, hp)| hp.chunks_mut(c1).enumerate().map(move |(i, s)| (p, i * c1, s)))
-            .collect();
-        self.pool.install(|| {
-            tasks.into_par_iter().try_for_each(|(p, r0, out)| {
-                let (k, c, (xg, xu)) = (&checked[p], &ctxs[p], &xs[p]);
-                let gx = row0(xg).map_err(c.kernel("gate"))?;
-                let ux = row0(xu.as_ref().unwrap_or(xg)).map_err(c.kernel("up"))?;
-                let n = out.len();
-                let mut up = vec![0f32; n];
-                self.kernels.dot_rows(k.gate.ty, k.gate.rows(r0, n), n, gx, out).map_err(c.kernel("gate"))?;
-                self.kernels.dot_rows(k.up.ty, k.up.rows(r0, n), n, ux, &mut up).map_err(c.kernel("up"))?;
-                // Elementwise, so a chunk gives the same bits as the whole row.
-                ops::glu_rows(out, &up, job.act);
-                Ok::<(), LaneError>(())
-            })
-        })?;
+        let items: Vec<GateUpItem> = checked.iter().zip(&job.pairs).map(|(k, p)| GateUpItem { gate: k.gate, up: k.up, x: p.x, rows: ff }).collect();
+        let h = self.gate_up(&items, &ctxs, job.act)?;
 
         // Phase 2: out = down h, tasks over (pair, d_model rows).
         let hs = h
@@ -282,22 +365,57 @@ impl CpuLane {
             .map(|((hp, k), c)| Activations::for_weight(k.down.ty, hp, ff).map_err(c.kernel("down")))
             .collect::<Result<Vec<_>, _>>()?;
         let mut out = vec![0f32; n * d];
-        let c2 = chunk_rows(d, checked[0].down.row_bytes, n, self.threads);
-        let tasks: Vec<(usize, usize, &mut [f32])> = out
-            .chunks_mut(d)
-            .enumerate()
-            .flat_map(|(p, op)| op.chunks_mut(c2).enumerate().map(move |(i, s)| (p, i * c2, s)))
-            .collect();
-        self.pool.install(|| {
-            tasks.into_par_iter().try_for_each(|(p, r0, dst)| {
-                let (k, c) = (&checked[p], &ctxs[p]);
-                let hx = row0(&hs[p]).map_err(c.kernel("down"))?;
-                let n = dst.len();
-                self.kernels.dot_rows(k.down.ty, k.down.rows(r0, n), n, hx, dst).map_err(c.kernel("down"))?;
-                Ok::<(), LaneError>(())
-            })
+        let c2 = chunk_rows(d, checked[0].down.row_bytes, n, self.threads());
+        let tasks = chunk_tasks(&mut out, &vec![d; n], c2);
+        self.for_each(&tasks, |(p, r0, dst)| {
+            let (k, c) = (&checked[p], &ctxs[p]);
+            let hx = row0(&hs[p]).map_err(c.kernel("down"))?;
+            let n = dst.len();
+            self.kernels.dot_rows(k.down.ty, k.down.rows(r0, n), n, hx, dst).map_err(c.kernel("down"))?;
+            Ok(())
         })?;
         Ok(out)
+    }
+
+    /// The heads of split experts: for each pair, `act(gate · x) * (up · x)`
+    /// over its gate/up rows `0..rows`, the pairs' rows end to end. Each value
+    /// is the one [`run`](Self::run) computes for that row.
+    pub fn heads(&self, job: &LaneHeadJob<'_>) -> Result<Vec<f32>, LaneError> {
+        let (d, ff) = (job.d_model, job.ff);
+        if job.pairs.is_empty() {
+            return Ok(Vec::new());
+        }
+        if d == 0 || ff == 0 {
+            return Err(LaneError::EmptyShape { d_model: d, ff });
+        }
+        let ctxs: Vec<Ctx> = job.pairs.iter().enumerate().map(|(pair, p)| Ctx { pair, expert: p.expert }).collect();
+        let items = job
+            .pairs
+            .iter()
+            .zip(&ctxs)
+            .map(|(p, c)| {
+                if p.rows > ff {
+                    return Err(LaneError::HeadRows { pair: c.pair, expert: c.expert, rows: p.rows, ff });
+                }
+                let (gate, up) = c.check_gate_up(p.x, p.gate_up, d, ff)?;
+                Ok(GateUpItem { gate, up, x: p.x, rows: p.rows })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.gate_up(&items, &ctxs, job.act)
+    }
+}
+
+impl LaneHeadJob<'_> {
+    /// Weight bytes the job reads: each pair's gate and up rows.
+    pub fn weight_bytes(&self) -> u64 {
+        let rows_bytes = |g: GateUp<'_>, rows: usize| -> u64 {
+            let (a, b) = match g {
+                GateUp::Split { gate, up } => (gate.bytes.len(), up.bytes.len()),
+                GateUp::Fused(s) => (s.bytes.len() / 2, s.bytes.len() / 2),
+            };
+            ((a + b) as u64 * rows as u64).checked_div(self.ff as u64).unwrap_or(0)
+        };
+        self.pairs.iter().map(|p| rows_bytes(p.gate_up, p.rows)).sum()
     }
 }
 
@@ -408,6 +526,46 @@ mod tests {
             assert!(same_bits(&out[2 * D..], &r0[D..]), "{ty}: token 1 expert 0");
             assert!(same_bits(&out[D..2 * D], &reference_by_dots(cpu.kernels, ty, &e1, x1, act)), "{ty}: per-value dots");
             assert!(same_bits(&out[..D], &reference_by_dots(Kernels::scalar(), ty, &e0, x0, act)), "{ty}: scalar dots");
+        }
+    }
+
+    #[test]
+    fn heads_are_the_first_rows_of_h() {
+        let k = Kernels::detect();
+        let lane = CpuLane::with_kernels(k, 3).unwrap();
+        let x = random_values(2 * D, 11);
+        for ty in [GgmlType::Q2_K, GgmlType::Q4_K, GgmlType::Q8_0] {
+            let (e0, e1) = (expert(ty, 3), expert(ty, 4));
+            // h by one dot per value, the definition.
+            let h_of = |e: &Expert, x: &[f32]| {
+                let a = Activations::for_weight(ty, x, D).unwrap();
+                let rb = e.gate.len() / FF;
+                let dots = |b: &[u8]| (0..FF).map(|r| k.dot(ty, &b[r * rb..(r + 1) * rb], a.row(0).unwrap()).unwrap()).collect::<Vec<f32>>();
+                let mut h = dots(&e.gate);
+                ops::glu_rows(&mut h, &dots(&e.up), Activation::Silu);
+                h
+            };
+            let (x0, x1) = (&x[..D], &x[D..]);
+            let (h0, h1) = (h_of(&e0, x0), h_of(&e1, x1));
+            for (r0, r1) in [(0usize, FF), (1, 37), (FF, 0), (64, 200)] {
+                let pairs = vec![
+                    LaneHead { expert: 0, x: x0, gate_up: GateUp::Split { gate: Slab { ty, bytes: &e0.gate }, up: Slab { ty, bytes: &e0.up } }, rows: r0 },
+                    LaneHead { expert: 1, x: x1, gate_up: GateUp::Split { gate: Slab { ty, bytes: &e1.gate }, up: Slab { ty, bytes: &e1.up } }, rows: r1 },
+                ];
+                let job = LaneHeadJob { d_model: D, ff: FF, act: Activation::Silu, pairs };
+                let got = lane.heads(&job).unwrap();
+                assert_eq!(got.len(), r0 + r1);
+                assert!(same_bits(&got[..r0], &h0[..r0]) && same_bits(&got[r0..], &h1[..r1]), "{ty} rows {r0}/{r1}");
+                let rb = (e0.gate.len() + e0.up.len()) / FF;
+                assert_eq!(job.weight_bytes(), ((r0 + r1) * rb) as u64);
+            }
+            let bad = LaneHeadJob {
+                d_model: D,
+                ff: FF,
+                act: Activation::Silu,
+                pairs: vec![LaneHead { expert: 9, x: x0, gate_up: GateUp::Split { gate: Slab { ty, bytes: &e0.gate }, up: Slab { ty, bytes: &e0.up } }, rows: FF + 1 }],
+            };
+            assert!(matches!(lane.heads(&bad).unwrap_err(), LaneError::HeadRows { expert: 9, rows, .. } if rows == FF + 1));
         }
     }
 

@@ -16,11 +16,15 @@
 //! [`CostModel`] of measured rates (link numbers from the CUDA side, CPU lane
 //! numbers from [`measure_cpu_lane`]) so the link and the lane finish
 //! together; `--cold-path` ([`ColdPolicy`]) can force one path instead.
+//!
+//! The lane runs on its own spinning threads ([`spin::SpinPool`]): a
+//! layer's job must start within microseconds.
 
 pub mod cost;
 pub mod lane;
+pub mod spin;
 pub mod split;
 
 pub use cost::{measure_cpu_lane, CostModel};
-pub use lane::{random_slab, CpuLane, GateUp, LaneError, LaneJob, LanePair, Slab};
+pub use lane::{random_slab, CpuLane, GateUp, LaneError, LaneHead, LaneHeadJob, LaneJob, LanePair, Slab};
 pub use split::{lane_seconds, split, ColdExpert, ColdPath, ColdPolicy, ParseColdPolicyError};
