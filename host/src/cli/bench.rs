@@ -89,8 +89,15 @@ pub struct Traffic {
     pub vram_zero_copy_bytes_per_token: f64,
     /// Of the cold slabs copied ahead for the next layer, the share it used.
     pub vram_prefetch_precision: f64,
-    /// Cold expert bytes per token the CPU lane computed with (no upload).
+    /// Cold expert bytes per token the CPU lane computed with (no upload),
+    /// and the rate it achieved on them (wall time, fixed costs included).
     pub vram_cpu_lane_bytes_per_token: f64,
+    pub cpu_lane_gbps: f64,
+    /// Host milliseconds per token: the CPU lane's work, waiting for the
+    /// link at a layer's start, waiting for the GPU's routing ids.
+    pub cpu_lane_ms_per_token: f64,
+    pub link_wait_ms_per_token: f64,
+    pub route_wait_ms_per_token: f64,
     /// Hot-set admissions per token (slabs that earned a VRAM slot).
     pub vram_admissions_per_token: f64,
     /// Slabs warm-loaded into the hot set before the run (from the census).
@@ -106,6 +113,9 @@ pub struct Run {
     pub tg_traffic: Traffic,
     /// tg tok/s the measured links allow for this run's per-token traffic.
     pub floor_tg_tok_s: Option<f64>,
+    /// GPU backends: the cold-path cost model as the run left it (the
+    /// ceilings measured at load, the lane's rates as refined by real steps).
+    pub cold_cost: Option<crate::cold::CostModel>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -329,6 +339,12 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
             tg_traffic.vram_zero_copy_bytes_per_token = per(b.zero_copy_bytes, after.zero_copy_bytes);
             tg_traffic.vram_admissions_per_token = per(b.admissions, after.admissions);
             tg_traffic.vram_cpu_lane_bytes_per_token = per(b.cpu_lane_bytes, after.cpu_lane_bytes);
+            let lane_secs = after.cpu_lane_seconds - b.cpu_lane_seconds;
+            let ms = |x: f64, y: f64| 1e3 * (y - x) / tokens.max(1.0);
+            tg_traffic.cpu_lane_ms_per_token = ms(b.cpu_lane_seconds, after.cpu_lane_seconds);
+            tg_traffic.link_wait_ms_per_token = ms(b.link_wait_seconds, after.link_wait_seconds);
+            tg_traffic.route_wait_ms_per_token = ms(b.route_wait_seconds, after.route_wait_seconds);
+            tg_traffic.cpu_lane_gbps = if lane_secs > 0.0 { (after.cpu_lane_bytes - b.cpu_lane_bytes) as f64 / lane_secs / 1e9 } else { 0.0 };
             let pf = (after.prefetched - b.prefetched) as f64;
             tg_traffic.vram_prefetch_precision = if pf > 0.0 { (after.prefetch_hits - b.prefetch_hits) as f64 / pf } else { 0.0 };
             tg_traffic.vram_warm_loaded = after.warm_loaded;
@@ -359,7 +375,8 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
                 tracing::warn!("could not save the census: {e:#}");
             }
         }
-        runs.push(Run { name: name.into(), pp, tg, tg_traffic, floor_tg_tok_s: floor });
+        let cold_cost = cuda_model.as_ref().map(|c| c.cost.lock().unwrap_or_else(|e| e.into_inner()).clone());
+        runs.push(Run { name: name.into(), pp, tg, tg_traffic, floor_tg_tok_s: floor, cold_cost });
     }
     if let (Some(s), None) = (&store, ordinal) {
         if let Err(e) = s.save_census(&a.model, &model) {
@@ -417,13 +434,17 @@ pub fn table(r: &Report) -> String {
     for run in &r.runs {
         let t = &run.tg_traffic;
         s.push_str(&format!(
-            "\n{} tg: per token {:.2} MiB uploaded to VRAM (pool hit rate {:.1}%, {:.1} GB/s), {:.2} MiB zero-copy, {:.2} MiB CPU lane, prefetch precision {:.0}%, {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
+            "\n{} tg: per token {:.2} MiB uploaded to VRAM (pool hit rate {:.1}%, {:.1} GB/s), {:.2} MiB zero-copy, {:.2} MiB CPU lane ({:.1} GB/s, {:.2} ms), host waits {:.2} ms link / {:.2} ms routing, prefetch precision {:.0}%, {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
             run.name,
             t.vram_upload_bytes_per_token / 1048576.0,
             100.0 * t.vram_hit_rate,
             t.h2d_gbps,
             t.vram_zero_copy_bytes_per_token / 1048576.0,
             t.vram_cpu_lane_bytes_per_token / 1048576.0,
+            t.cpu_lane_gbps,
+            t.cpu_lane_ms_per_token,
+            t.link_wait_ms_per_token,
+            t.route_wait_ms_per_token,
             100.0 * t.vram_prefetch_precision,
             t.disk_bytes_per_token / 1048576.0,
             t.disk_gbps,
@@ -432,6 +453,11 @@ pub fn table(r: &Report) -> String {
             t.mapped_bytes_per_token / 1048576.0,
             run.floor_tg_tok_s.map_or("n/a (no disk traffic)".into(), |f| format!("{f:.1} tok/s")),
         ));
+    }
+    for run in &r.runs {
+        if let Some(c) = run.cold_cost.as_ref().filter(|c| !c.cpu_dot_gbs.is_empty()) {
+            s.push_str(&format!("\n{} cold-path model after the run:\n{}", run.name, c.summary()));
+        }
     }
     s.push_str(&format!(
         "\nlinks: disk {} GB/s, host copy {:.1} GB/s, pinned host-to-device {} GB/s\n",

@@ -17,8 +17,13 @@
 //! numbers from [`measure_cpu_lane`]) so the link and the lane finish
 //! together; `--cold-path` ([`ColdPolicy`]) can force one path instead.
 //!
-//! The lane runs on its own spinning threads ([`spin::SpinPool`]): a
-//! layer's job must start within microseconds.
+//! An expert can also be split: the lane computes the first rows of its gate
+//! and up products (its "head", [`CpuLane::heads`]) and the GPU the rest and
+//! down, so the lane's share of a layer is not limited to whole experts.
+//! [`head_rows`] sizes the heads of the next layer's predicted cold experts
+//! before their prefetch, and the cost model's bias follows whether the lane
+//! or the link held each layer up. The lane runs on its own spinning threads
+//! ([`spin::SpinPool`]): a layer's job must start within microseconds.
 
 pub mod cost;
 pub mod lane;
@@ -27,4 +32,4 @@ pub mod split;
 
 pub use cost::{measure_cpu_lane, CostModel};
 pub use lane::{random_slab, CpuLane, GateUp, LaneError, LaneHead, LaneHeadJob, LaneJob, LanePair, Slab};
-pub use split::{lane_seconds, split, ColdExpert, ColdPath, ColdPolicy, ParseColdPolicyError};
+pub use split::{head_rows, lane_seconds, split, split_busy, Busy, ColdExpert, ColdPath, ColdPolicy, ParseColdPolicyError};

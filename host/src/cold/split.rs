@@ -100,17 +100,31 @@ pub struct ColdExpert {
 /// buffer, not in the pinned cache the kernel could read in place. An expert
 /// no measured path can serve is uploaded (the path that always works).
 pub fn split(cold: &[ColdExpert], cost: &CostModel, policy: ColdPolicy) -> Vec<ColdPath> {
+    split_busy(cold, cost, policy, Busy::default())
+}
+
+/// Seconds of work the link and the CPU lane already have in a step before
+/// the experts being split (the lane's counts its fixed cost, if any).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Busy {
+    pub link: f64,
+    pub cpu: f64,
+}
+
+/// [`split`] when each side already has `busy` seconds of the step's work.
+pub fn split_busy(cold: &[ColdExpert], cost: &CostModel, policy: ColdPolicy, busy: Busy) -> Vec<ColdPath> {
     match policy {
         ColdPolicy::Force(ColdPath::ZeroCopy) => cold
             .iter()
             .map(|e| if e.in_host_memory { ColdPath::ZeroCopy } else { ColdPath::Upload })
             .collect(),
         ColdPolicy::Force(p) => vec![p; cold.len()],
-        ColdPolicy::Auto => auto(cold, cost),
+        ColdPolicy::Auto => auto(cold, cost, busy),
     }
 }
 
-/// Estimated seconds of the link and the CPU lane for `paths`.
+/// Estimated seconds of the link and the CPU lane for `paths` (the lane's
+/// fixed cost once, if it has anything).
 pub fn lane_seconds(cold: &[ColdExpert], paths: &[ColdPath], cost: &CostModel) -> (f64, f64) {
     let (mut link, mut cpu) = (0.0, 0.0);
     for (e, &p) in cold.iter().zip(paths) {
@@ -120,7 +134,38 @@ pub fn lane_seconds(cold: &[ColdExpert], paths: &[ColdPath], cost: &CostModel) -
             _ => link += s,
         }
     }
+    if paths.contains(&ColdPath::Cpu) {
+        cpu += cost.cpu_fixed();
+    }
     (link, cpu)
+}
+
+/// Head rows of each of `cold` (the next layer's predicted cold experts, all
+/// of one shape: `ff` rows of gate and of up, `gate_up_row_bytes` the bytes of
+/// one row of both) for the CPU lane to compute, so that it and the link
+/// finish together: the lane takes `b` bytes of heads, the link the rest,
+/// with `chain + fixed + b / cpu = (total - b) / link` (the lane's layer also
+/// holds the layer's other serial work, `CostModel::chain_s`). A multiple of `granule` rows
+/// (rounded down), at most `ff`; 0 when the lane would not gain.
+pub fn head_rows(cold: &[ColdExpert], gate_up_row_bytes: u64, ff: usize, granule: usize, cost: &CostModel) -> usize {
+    let total: u64 = cold.iter().map(|e| e.bytes).sum();
+    let Some(first) = cold.first() else { return 0 };
+    if total == 0 || gate_up_row_bytes == 0 || cold.iter().any(|e| !e.in_host_memory) {
+        return 0;
+    }
+    let per_byte = |p: ColdPath| cost.seconds(p, total, first.ty) / total as f64;
+    let (link, cpu) = (per_byte(ColdPath::Upload), per_byte(ColdPath::Cpu));
+    if !(link.is_finite() && cpu.is_finite()) {
+        return 0;
+    }
+    // The lane's layer also carries the layer's other serial work.
+    let b = (total as f64 * link - cost.cpu_fixed() - cost.chain_s.max(0.0)) / (cpu + link);
+    let rows = b / (cold.len() as f64 * gate_up_row_bytes as f64);
+    if !(rows.is_finite() && rows > 0.0) {
+        return 0;
+    }
+    let g = granule.max(1);
+    ((rows as usize).min(ff) / g * g).min(ff)
 }
 
 /// The cheaper link path for `e` and its seconds (infinite: no link path).
@@ -138,8 +183,9 @@ fn best_link(e: &ColdExpert, cost: &CostModel) -> (ColdPath, f64) {
     }
 }
 
-/// Greedy longest-processing-time over two machines, the link and the CPU.
-fn auto(cold: &[ColdExpert], cost: &CostModel) -> Vec<ColdPath> {
+/// Greedy longest-processing-time over two machines, the link and the CPU,
+/// starting from `busy`; the lane's first expert also pays its fixed cost.
+fn auto(cold: &[ColdExpert], cost: &CostModel, busy: Busy) -> Vec<ColdPath> {
     struct Cand {
         idx: usize,
         link: (ColdPath, f64),
@@ -163,15 +209,17 @@ fn auto(cold: &[ColdExpert], cost: &CostModel) -> Vec<ColdPath> {
             .then(a.idx.cmp(&b.idx))
     });
     let mut out = vec![ColdPath::Upload; cold.len()];
-    let (mut link_t, mut cpu_t) = (0.0f64, 0.0f64);
+    let (mut link_t, mut cpu_t) = (busy.link.max(0.0), busy.cpu.max(0.0));
+    let mut fixed = if cpu_t > 0.0 { 0.0 } else { cost.cpu_fixed() };
     for c in &cands {
         let (lp, ls) = c.link;
-        let (on_link, on_cpu) = (link_t + ls, cpu_t + c.cpu);
+        let (on_link, on_cpu) = (link_t + ls, cpu_t + c.cpu + fixed);
         if !on_link.is_finite() && !on_cpu.is_finite() {
             out[c.idx] = ColdPath::Upload;
         } else if on_cpu < on_link {
             out[c.idx] = ColdPath::Cpu;
             cpu_t = on_cpu;
+            fixed = 0.0;
         } else {
             out[c.idx] = lp;
             link_t = on_link;
@@ -197,6 +245,7 @@ mod tests {
             cpu_threads: 8,
             cpu_isa: "test".into(),
             cpu_dot_gbs: cpu,
+            ..Default::default()
         }
     }
 
@@ -306,6 +355,69 @@ mod tests {
         let mut b = split(&rev, &cost, ColdPolicy::Auto);
         b.reverse();
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn fixed_cost_and_busy_sides_shift_the_split() {
+        let cold = experts(8, |_| true);
+        // Lane and link equally fast: without a fixed cost the lane takes half.
+        let mut cost = model(20.0, None, 20.0);
+        let even = cpu_share(&cold, &split(&cold, &cost, ColdPolicy::Auto));
+        assert!((even - 0.5).abs() < 0.15, "{even}");
+        // A fixed cost of one expert's lane time: the lane takes less.
+        cost.cpu_fixed_s = 1_000_000.0 / 20e9;
+        let paths = split(&cold, &cost, ColdPolicy::Auto);
+        let fixed = cpu_share(&cold, &paths);
+        assert!(fixed < even && fixed > 0.0, "{fixed} vs {even}");
+        let (link, cpu) = lane_seconds(&cold, &paths, &cost);
+        assert!((link - cpu).abs() <= 1.2e6 / 20e9, "link {link}s cpu {cpu}s");
+        // A lane already busy for the whole link time takes nothing more...
+        let all_link: f64 = cold.iter().map(|e| cost.seconds(ColdPath::Upload, e.bytes, e.ty)).sum();
+        let busy = Busy { link: 0.0, cpu: all_link };
+        assert!(!split_busy(&cold, &cost, ColdPolicy::Auto, busy).contains(&ColdPath::Cpu));
+        // ...and a busy link pushes work to the lane.
+        let busy = Busy { link: all_link, cpu: 0.0 };
+        assert!(cpu_share(&cold, &split_busy(&cold, &cost, ColdPolicy::Auto, busy)) > 0.9);
+        // Forced paths ignore both.
+        assert_eq!(split_busy(&cold, &cost, ColdPolicy::Force(ColdPath::Upload), busy), vec![ColdPath::Upload; 8]);
+    }
+
+    #[test]
+    fn head_rows_balance_the_link_and_the_lane() {
+        // Three experts of 1 MB: 2/3 of each is gate + up, 1024 rows.
+        let cold: Vec<ColdExpert> = (0..3).map(|i| ColdExpert { expert: i, bytes: 1_000_000, ty: GgmlType::Q4_K, in_host_memory: true }).collect();
+        let row = 2 * 1_000_000 / 3 / 1024;
+        // Equal rates, no fixed cost: half the bytes each, capped by the heads' 2/3.
+        let cost = model(20.0, None, 20.0);
+        let r = head_rows(&cold, row, 1024, 1, &cost);
+        let b = (3 * r as u64 * row) as f64;
+        assert!((b / 3e6 - 0.5).abs() < 0.01, "lane share {}", b / 3e6);
+        // A lane three times slower takes a quarter; a multiple of the granule.
+        let cost = model(30.0, None, 10.0);
+        let r = head_rows(&cold, row, 1024, 32, &cost);
+        assert_eq!(r % 32, 0);
+        let share = (3 * r as u64 * row) as f64 / 3e6;
+        assert!((share - 0.25).abs() < 0.02, "{share}");
+        // A fixed cost takes some away; one as long as the link time, all.
+        let mut fixed = cost.clone();
+        fixed.cpu_fixed_s = 0.01e-3;
+        assert!(head_rows(&cold, row, 1024, 32, &fixed) < r);
+        fixed.cpu_fixed_s = 3e6 / 30e9;
+        assert_eq!(head_rows(&cold, row, 1024, 32, &fixed), 0);
+        // So does the layer's chain.
+        let mut chain = cost.clone();
+        chain.chain_s = 0.01e-3;
+        assert!(head_rows(&cold, row, 1024, 32, &chain) < r);
+        chain.chain_s = 3e6 / 30e9;
+        assert_eq!(head_rows(&cold, row, 1024, 32, &chain), 0);
+        // A lane far faster than the link is capped at every row.
+        assert_eq!(head_rows(&cold, row, 1024, 32, &model(1.0, None, 1000.0)), 1024);
+        // Nothing measured, nothing cold, or a disk miss among them: none.
+        assert_eq!(head_rows(&cold, row, 1024, 32, &model(30.0, None, 0.0)), 0);
+        assert_eq!(head_rows(&[], row, 1024, 32, &cost), 0);
+        let mut miss = cold.clone();
+        miss[1].in_host_memory = false;
+        assert_eq!(head_rows(&miss, row, 1024, 32, &cost), 0);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! so after the first step a decode allocates nothing.
 
 mod fuse;
+mod measure;
 mod pinned;
 mod pool;
 mod profile;
@@ -29,6 +30,7 @@ use pulsar_plugin_api::Role;
 
 use crate::model::Model;
 
+pub use measure::measure_h2d;
 pub use pinned::{PinnedAllocator, PinnedRanges};
 pub use pool::{ExpertPool, LayerPlan, LayerRequest, PoolStats};
 pub use step::CudaEngine;
@@ -287,24 +289,25 @@ fn cold_lane(dev: &CudaDevice, model: &Model, opts: &LoadOptions) -> Result<(Opt
         (None, crate::cold::CostModel::default())
     };
     cost.h2d_pinned_gbs = measure_h2d(dev).ok();
+    cost.h2d_pageable_gbs = measure::measure_h2d_pageable(dev).ok();
+    // The kernels on the model's own expert shape, weights in VRAM and in place in host memory.
+    let slabs = slab_tensors(model);
+    let first = slabs.keys().map(|k| k.0).min();
+    let shape = first.and_then(|l| Some((&model.weights[*slabs.get(&(l, pulsar_store::SlabKind::Gate))?], &model.weights[*slabs.get(&(l, pulsar_store::SlabKind::Down))?])));
+    if let Some((g, d)) = shape {
+        let (d_model, ff) = (g.dims[0] as usize, g.dims[1] as usize);
+        let read = |in_place| match measure::measure_expert_read(dev, g.ty, d.ty, d_model, ff, in_place) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!("cold path: not measuring the expert kernels ({}): {e}", if in_place { "zero-copy" } else { "VRAM" });
+                None
+            }
+        };
+        cost.gpu_gemv_gbs = read(false);
+        cost.zerocopy_gbs = read(true);
+    }
     tracing::info!("cold path ({:?}), measured in {:.2} s:\n{}", opts.cold, t.elapsed().as_secs_f64(), cost.summary());
     Ok((lane, cost))
-}
-
-/// Pinned host-to-device copy rate on the copy stream: 64 MiB, three times
-/// (the cost model's link rate, and the bench's).
-pub fn measure_h2d(dev: &CudaDevice) -> Result<f64, CudaBackendError> {
-    let n = 16 << 20;
-    let src = dev.alloc_pinned::<u32>(n)?;
-    let mut dst = dev.alloc::<u32>(n)?;
-    dst.upload_async(dev.copy(), &src)?;
-    dev.copy().synchronize().map_err(pulsar_cuda::CudaError::from)?;
-    let t = std::time::Instant::now();
-    for _ in 0..3 {
-        dst.upload_async(dev.copy(), &src)?;
-    }
-    dev.copy().synchronize().map_err(pulsar_cuda::CudaError::from)?;
-    Ok(3.0 * (4 * n) as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
 /// Expert weights by (layer, slab kind): the index into `model.weights`.

@@ -58,6 +58,13 @@ pub struct PoolStats {
     /// Cold slabs the CPU lane computed with (host bytes, no upload).
     pub cpu_lane: u64,
     pub cpu_lane_bytes: u64,
+    /// Wall time the lane spent on them (fixed costs included).
+    pub cpu_lane_seconds: f64,
+    /// Host time spent waiting for the link at a layer's plan (the layer
+    /// before queued copies the host caught up with), and for the routing
+    /// ids (the GPU's work up to the router).
+    pub link_wait_seconds: f64,
+    pub route_wait_seconds: f64,
     pub uploaded_bytes: u64,
     /// Of those, bytes copied from page-locked memory on the copy stream.
     pub pinned_bytes: u64,
@@ -99,8 +106,15 @@ pub struct ExpertPool {
     admitted: Vec<SlabId>,
     /// Page-locked host-cache allocations (the store's pinned allocator).
     host_pinned: Option<PinnedRanges>,
-    /// Staging for the CPU lane's output rows.
+    /// Staging for the CPU lane's output rows, and how much of it this
+    /// layer's calls have used.
     lane_stage: Option<PinnedBuf<f32>>,
+    lane_stage_used: usize,
+    /// The layer's input, copied out for the lane before the routing sync
+    /// (so that one sync brings both), and the split experts' first rows
+    /// staged for the device.
+    lane_input: Option<PinnedBuf<f32>>,
+    row_lo_stage: Option<PinnedBuf<i32>>,
     /// Cross-layer prefetch: cold slabs of `pf_layer` already copied into
     /// its scratch window (slot, bytes), during the layer before.
     pf_enabled: bool,
@@ -110,8 +124,46 @@ pub struct ExpertPool {
     pf_layer: Option<u32>,
     /// Whether `pf` was copied for a decode step (windows differ from prefill's).
     pf_decode: bool,
-    pf: HashMap<SlabId, (usize, usize)>,
+    pf: HashMap<SlabId, Ahead>,
+    /// Predicted experts of `pf_layer` left to the CPU lane instead of
+    /// prefetched (ascending): the lane serves them when they come.
+    pf_lane: Vec<u32>,
+    /// Predicted experts of `pf_layer` whose gate/up heads (rows `0..rows`)
+    /// were left to the CPU lane: only their other rows and down were copied.
+    pf_heads: Vec<(u32, usize)>,
+    /// The lane worked in the current layer; and the last layer's outcome.
+    lane_worked: bool,
+    lane_outcome: Option<bool>,
+    /// Decode: when the last plan's wait for the link ended (and its layer),
+    /// the lane's seconds since, and the last layer's chain (its host and
+    /// GPU work besides the lane, from one plan to the next).
+    last_plan: Option<(std::time::Instant, u32)>,
+    lane_secs: f64,
+    chain_sample: Option<f64>,
+    /// Pinned bytes copied before the current timed span, and the last
+    /// finished span's (bytes, copy-stream seconds).
+    pinned_at_start: u64,
+    last_copies: Option<(u64, f64)>,
     pub stats: PoolStats,
+}
+
+/// A slab copied ahead into a scratch slot: its first `head` bytes are absent
+/// (a split expert's gate/up rows the CPU lane computes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Ahead {
+    slot: usize,
+    len: usize,
+    head: usize,
+}
+
+/// What the CPU lane takes of one predicted expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaneShare {
+    /// All of it: nothing is copied.
+    Whole,
+    /// Gate and up rows `0..rows` (`bytes` of each slab): the rest of those
+    /// slabs and all of down are copied.
+    Head { rows: usize, bytes: usize },
 }
 
 /// One layer's slabs to serve: for each of gate/up/down, the kind and a
@@ -128,6 +180,9 @@ pub struct LayerRequest<'a> {
     pub zero_copy: &'a [u32],
     /// Cold experts (ascending) the CPU lane serves: null pointers here.
     pub cpu: &'a [u32],
+    /// Experts (ascending) whose gate/up heads the CPU lane computes this
+    /// step, from [`ExpertPool::heads_ready`]: their slabs as prefetched.
+    pub heads: &'a [u32],
     /// A decode step (one token): cold slabs use this layer's half of the
     /// scratch (the other half takes the next layer's prefetch); a prefill
     /// step uses all of it and drops any prefetch.
@@ -183,11 +238,23 @@ impl ExpertPool {
             admitted: Vec::new(),
             host_pinned: None,
             lane_stage: None,
+            lane_stage_used: 0,
+            lane_input: None,
+            row_lo_stage: None,
             pf_enabled: false,
             copied_per_layer: f64::INFINITY,
             pf_layer: None,
             pf_decode: false,
             pf: HashMap::new(),
+            pf_lane: Vec::new(),
+            pf_heads: Vec::new(),
+            lane_worked: false,
+            lane_outcome: None,
+            last_plan: None,
+            lane_secs: 0.0,
+            chain_sample: None,
+            pinned_at_start: 0,
+            last_copies: None,
             stats: PoolStats { slots: n_slots, hot_slots: n_hot, slot_bytes, ..Default::default() },
         })
     }
@@ -226,14 +293,16 @@ impl ExpertPool {
         };
         (move |i: usize| if down { base + cap - 1 - i } else { base + i }, cap)
     }
-    fn prefetched(&self, layer: u32, id: SlabId) -> Option<(usize, usize)> {
+    fn prefetched(&self, layer: u32, id: SlabId) -> Option<Ahead> {
         (self.pf_layer == Some(layer)).then(|| self.pf.get(&id).copied()).flatten()
     }
 
     /// Copy the cold slabs of `experts` (predicted for `layer`, the next MoE
     /// layer) into that layer's scratch window on the copy stream, where its
     /// step will find them. Only page-locked bytes are copied (a pageable
-    /// copy would block the host); a full window stops early.
+    /// copy would block the host); a full window stops early. Experts in
+    /// `lane` (ascending) are not copied: that layer's CPU lane serves them
+    /// ([`lane_reserved`](Self::lane_reserved)).
     ///
     /// A prefill step (`decode` false) prefetches into the slots the current
     /// layer's fill left free (call it after that fill), the far end of the
@@ -246,17 +315,94 @@ impl ExpertPool {
         decode: bool,
         kinds: [SlabKind; 3],
         experts: &[u32],
+        lane: &[(u32, LaneShare)],
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<(), CudaBackendError> {
         self.pf.clear();
+        self.pf_lane.clear();
+        self.pf_heads.clear();
         self.pf_layer = Some(layer);
         self.pf_decode = decode;
         if !(if decode { self.pf_enabled } else { self.has_pinned() }) {
             return Ok(());
         }
+        for &(e, share) in lane {
+            match share {
+                LaneShare::Whole => self.pf_lane.push(e),
+                LaneShare::Head { rows, .. } => self.pf_heads.push((e, rows)),
+            }
+        }
+        self.pf_lane.sort_unstable();
+        self.pf_heads.sort_unstable();
+        let head_of = |e: u32| lane.iter().find(|s| s.0 == e).map(|s| s.1);
+        let copied: Vec<(u32, usize)> = experts
+            .iter()
+            .filter_map(|&e| match head_of(e) {
+                Some(LaneShare::Whole) => None,
+                Some(LaneShare::Head { bytes, .. }) => Some((e, bytes)),
+                None => Some((e, 0)),
+            })
+            .collect();
         let window = self.window(decode, layer).1;
         let cap = if decode { window } else { window.saturating_sub(self.scratch_next) };
-        self.copy_ahead(dev, layer, kinds, experts, bytes, cap, false)
+        self.copy_ahead(dev, layer, kinds, &copied, bytes, cap, false)
+    }
+
+    /// The experts of `layer` its prefetch left to the CPU lane.
+    pub fn lane_reserved(&self, layer: u32) -> &[u32] {
+        if self.pf_layer == Some(layer) && self.pf_decode {
+            &self.pf_lane
+        } else {
+            &[]
+        }
+    }
+
+    /// Of `experts` (this step's, of `layer`), those whose heads the lane
+    /// should compute: the prefetch left their gate and up heads out and the
+    /// hot set has not admitted either (call after `plan_layer`). (expert,
+    /// head rows), ascending.
+    pub fn heads_ready(&self, layer: u32, kinds: [SlabKind; 3], experts: &[u32]) -> Vec<(u32, usize)> {
+        if self.pf_layer != Some(layer) || !self.pf_decode {
+            return Vec::new();
+        }
+        self.pf_heads
+            .iter()
+            .copied()
+            .filter(|(e, _)| experts.binary_search(e).is_ok())
+            .filter(|&(e, _)| {
+                kinds[..2].iter().all(|&k| {
+                    let id = SlabId::new(layer, k, e);
+                    self.hot.slot_of(id).is_none() && self.pf.get(&id).is_some_and(|a| a.head > 0)
+                })
+            })
+            .collect()
+    }
+
+    /// Of `experts` (of `layer`), those with none of the `kinds` slabs in the
+    /// hot set: the ones a step would find cold.
+    pub fn cold_of(&self, layer: u32, kinds: [SlabKind; 3], experts: &[u32]) -> Vec<u32> {
+        experts.iter().copied().filter(|&e| kinds.iter().all(|&k| self.hot.slot_of(SlabId::new(layer, k, e)).is_none())).collect()
+    }
+
+    /// The CPU lane worked `secs` in this layer (its outcome is read at the
+    /// next layer's plan).
+    pub fn note_lane_work(&mut self, secs: f64) {
+        self.lane_worked = true;
+        self.lane_secs += secs;
+    }
+
+    /// After a decode plan, what the layer before says: whether the link was
+    /// still busy when the host reached this plan, if that layer had lane
+    /// work (`Some(true)`: the lane's layer ended first, so the lane can
+    /// take more), and that layer's chain in seconds (its work besides the
+    /// lane and the wait for the link), if it directly preceded this one.
+    pub fn take_layer_outcome(&mut self) -> (Option<bool>, Option<f64>) {
+        (self.lane_outcome.take(), self.chain_sample.take())
+    }
+
+    /// The last finished span of copies: (pinned bytes, copy-stream seconds).
+    pub fn take_copy_span(&mut self) -> Option<(u64, f64)> {
+        self.last_copies.take()
     }
 
     /// Copy the cold, not yet prefetched slabs of `experts` (layer `layer`)
@@ -270,14 +416,14 @@ impl ExpertPool {
         dev: &CudaDevice,
         layer: u32,
         kinds: [SlabKind; 3],
-        experts: &[u32],
+        experts: &[(u32, usize)],
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
         cap: usize,
         after_compute: bool,
     ) -> Result<(), CudaBackendError> {
         let slot_of = self.window(self.pf_decode, layer).0;
         let mut copied = false;
-        'outer: for &e in experts {
+        'outer: for &(e, head_bytes) in experts {
             for (ki, &k) in kinds.iter().enumerate() {
                 let id = SlabId::new(layer, k, e);
                 if self.hot.slot_of(id).is_some() || self.pf.contains_key(&id) {
@@ -295,8 +441,10 @@ impl ExpertPool {
                     dev.copy().wait(&self.compute_mark).map_err(pulsar_cuda::CudaError::from)?;
                 }
                 let slot = slot_of(self.pf.len());
-                self.upload(dev, slot, b)?;
-                self.pf.insert(id, (slot, b.len()));
+                // Gate and up (kinds 0, 1) of a split expert: all but the head.
+                let head = if ki < 2 { head_bytes.min(b.len()) } else { 0 };
+                self.upload_at(dev, slot, head, &b[head..])?;
+                self.pf.insert(id, Ahead { slot, len: b.len(), head });
                 self.stats.prefetched += 1;
                 copied = true;
             }
@@ -326,7 +474,8 @@ impl ExpertPool {
             return Ok(());
         }
         let window = self.window(false, layer).1;
-        self.copy_ahead(dev, layer, kinds, experts, bytes, window, true)
+        let whole: Vec<(u32, usize)> = experts.iter().map(|&e| (e, 0)).collect();
+        self.copy_ahead(dev, layer, kinds, &whole, bytes, window, true)
     }
 
     /// Copies and zero-copy reads may use this page-locked host range.
@@ -356,14 +505,21 @@ impl ExpertPool {
     }
 
     fn upload(&mut self, dev: &CudaDevice, slot: usize, bytes: &[u8]) -> Result<u64, CudaBackendError> {
-        if bytes.len() > self.slot_bytes {
-            return Err(CudaBackendError::Other(format!("expert slab of {} bytes exceeds the slot size {}", bytes.len(), self.slot_bytes)));
+        self.upload_at(dev, slot, 0, bytes)
+    }
+
+    /// Copy `bytes` to offset `at` of `slot`; returns the slot's address.
+    fn upload_at(&mut self, dev: &CudaDevice, slot: usize, at: usize, bytes: &[u8]) -> Result<u64, CudaBackendError> {
+        if at + bytes.len() > self.slot_bytes {
+            return Err(CudaBackendError::Other(format!("expert slab of {} bytes exceeds the slot size {}", at + bytes.len(), self.slot_bytes)));
         }
-        let ptr = self.slot_ptr(slot)?;
+        let base = self.slot_ptr(slot)?;
+        let ptr = base + at as u64;
         if self.is_pinned(bytes) {
             if !self.timing_pending {
                 self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
                 self.timing_pending = true;
+                self.pinned_at_start = self.stats.pinned_bytes;
             }
             // SAFETY: the slot holds `slot_bytes >= bytes.len()` bytes; the
             // bytes are page-locked file or cache memory that outlives the
@@ -380,7 +536,7 @@ impl ExpertPool {
         }
         self.stats.misses += 1;
         self.stats.uploaded_bytes += bytes.len() as u64;
-        Ok(ptr)
+        Ok(base)
     }
 
     /// Copy a slab between slots on the copy stream (a prefetched slab the
@@ -390,6 +546,7 @@ impl ExpertPool {
         if !self.timing_pending {
             self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
             self.timing_pending = true;
+            self.pinned_at_start = self.stats.pinned_bytes;
         }
         dev.context().bind_to_thread().map_err(pulsar_cuda::CudaError::from)?;
         // SAFETY: both slots lie in the pool's allocation and hold `slot_bytes
@@ -419,9 +576,20 @@ impl ExpertPool {
     /// the hot set's admissions, and return the experts whose bytes the fill
     /// needs (admitted or cold slabs; hot-set hits need none), ascending.
     pub fn plan_layer(&mut self, req: &LayerRequest<'_>) -> Result<LayerPlan, CudaBackendError> {
+        let arrived = std::time::Instant::now();
         self.read_copy_time()?;
+        if req.decode {
+            if let Some((t, _)) = self.last_plan.filter(|&(_, l)| l + 1 == req.layer) {
+                self.chain_sample = Some(arrived.duration_since(t).as_secs_f64() - self.lane_secs);
+            }
+            self.last_plan = Some((std::time::Instant::now(), req.layer));
+        }
+        self.lane_secs = 0.0;
+        // The routing sync before this call finished every staged lane copy.
+        self.lane_stage_used = 0;
         if self.pf_layer != Some(req.layer) || self.pf_decode != req.decode {
             self.pf.clear();
+            self.pf_lane.clear();
             self.pf_layer = None;
         }
         for &e in req.touched {
@@ -443,8 +611,10 @@ impl ExpertPool {
                 let id = SlabId::new(req.layer, k, e);
                 let cold = self.hot.slot_of(id).is_none();
                 // Prefetched slabs are on the device already (an admitted
-                // one moves device to device): no host bytes needed.
-                let ahead = self.prefetched(req.layer, id).is_some();
+                // one moves device to device): no host bytes needed. A head
+                // left to the lane is on the device too unless admitted (it
+                // then needs all its bytes).
+                let ahead = self.prefetched(req.layer, id).is_some_and(|a| a.head == 0 || cold);
                 any |= !ahead && (cold || self.admitted.binary_search(&id).is_ok());
                 all &= cold && !ahead;
             }
@@ -505,13 +675,30 @@ impl ExpertPool {
                     self.stats.cpu_lane += 1;
                     continue; // served by the CPU lane: a null pointer
                 }
-                let ahead = self.prefetched(req.layer, id);
-                let ptr = match (self.hot.slot_of(id), ahead) {
-                    (Some(s), Some((from, len))) if self.admitted.binary_search(&id).is_ok() => {
-                        self.stats.prefetch_hits += 1;
-                        self.move_slot(dev, from, s as usize, len)?
+                let admitted = self.admitted.binary_search(&id).is_ok();
+                let mut ahead = self.prefetched(req.layer, id);
+                // A slab prefetched without its head that the lane does not
+                // compute from this step (the hot set took it, or took its
+                // sibling): its head bytes complete it where it ends up. With
+                // no bytes at hand, it is copied whole instead.
+                let mut head_fix: Option<&[u8]> = None;
+                if let Some(a) = ahead.filter(|a| a.head > 0 && (admitted || req.heads.binary_search(&e).is_err())) {
+                    match bytes {
+                        Some(f) => head_fix = Some(&f(ki, e).map_err(CudaBackendError::Other)?[..a.head]),
+                        None => ahead = None,
                     }
-                    (Some(s), None) if self.admitted.binary_search(&id).is_ok() => {
+                }
+                let ptr = match (self.hot.slot_of(id), ahead) {
+                    (Some(s), Some(a)) if admitted => {
+                        self.stats.prefetch_hits += 1;
+                        let p = self.move_slot(dev, a.slot, s as usize, a.len)?;
+                        if let Some(h) = head_fix {
+                            // After the move on the same stream: the head lands last.
+                            self.upload_at(dev, s as usize, 0, h)?;
+                        }
+                        p
+                    }
+                    (Some(s), None) if admitted => {
                         plan.copies.push((id, ki, e, s as usize));
                         self.slot_ptr(s as usize)?
                     }
@@ -519,9 +706,12 @@ impl ExpertPool {
                         self.stats.hits += 1;
                         self.slot_ptr(s as usize)?
                     }
-                    (None, Some((slot, _))) => {
+                    (None, Some(a)) => {
                         self.stats.prefetch_hits += 1;
-                        self.slot_ptr(slot)?
+                        if let Some(h) = head_fix {
+                            self.upload_at(dev, a.slot, 0, h)?;
+                        }
+                        self.slot_ptr(a.slot)?
                     }
                     (None, None) => {
                         let zc = match bytes.filter(|_| req.zero_copy.binary_search(&e).is_ok()) {
@@ -590,29 +780,91 @@ impl ExpertPool {
         Ok(&self.table_dev)
     }
 
+    /// Queue a copy of `x` (a decode layer's input) to the host on the
+    /// compute stream; after the next sync [`lane_input`](Self::lane_input)
+    /// has it.
+    pub fn stage_lane_input(&mut self, dev: &CudaDevice, x: &DeviceBuf<f32>) -> Result<(), CudaBackendError> {
+        if self.lane_input.as_ref().is_none_or(|b| b.len() != x.len()) {
+            self.lane_input = Some(dev.alloc_pinned::<f32>(x.len())?);
+        }
+        x.download_async(dev.compute(), self.lane_input.as_mut().expect("allocated above"))?;
+        Ok(())
+    }
+
+    /// The input [`stage_lane_input`](Self::stage_lane_input) copied out
+    /// (read after the compute stream's sync).
+    pub fn lane_input(&self) -> &[f32] {
+        self.lane_input.as_ref().map_or(&[], |b| b.as_slice())
+    }
+
+    /// Copy `lo` (each pair's first device row) into `dst` on the compute
+    /// stream without waiting, through page-locked staging (reused after the
+    /// next layer's routing sync).
+    pub fn stage_row_lo(&mut self, dev: &CudaDevice, lo: &[i32], dst: &mut DeviceBuf<i32>) -> Result<(), CudaBackendError> {
+        if dst.len() != lo.len() {
+            return Err(CudaBackendError::Other(format!("{} first rows for a buffer of {}", lo.len(), dst.len())));
+        }
+        if self.row_lo_stage.as_ref().is_none_or(|b| b.len() < lo.len()) {
+            // The old staging may still feed a copy.
+            dev.compute().synchronize().map_err(pulsar_cuda::CudaError::from)?;
+            self.row_lo_stage = Some(dev.alloc_pinned::<i32>(lo.len().max(64))?);
+        }
+        let stage = self.row_lo_stage.as_mut().expect("allocated above");
+        stage.as_mut_slice()[..lo.len()].copy_from_slice(lo);
+        let s = &stage.as_slice()[..lo.len()];
+        // SAFETY: i32 has no padding; the view covers exactly `s`.
+        let bytes = unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) };
+        // SAFETY: `dst` holds `lo.len()` values (checked); the staging is
+        // page-locked and not rewritten before the next layer's sync.
+        unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst.device_ptr(), bytes) }?;
+        Ok(())
+    }
+
     /// Copy the CPU lane's output rows (`y`: `[rows.len(), d_model]`) into
     /// rows `rows` of `out` on the compute stream, through a page-locked
     /// staging buffer (reused at the next layer, after its routing sync).
     pub fn upload_lane_rows(&mut self, dev: &CudaDevice, y: &[f32], rows: &[usize], d_model: usize, out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
-        if self.lane_stage.as_ref().is_none_or(|b| b.len() < y.len()) {
-            self.lane_stage = Some(dev.alloc_pinned::<f32>(y.len().max(1 << 16))?);
+        let segs: Vec<(usize, usize)> = rows.iter().map(|&r| (r * d_model, d_model)).collect();
+        self.upload_lane_segments(dev, y, &segs, out)
+    }
+
+    /// Copy `y`, cut into `segs` (offset in `out`, length) in order, into
+    /// `out` on the compute stream, through the page-locked staging buffer.
+    pub fn upload_lane_segments(&mut self, dev: &CudaDevice, y: &[f32], segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
+        let total: usize = segs.iter().map(|s| s.1).sum();
+        if total != y.len() {
+            return Err(CudaBackendError::Other(format!("lane output of {} values for segments of {total}", y.len())));
+        }
+        // Each call of a layer stages after the last one's (their copies may
+        // still be in flight); the layer's routing sync frees it all.
+        let mut at0 = self.lane_stage_used;
+        if self.lane_stage.as_ref().is_none_or(|b| b.len() < at0 + y.len()) {
+            // The old buffer may still feed copies: let them finish first.
+            dev.compute().synchronize().map_err(pulsar_cuda::CudaError::from)?;
+            self.lane_stage = Some(dev.alloc_pinned::<f32>((2 * (at0 + y.len())).max(1 << 16))?);
+            at0 = 0;
         }
         let stage = self.lane_stage.as_mut().expect("allocated above");
-        stage.as_mut_slice()[..y.len()].copy_from_slice(y);
+        stage.as_mut_slice()[at0..at0 + y.len()].copy_from_slice(y);
+        self.lane_stage_used = at0 + y.len();
         let bytes: &[u8] = {
-            let s = &stage.as_slice()[..y.len()];
+            let s = &stage.as_slice()[at0..at0 + y.len()];
             // SAFETY: f32 has no padding; the view covers exactly `s`.
             unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
         };
-        for (i, &r) in rows.iter().enumerate() {
-            let dst = out.device_ptr_at(r * d_model)?;
-            if (r + 1) * d_model > out.len() {
-                return Err(CudaBackendError::Other(format!("lane row {r} outside the expert output")));
+        let mut at = 0;
+        for &(off, len) in segs {
+            if off + len > out.len() {
+                return Err(CudaBackendError::Other(format!("lane values {off}..{} outside a buffer of {}", off + len, out.len())));
             }
-            let src = &bytes[i * d_model * 4..(i + 1) * d_model * 4];
-            // SAFETY: `dst` has d_model floats (checked); the staging buffer is
-            // page-locked and not rewritten before the next layer's sync.
-            unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, src) }?;
+            if len > 0 {
+                let dst = out.device_ptr_at(off)?;
+                let src = &bytes[at * 4..(at + len) * 4];
+                // SAFETY: `dst` has `len` floats (checked); the staging buffer
+                // is page-locked and not rewritten before the next layer's sync.
+                unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, src) }?;
+            }
+            at += len;
         }
         Ok(())
     }
@@ -648,10 +900,21 @@ impl ExpertPool {
     /// Account the last layer's copy-stream time (its copies are done: the
     /// compute stream waited for them and has since been synchronised).
     fn read_copy_time(&mut self) -> Result<(), CudaBackendError> {
+        // Whether the host got here before the link was done: a link-bound
+        // layer. The outcome the lane's share is steered by.
+        let busy = self.timing_pending && !self.copy_done.is_complete();
+        if std::mem::take(&mut self.lane_worked) {
+            self.lane_outcome = Some(busy);
+        }
         if self.timing_pending {
+            let t = std::time::Instant::now();
             self.copy_done.synchronize().map_err(pulsar_cuda::CudaError::from)?;
+            if busy {
+                self.stats.link_wait_seconds += t.elapsed().as_secs_f64();
+            }
             let ms = self.copy_start.elapsed_ms(&self.copy_done).map_err(pulsar_cuda::CudaError::from)?;
             self.stats.upload_seconds += ms as f64 / 1e3;
+            self.last_copies = Some((self.stats.pinned_bytes - self.pinned_at_start, ms as f64 / 1e3));
             self.timing_pending = false;
         }
         Ok(())

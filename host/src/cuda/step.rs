@@ -23,6 +23,10 @@ use crate::model::Model;
 
 type R<T> = Result<T, String>;
 
+/// Head rows of a split expert come in multiples of this (the lane's and the
+/// GPU's row groups both divide it).
+const HEAD_GRANULE: usize = 32;
+
 fn err<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -791,10 +795,70 @@ impl<'a> CudaStep<'a> {
     /// pairs routed to them, on the host bytes (the store's guard, else the
     /// mapping), uploaded into those pairs' rows of `out`.
     #[allow(clippy::too_many_arguments)]
+    /// Expert `e`'s host bytes of weight `wi` (slab kind `kind`) of `layer`,
+    /// for the CPU lane: from the store's step, or the file mapping.
+    fn lane_slab<'g>(&'g self, layer: u32, wi: usize, kind: pulsar_store::SlabKind, guard: Option<&'g pulsar_store::StepGuard<'_>>, e: u32) -> R<crate::cold::Slab<'g>> {
+        let model = self.model;
+        let w = &model.weights[wi];
+        let bytes = match guard {
+            Some(g) => g.slab(pulsar_store::SlabId::new(layer, kind, e)).ok_or_else(|| format!("layer {layer} expert {e}: not resolved"))?,
+            None => {
+                let range = model.file.expert_slab(model.tensor(w), e as u64).map_err(err)?;
+                model.file.bytes(&range).map_err(err)?
+            }
+        };
+        Ok(crate::cold::Slab { ty: w.ty, bytes })
+    }
+
+    /// The CPU lane's heads of this decode layer's split experts, written
+    /// into their rows of `h` (on the compute stream, after the GPU's `h`
+    /// kernel was queued): pair `p` with expert `e` of `heads` gets its rows
+    /// `0..rows`. Weights come from the file mapping (heads exist only where
+    /// the prefetch runs, which is the mapping's path).
+    #[allow(clippy::too_many_arguments)]
+    fn lane_heads(&self, spec: &MoeSpec, xh: &[f32], h_ids: &[i32], heads: &[(u32, usize)], widx: [usize; 3], ff: usize, h: &mut DeviceBuf<f32>) -> R<()> {
+        let cm = self.cm;
+        let lane = cm.lane.as_ref().ok_or("no CPU lane")?;
+        let pool_of = || cm.experts.as_ref().ok_or("no expert pool").map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
+        let t0 = std::time::Instant::now();
+        let d_model = cm.weights[widx[0]].dims[0] as usize;
+        let k = (spec.top_k as usize).max(1);
+        if xh.len() != h_ids.len() / k * d_model {
+            return Err(format!("moe layer {}: lane input has {} values for {} rows of {d_model}", spec.layer, xh.len(), h_ids.len() / k));
+        }
+        let mut pairs = Vec::new();
+        let mut segs = Vec::new();
+        for (p, &e) in h_ids.iter().enumerate() {
+            let Some(&(e, rows)) = heads.iter().find(|h| h.0 as i32 == e) else { continue };
+            let t = p / k;
+            let gate = self.lane_slab(spec.layer, widx[0], pulsar_store::SlabKind::Gate, None, e)?;
+            let up = self.lane_slab(spec.layer, widx[1], pulsar_store::SlabKind::Up, None, e)?;
+            pairs.push(crate::cold::LaneHead { expert: e, x: &xh[t * d_model..(t + 1) * d_model], gate_up: crate::cold::GateUp::Split { gate, up }, rows });
+            segs.push((p * ff, rows));
+        }
+        let job = crate::cold::LaneHeadJob { d_model, ff, act: act_of(spec.act), pairs };
+        let bytes = job.weight_bytes();
+        let y = lane.heads(&job).map_err(err)?;
+        let secs = t0.elapsed().as_secs_f64();
+        let mut pool = pool_of()?;
+        pool.note_lane_work(secs);
+        pool.stats.cpu_lane_bytes += bytes;
+        pool.stats.cpu_lane_seconds += secs;
+        pool.upload_lane_segments(&cm.dev, &y, &segs, h).map_err(err)?;
+        drop(pool);
+        cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(self.model.weights[widx[0]].ty, bytes, secs);
+        Ok(())
+    }
+
+    /// The CPU lane's share of a decode MoE layer, while the GPU runs the
+    /// rest (its kernels are queued): `xh` is the layer's input on the host.
+    /// The lane's rows land in `out` before the combine, which sums in slot
+    /// order as ever.
+    #[allow(clippy::too_many_arguments)]
     fn run_lane(
         &mut self,
         spec: &MoeSpec,
-        x: Val,
+        xh: &[f32],
         h_ids: &[i32],
         experts: &[u32],
         kinds: [pulsar_store::SlabKind; 3],
@@ -804,25 +868,16 @@ impl<'a> CudaStep<'a> {
     ) -> R<()> {
         let cm = self.cm;
         let lane = cm.lane.as_ref().ok_or("no CPU lane")?;
+        let pool_of = || cm.experts.as_ref().ok_or("no expert pool").map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
         let t0 = std::time::Instant::now();
-        let stream = cm.dev.compute().clone();
-        let (rows, d_model) = self.dims(x)?;
-        let mut xh = vec![0f32; rows * d_model];
-        self.buf(x)?.download(&stream, &mut xh).map_err(err)?;
+        let d_model = cm.weights[widx[2]].dims[1] as usize;
         let model = self.model;
-        let slab = |ki: usize, e: u32| -> R<crate::cold::Slab<'_>> {
-            let w = &model.weights[widx[ki]];
-            let bytes = match guard {
-                Some(g) => g.slab(pulsar_store::SlabId::new(spec.layer, kinds[ki], e)).ok_or_else(|| format!("layer {} expert {e}: not resolved", spec.layer))?,
-                None => {
-                    let range = model.file.expert_slab(model.tensor(w), e as u64).map_err(err)?;
-                    model.file.bytes(&range).map_err(err)?
-                }
-            };
-            Ok(crate::cold::Slab { ty: w.ty, bytes })
-        };
+        let slab = |ki: usize, e: u32| self.lane_slab(spec.layer, widx[ki], kinds[ki], guard, e);
         let k = spec.top_k as usize;
         let ff = cm.weights[widx[0]].dims[1] as usize;
+        if xh.len() != h_ids.len() / k.max(1) * d_model {
+            return Err(format!("moe layer {}: lane input has {} values for {} rows of {d_model}", spec.layer, xh.len(), h_ids.len() / k.max(1)));
+        }
         let mut pairs = Vec::new();
         let mut rows_of = Vec::new();
         for (p, &e) in h_ids.iter().enumerate() {
@@ -842,16 +897,15 @@ impl<'a> CudaStep<'a> {
         let job = crate::cold::LaneJob { d_model, ff, act: act_of(spec.act), pairs };
         let lane_bytes = job.weight_bytes();
         let y = lane.run(&job).map_err(err)?;
-        let mut pool = cm.experts.as_ref().ok_or("no expert pool")?.lock().unwrap_or_else(|e| e.into_inner());
-        pool.stats.cpu_lane_bytes += lane_bytes;
-        pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out).map_err(err)?;
-        // What the lane really achieved on this step, overheads included,
-        // folded into the rate the next split reads.
         let secs = t0.elapsed().as_secs_f64();
-        if secs > 0.0 && lane_bytes > 0 {
-            let ty = model.weights[widx[0]].ty;
-            cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(ty, lane_bytes as f64 / secs / 1e9);
-        }
+        let mut pool = pool_of()?;
+        pool.note_lane_work(secs);
+        pool.stats.cpu_lane_bytes += lane_bytes;
+        pool.stats.cpu_lane_seconds += secs;
+        pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out).map_err(err)?;
+        drop(pool);
+        // What the lane really achieved, folded into the rate the next split reads.
+        cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(model.weights[widx[0]].ty, lane_bytes, secs);
         Ok(())
     }
 
@@ -922,6 +976,9 @@ impl<'a> CudaStep<'a> {
         let mut guard: Option<pulsar_store::StepGuard<'a>> = None;
         // Cold experts the CPU lane computes this step, and the slab kinds.
         let mut lane_experts: Vec<u32> = Vec::new();
+        let mut lane_x: Vec<f32> = Vec::new();
+        // (expert, rows): gate/up heads the CPU lane computes this step.
+        let mut lane_heads: Vec<(u32, usize)> = Vec::new();
         let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
@@ -966,9 +1023,16 @@ impl<'a> CudaStep<'a> {
                     next = Some((idn, wn));
                 }
                 h_ids = vec![0i32; n_pairs];
+                // Decode with a lane: its input comes back with the routing ids.
+                let lane_may = rows == 1 && cm.lane.is_some() && !grouped;
+                if lane_may {
+                    pool.lock().unwrap_or_else(|e| e.into_inner()).stage_lane_input(dev, self.buf(x)?).map_err(err)?;
+                }
                 // Synchronises the stream: earlier layers' expert kernels are
                 // done, so their scratch and evicted slots may be reused.
+                let t_route = std::time::Instant::now();
                 ids.download(&stream, &mut h_ids).map_err(err)?;
+                let route_wait = t_route.elapsed().as_secs_f64();
                 let mut predicted: Vec<u32> = Vec::new();
                 if let Some((idn, wn)) = next {
                     let mut h = vec![0i32; rows * k];
@@ -993,38 +1057,94 @@ impl<'a> CudaStep<'a> {
                     kinds[ki] = crate::cpu::moe::slab_kind(&w.name).ok_or_else(|| format!("{}: not an expert tensor", w.name))?;
                 }
                 let model = self.model;
-                let req0 = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, zero_copy: &[], cpu: &[], decode: rows == 1 };
+                let req0 = super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, zero_copy: &[], cpu: &[], heads: &[], decode: rows == 1 };
                 let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
                 if self.store.is_none() && cm.prefetch {
                     pool.enable_prefetch(k);
                 }
                 let plan = pool.plan_layer(&req0).map_err(err)?;
+                pool.stats.route_wait_seconds += route_wait;
+                // Who waited for whom in the layer before: steer the lane's share.
+                let (busy, chain) = pool.take_layer_outcome();
+                let copies = pool.take_copy_span().filter(|_| rows == 1);
+                if busy.is_some() || chain.is_some() || copies.is_some() {
+                    let mut cost = cm.cost.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some((bytes, secs)) = copies {
+                        cost.observe_link(bytes, secs);
+                    }
+                    if let Some(link_busy) = busy {
+                        cost.balance(link_busy);
+                    }
+                    if let Some(c) = chain {
+                        cost.observe_chain(c);
+                    }
+                }
+                use crate::cold::{ColdPath, ColdPolicy};
+                let policy = if cm.lane.is_none() && cm.cold == ColdPolicy::Force(ColdPath::Cpu) { ColdPolicy::Force(ColdPath::Upload) } else { cm.cold };
+                let lane_on = cm.lane.is_some() && matches!(policy, ColdPolicy::Auto | ColdPolicy::Force(ColdPath::Cpu));
+                let expert_bytes = |ws: &[usize]| -> u64 { ws.iter().map(|&i| self.model.weights[i].bytes / ne as u64).sum() };
+                // Bytes of `r` rows of this layer's gate (= up) slab.
+                let gate_row = pulsar_kernels::quant::row_bytes(gate_ty, d_model).unwrap_or(0);
+                let head_bytes = |r: usize| r * gate_row;
+                // A layer's head geometry (gate + up bytes of a row, ff, one
+                // slab's row bytes), if gate and up share one type.
+                let next_head = |ws: &[usize]| -> Option<(u64, usize, usize)> {
+                    let (g, u) = (&self.model.weights[ws[0]], &self.model.weights[ws[1]]);
+                    let row = pulsar_kernels::quant::row_bytes(g.ty, *g.dims.first()? as usize).ok()?;
+                    (g.ty == u.ty && g.dims == u.dims).then_some((2 * row as u64, *g.dims.get(1)? as usize, row))
+                };
+                let as_cold = |experts: &[u32], bytes: u64| -> Vec<crate::cold::ColdExpert> {
+                    experts.iter().map(|&expert| crate::cold::ColdExpert { expert, bytes, ty: gate_ty, in_host_memory: true }).collect()
+                };
                 // Decode: split the cold experts between the link (upload or
-                // zero-copy) and the CPU lane by measured cost. Prefill
-                // uploads: its grouped products want the weights in VRAM.
+                // zero-copy) and the CPU lane by measured cost. Experts the
+                // last layer's prefetch left to the lane go there; the rest
+                // are split around them. Prefill uploads: its grouped
+                // products want the weights in VRAM.
+                // Experts whose gate/up heads the last layer's prefetch left
+                // to the lane (their other rows and down are on the device).
+                let heads: Vec<(u32, usize)> = if !grouped && !float && lane_on && policy == ColdPolicy::Auto { pool.heads_ready(spec.layer, kinds, &experts) } else { Vec::new() };
+                let head_experts: Vec<u32> = heads.iter().map(|h| h.0).collect();
                 let (mut zero_copy, mut cpu) = (Vec::new(), Vec::new());
                 if !grouped && !plan.cold.is_empty() {
-                    let cold: Vec<crate::cold::ColdExpert> = plan
-                        .cold
-                        .iter()
-                        .map(|&e| {
-                            let bytes = widx.iter().map(|&i| self.model.weights[i].bytes / ne as u64).sum();
-                            crate::cold::ColdExpert { expert: e, bytes, ty: gate_ty, in_host_memory: true }
-                        })
-                        .collect();
-                    let policy = if cm.lane.is_none() && cm.cold == crate::cold::ColdPolicy::Force(crate::cold::ColdPath::Cpu) { crate::cold::ColdPolicy::Force(crate::cold::ColdPath::Upload) } else { cm.cold };
-                    let paths = crate::cold::split(&cold, &cm.cost.lock().unwrap_or_else(|e| e.into_inner()), policy);
-                    for (c, p) in cold.iter().zip(paths) {
+                    let reserved = pool.lane_reserved(spec.layer);
+                    let (kept, rest): (Vec<u32>, Vec<u32>) = plan.cold.iter().partition(|e| lane_on && reserved.binary_search(e).is_ok());
+                    let cost = cm.cost.lock().unwrap_or_else(|e| e.into_inner());
+                    let bytes = expert_bytes(&widx);
+                    let kept_cold = as_cold(&kept, bytes);
+                    let head_bytes: u64 = heads.iter().map(|&(_, r)| head_bytes(r) as u64 * 2).sum();
+                    let mut busy = crate::cold::Busy { link: 0.0, cpu: crate::cold::lane_seconds(&kept_cold, &vec![ColdPath::Cpu; kept.len()], &cost).1 };
+                    if head_bytes > 0 {
+                        busy.cpu += cost.cpu_fixed() + cost.seconds(ColdPath::Cpu, head_bytes, gate_ty);
+                    }
+                    let rest_cold = as_cold(&rest, bytes);
+                    let paths = crate::cold::split_busy(&rest_cold, &cost, policy, busy);
+                    cpu = kept;
+                    for (c, p) in rest_cold.iter().zip(paths) {
                         match p {
-                            crate::cold::ColdPath::ZeroCopy => zero_copy.push(c.expert),
-                            crate::cold::ColdPath::Cpu if cm.lane.is_some() => cpu.push(c.expert),
+                            ColdPath::ZeroCopy => zero_copy.push(c.expert),
+                            ColdPath::Cpu if lane_on => cpu.push(c.expert),
                             _ => {}
                         }
                     }
                     zero_copy.sort_unstable();
                     cpu.sort_unstable();
                 }
-                let req = super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, ..req0 };
+                if !grouped && lane_on && cpu.is_empty() && heads.is_empty() {
+                    cm.cost.lock().unwrap_or_else(|e| e.into_inner()).relax();
+                }
+                // The lane reads this layer's input on the host; the stream
+                // is idle here (the routing ids just came back), so this
+                // copy costs no wait, and the lane can run beside the GPU.
+                let mut x_host = Vec::new();
+                if !cpu.is_empty() || !heads.is_empty() {
+                    x_host = pool.lane_input().to_vec();
+                    if !lane_may || x_host.len() != rows * d_model {
+                        x_host = vec![0f32; rows * d_model];
+                        self.buf(x)?.download(&stream, &mut x_host).map_err(err)?;
+                    }
+                }
+                let req = super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, heads: &head_experts, ..req0 };
                 let need = &plan.need;
                 match self.store.filter(|_| !need.is_empty()) {
                     // Tier 3/4: what VRAM lacks comes through the host cache
@@ -1060,7 +1180,28 @@ impl<'a> CudaStep<'a> {
                         .map_err(err)?;
                         let nw: Option<Vec<usize>> = kinds.iter().map(|&kd| cm.slab_index.get(&(spec.layer + 1, kd)).copied()).collect();
                         if let (false, Some(nw)) = (predicted.is_empty(), nw) {
-                            pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &|ki, e| {
+                            // Decode: the predicted cold experts the lane would
+                            // finish before the link are left to it (they then
+                            // never cross the link); the link copies the rest.
+                            let mut lane_next = Vec::new();
+                            if rows == 1 && lane_on && pool.prefetch_enabled() {
+                                let next_cold = as_cold(&pool.cold_of(spec.layer + 1, kinds, &predicted), expert_bytes(&nw));
+                                let cost = cm.cost.lock().unwrap_or_else(|e| e.into_inner());
+                                lane_next = match policy {
+                                    // Forced: the lane takes them whole.
+                                    ColdPolicy::Force(_) => next_cold.iter().map(|c| (c.expert, super::pool::LaneShare::Whole)).collect(),
+                                    // Auto: the same head of each, sized so the
+                                    // lane and the link finish together.
+                                    ColdPolicy::Auto => match next_head(&nw) {
+                                        Some((gu_row, ff_next, row)) if !float => {
+                                            let r = crate::cold::head_rows(&next_cold, gu_row, ff_next, HEAD_GRANULE, &cost);
+                                            if r == 0 { Vec::new() } else { next_cold.iter().map(|c| (c.expert, super::pool::LaneShare::Head { rows: r, bytes: r * row })).collect() }
+                                        }
+                                        _ => Vec::new(),
+                                    },
+                                };
+                            }
+                            pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &lane_next, &|ki, e| {
                                 let t = model.tensor(&model.weights[nw[ki]]);
                                 let range = model.file.expert_slab(t, e as u64).map_err(err)?;
                                 model.file.bytes(&range).map_err(err)
@@ -1073,6 +1214,8 @@ impl<'a> CudaStep<'a> {
                     }
                 }
                 lane_experts = cpu;
+                lane_heads = heads;
+                lane_x = x_host;
                 layer_kinds = kinds;
                 if grouped {
                     let t = pool.host_tables();
@@ -1092,7 +1235,7 @@ impl<'a> CudaStep<'a> {
             self.pools.f32.give(h);
             r.map_err(err)?;
             if !lane_experts.is_empty() {
-                self.run_lane(spec, x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
+                self.run_lane(spec, &lane_x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
             }
         } else if grouped {
             let xqi = self.quantized(x, gfmt)?;
@@ -1154,14 +1297,44 @@ impl<'a> CudaStep<'a> {
             let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
             let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
             let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
-            let r = dev.moe_ffn(&stream, gate_ty, down_ty, &pairs, &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out);
+            // Split experts: each pair's first device row of h; the lane
+            // fills the rows below while the GPU computes the rest.
+            let row_lo = if lane_heads.is_empty() {
+                None
+            } else {
+                let lo: Vec<i32> = h_ids.iter().map(|&e| lane_heads.iter().find(|h| h.0 as i32 == e).map_or(0, |h| h.1 as i32)).collect();
+                let mut b = self.pools.i32.take(dev, n_pairs).map_err(err)?;
+                let pool = cm.experts.as_ref().ok_or("heads without an expert pool")?;
+                pool.lock().unwrap_or_else(|e| e.into_inner()).stage_row_lo(dev, &lo, &mut b).map_err(err)?;
+                Some(b)
+            };
+            let mut lane_err = None;
+            let r = {
+                let (me, heads, xh, ids) = (&*self, &lane_heads, &lane_x, &h_ids);
+                let mut fill = |h: &mut DeviceBuf<f32>| -> Result<(), pulsar_cuda::CudaError> {
+                    if heads.is_empty() {
+                        return Ok(());
+                    }
+                    me.lane_heads(spec, xh, ids, heads, widx, ff, h).map_err(|e| {
+                        lane_err = Some(e);
+                        pulsar_cuda::CudaError::Shape { op: "moe_ffn", what: "the cpu lane's heads failed".into() }
+                    })
+                };
+                dev.moe_ffn_split(&stream, gate_ty, down_ty, &pairs, row_lo.as_ref(), &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out, &mut fill)
+            };
+            if let Some(b) = row_lo {
+                self.pools.i32.give(b);
+            }
             self.pools.u8.give(hq);
             self.pools.f32.give(h);
+            if let Some(e) = lane_err {
+                return Err(e);
+            }
             r.map_err(err)?;
             if !lane_experts.is_empty() {
                 // The GPU works on its experts meanwhile; the lane's rows land
                 // in `out` before the combine, which sums in slot order as ever.
-                self.run_lane(spec, x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
+                self.run_lane(spec, &lane_x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
             }
         }
         if let Some(g) = guard.take() {
