@@ -810,6 +810,20 @@ impl<'a> CudaStep<'a> {
         Ok(crate::cold::Slab { ty: w.ty, bytes })
     }
 
+    /// Account a finished lane job (`bytes` of `ty` weights in `secs`) in the
+    /// pool's statistics and the cost model, and queue its output's copy.
+    fn lane_finished(&self, ty: pulsar_gguf::GgmlType, bytes: u64, secs: f64, upload: impl FnOnce(&mut super::ExpertPool) -> Result<(), CudaBackendError>) -> R<()> {
+        let cm = self.cm;
+        let mut pool = cm.experts.as_ref().ok_or("no expert pool")?.lock().unwrap_or_else(|e| e.into_inner());
+        pool.note_lane_work(secs);
+        pool.stats.cpu_lane_bytes += bytes;
+        pool.stats.cpu_lane_seconds += secs;
+        upload(&mut pool).map_err(err)?;
+        drop(pool);
+        cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(ty, bytes, secs);
+        Ok(())
+    }
+
     /// The CPU lane's heads of this decode layer's split experts, written
     /// into their rows of `h` (on the compute stream, after the GPU's `h`
     /// kernel was queued): pair `p` with expert `e` of `heads` gets its rows
@@ -819,7 +833,6 @@ impl<'a> CudaStep<'a> {
     fn lane_heads(&self, spec: &MoeSpec, xh: &[f32], h_ids: &[i32], heads: &[(u32, usize)], widx: [usize; 3], ff: usize, h: &mut DeviceBuf<f32>) -> R<()> {
         let cm = self.cm;
         let lane = cm.lane.as_ref().ok_or("no CPU lane")?;
-        let pool_of = || cm.experts.as_ref().ok_or("no expert pool").map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
         let t0 = std::time::Instant::now();
         let d_model = cm.weights[widx[0]].dims[0] as usize;
         let k = (spec.top_k as usize).max(1);
@@ -840,14 +853,7 @@ impl<'a> CudaStep<'a> {
         let bytes = job.weight_bytes();
         let y = lane.heads(&job).map_err(err)?;
         let secs = t0.elapsed().as_secs_f64();
-        let mut pool = pool_of()?;
-        pool.note_lane_work(secs);
-        pool.stats.cpu_lane_bytes += bytes;
-        pool.stats.cpu_lane_seconds += secs;
-        pool.upload_lane_segments(&cm.dev, &y, &segs, h).map_err(err)?;
-        drop(pool);
-        cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(self.model.weights[widx[0]].ty, bytes, secs);
-        Ok(())
+        self.lane_finished(self.model.weights[widx[0]].ty, bytes, secs, |pool| pool.upload_lane_segments(&cm.dev, &y, &segs, h))
     }
 
     /// The CPU lane's share of a decode MoE layer, while the GPU runs the
@@ -868,7 +874,6 @@ impl<'a> CudaStep<'a> {
     ) -> R<()> {
         let cm = self.cm;
         let lane = cm.lane.as_ref().ok_or("no CPU lane")?;
-        let pool_of = || cm.experts.as_ref().ok_or("no expert pool").map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
         let t0 = std::time::Instant::now();
         let d_model = cm.weights[widx[2]].dims[1] as usize;
         let model = self.model;
@@ -898,15 +903,8 @@ impl<'a> CudaStep<'a> {
         let lane_bytes = job.weight_bytes();
         let y = lane.run(&job).map_err(err)?;
         let secs = t0.elapsed().as_secs_f64();
-        let mut pool = pool_of()?;
-        pool.note_lane_work(secs);
-        pool.stats.cpu_lane_bytes += lane_bytes;
-        pool.stats.cpu_lane_seconds += secs;
-        pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out).map_err(err)?;
-        drop(pool);
-        // What the lane really achieved, folded into the rate the next split reads.
-        cm.cost.lock().unwrap_or_else(|e| e.into_inner()).observe_cpu(model.weights[widx[0]].ty, lane_bytes, secs);
-        Ok(())
+        // What the lane really achieved feeds the rate the next split reads.
+        self.lane_finished(model.weights[widx[0]].ty, lane_bytes, secs, |pool| pool.upload_lane_rows(&cm.dev, &y, &rows_of, d_model, out))
     }
 
     fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
