@@ -80,8 +80,8 @@ pub enum LaneError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cpu lane: a task panicked")]
-    Panicked,
+    #[error("cpu lane: {0}")]
+    Job(#[from] super::spin::PoolError),
     #[error("cpu lane pair {pair} (expert {expert}): {rows} head rows of an ff of {ff}")]
     HeadRows { pair: usize, expert: u32, rows: usize, ff: usize },
     #[error("cpu lane job: d_model {d_model} and ff {ff} must both be non-zero")]
@@ -292,7 +292,7 @@ impl CpuLane {
                     first_err.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
                 }
             })
-            .map_err(|_| LaneError::Panicked)?;
+            .map_err(LaneError::Job)?;
         match first_err.into_inner().unwrap_or_else(|e| e.into_inner()) {
             Some(e) => Err(e),
             None => Ok(()),

@@ -111,10 +111,14 @@ impl Inner {
     }
 }
 
-/// A worker panicked inside a job.
+/// Why a job did not complete.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("a cpu lane task panicked")]
-pub struct TaskPanicked;
+pub enum PoolError {
+    #[error("a task panicked")]
+    Panicked,
+    #[error("a job of {0} tasks (at most {MAX_TASKS})")]
+    TooManyTasks(usize),
+}
 
 pub struct SpinPool {
     inner: Arc<Inner>,
@@ -153,11 +157,13 @@ impl SpinPool {
 
     /// Call `f(i)` for every `i < n` on the pool's threads and this one;
     /// returns when all calls have returned. At most [`MAX_TASKS`] tasks.
-    pub fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) -> Result<(), TaskPanicked> {
+    pub fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) -> Result<(), PoolError> {
         if n == 0 {
             return Ok(());
         }
-        assert!(n <= MAX_TASKS, "spin pool job of {n} tasks (at most {MAX_TASKS})");
+        if n > MAX_TASKS {
+            return Err(PoolError::TooManyTasks(n));
+        }
         let mut epoch = self.running.lock().unwrap_or_else(|e| e.into_inner());
         *epoch = (*epoch + 1) & 0xff_ffff;
         let inner = &*self.inner;
@@ -175,7 +181,7 @@ impl SpinPool {
             std::hint::spin_loop();
         }
         if inner.panicked.load(Acquire) {
-            Err(TaskPanicked)
+            Err(PoolError::Panicked)
         } else {
             Ok(())
         }
@@ -249,7 +255,8 @@ mod tests {
                 panic!("task 7");
             }
         });
-        assert_eq!(r, Err(TaskPanicked));
+        assert_eq!(r, Err(PoolError::Panicked));
+        assert_eq!(pool.run(MAX_TASKS + 1, &|_| ()), Err(PoolError::TooManyTasks(MAX_TASKS + 1)));
         let n = AtomicUsize::new(0);
         pool.run(10, &|_| {
             n.fetch_add(1, Relaxed);

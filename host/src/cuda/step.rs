@@ -1087,6 +1087,10 @@ impl<'a> CudaStep<'a> {
                 // A layer's head geometry (gate + up bytes of a row, ff, one
                 // slab's row bytes), if gate and up share one type.
                 let next_head = |ws: &[usize]| -> Option<(u64, usize, usize)> {
+                    // Gate and up fused in one slab: a head would need rows of both halves.
+                    if ws[0] == ws[1] {
+                        return None;
+                    }
                     let (g, u) = (&self.model.weights[ws[0]], &self.model.weights[ws[1]]);
                     let row = pulsar_kernels::quant::row_bytes(g.ty, *g.dims.first()? as usize).ok()?;
                     (g.ty == u.ty && g.dims == u.dims).then_some((2 * row as u64, *g.dims.get(1)? as usize, row))
@@ -1101,7 +1105,7 @@ impl<'a> CudaStep<'a> {
                 // products want the weights in VRAM.
                 // Experts whose gate/up heads the last layer's prefetch left
                 // to the lane (their other rows and down are on the device).
-                let heads: Vec<(u32, usize)> = if !grouped && !float && lane_on && policy == ColdPolicy::Auto { pool.heads_ready(spec.layer, kinds, &experts) } else { Vec::new() };
+                let heads: Vec<(u32, usize)> = if !grouped && !float && lane_on && policy == ColdPolicy::Auto && widx[0] != widx[1] { pool.heads_ready(spec.layer, kinds, &experts) } else { Vec::new() };
                 let head_experts: Vec<u32> = heads.iter().map(|h| h.0).collect();
                 let (mut zero_copy, mut cpu) = (Vec::new(), Vec::new());
                 if !grouped && !plan.cold.is_empty() {
