@@ -131,8 +131,8 @@ pub struct ExpertPool {
     /// Predicted experts of `pf_layer` whose gate/up heads (rows `0..rows`)
     /// were left to the CPU lane: only their other rows and down were copied.
     pf_heads: Vec<(u32, usize)>,
-    /// The lane worked in the current layer; and the last layer's outcome.
-    lane_worked: bool,
+    /// The last lane layer's outcome, from the next plan (a layer had lane
+    /// work when `lane_secs` > 0).
     lane_outcome: Option<bool>,
     /// Decode: when the last plan's wait for the link ended (and its layer),
     /// the lane's seconds since, and the last layer's chain (its host and
@@ -248,7 +248,6 @@ impl ExpertPool {
             pf: HashMap::new(),
             pf_lane: Vec::new(),
             pf_heads: Vec::new(),
-            lane_worked: false,
             lane_outcome: None,
             last_plan: None,
             lane_secs: 0.0,
@@ -387,7 +386,6 @@ impl ExpertPool {
     /// The CPU lane worked `secs` in this layer (its outcome is read at the
     /// next layer's plan).
     pub fn note_lane_work(&mut self, secs: f64) {
-        self.lane_worked = true;
         self.lane_secs += secs;
     }
 
@@ -903,7 +901,7 @@ impl ExpertPool {
         // Whether the host got here before the link was done: a link-bound
         // layer. The outcome the lane's share is steered by.
         let busy = self.timing_pending && !self.copy_done.is_complete();
-        if std::mem::take(&mut self.lane_worked) {
+        if self.lane_secs > 0.0 {
             self.lane_outcome = Some(busy);
         }
         if self.timing_pending {
