@@ -245,6 +245,11 @@ impl<T: Pod> PinnedBuf<T> {
         // SAFETY: as above, with unique access through &mut self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+    /// The allocation's address, for memory another thread (or the device)
+    /// uses while no slice of it may exist.
+    pub fn as_ptr(&self) -> *mut T {
+        self.ptr
+    }
 }
 
 impl<T: Pod> Drop for PinnedBuf<T> {
@@ -359,5 +364,25 @@ pub unsafe fn copy_to_device_async(
     stream.context().bind_to_thread()?;
     // SAFETY: per the contract above.
     unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+    Ok(())
+}
+
+/// [`copy_to_device_async`] from a raw range: for page-locked memory another
+/// thread is still writing, which the stream reads only after a wait queued
+/// before this copy (a slice of it would assert it unchanged now).
+///
+/// # Safety
+/// `dst` must address `len` bytes of live device memory; `src..src + len`
+/// must be page-locked host memory that stays alive, holding its final
+/// bytes by the time the stream passes this copy.
+pub unsafe fn copy_raw_to_device_async(
+    stream: &CudaStream,
+    dst: u64,
+    src: *const u8,
+    len: usize,
+) -> Result<(), CudaError> {
+    stream.context().bind_to_thread()?;
+    // SAFETY: per the contract above.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, len, stream.cu_stream()) }.result()?;
     Ok(())
 }

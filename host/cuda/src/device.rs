@@ -198,6 +198,24 @@ impl CudaDevice {
         PinnedBuf::alloc(&self.ctx, len)
     }
 
+    /// A host-written counter streams can wait on (see [`crate::HostFlag`]).
+    pub fn new_flag(&self) -> Result<crate::HostFlag, CudaError> {
+        crate::HostFlag::new(&self.ctx)
+    }
+
+    /// Whether streams can wait on host flags here: a wait for a value the
+    /// flag already holds must pass through at once.
+    pub fn flag_waits_work(&self) -> bool {
+        let probe = || -> Result<(), CudaError> {
+            let f = self.new_flag()?;
+            f.set(1);
+            f.wait_on(self.compute(), 1)?;
+            self.compute().synchronize()?;
+            Ok(())
+        };
+        probe().is_ok()
+    }
+
     /// Page-lock host memory owned elsewhere in place (see [`HostRegistration`]).
     ///
     /// # Safety

@@ -410,6 +410,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     }
     small_ops::cases(dev, &mut t, &pool, &k, &mut next);
     moe_split::cases(dev, &mut t, &mut next);
+    t.push("stream waits for a host flag", "u32", "copy queued behind a wait, flag set 30 ms later".into(), flag_case(dev));
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -490,6 +491,31 @@ fn gather_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
         }
     }
     Ok(Cmp { abs: diff as f64, rel: diff as f64 / (3 * n_pairs) as f64, tol: 0.0, pass: diff == 0 })
+}
+
+/// A copy queued behind a flag wait must read what the host wrote just
+/// before it raised the flag, 30 ms after the copy was queued (without the
+/// wait the copy would read the value of the queueing time).
+fn flag_case(dev: &CudaDevice) -> Result<Cmp, CudaError> {
+    let flag = dev.new_flag()?;
+    let mut src = dev.alloc_pinned::<u32>(1)?;
+    src.as_mut_slice()[0] = 1;
+    let sp = src.as_mut_slice().as_mut_ptr();
+    let dst = dev.alloc::<u32>(1)?;
+    let s = dev.compute();
+    flag.wait_on(s, 7)?;
+    // SAFETY: `dst` holds one u32; `src` is page-locked and outlives the sync below.
+    let bytes = unsafe { std::slice::from_raw_parts(sp as *const u8, 4) };
+    unsafe { crate::copy_to_device_async(s, dst.device_ptr(), bytes) }?;
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    // The host's write through the same page-locked memory the copy reads.
+    // SAFETY: the copy reads `src` only after the flag is raised below.
+    unsafe { std::ptr::write_volatile(sp, 42) };
+    flag.set(7);
+    s.synchronize()?;
+    let got = dev.download(&dst)?[0];
+    let bad = (got != 42) as usize;
+    Ok(Cmp { abs: bad as f64, rel: bad as f64, tol: 0.0, pass: bad == 0 })
 }
 
 fn combine_case(dev: &CudaDevice, n_tok: usize, n_slot: usize, d_model: usize, seed: u64) -> Result<Cmp, CudaError> {

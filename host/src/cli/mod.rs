@@ -35,6 +35,11 @@ pub struct GpuArgs {
     /// CPU lane threads for cold experts (default: half the cores; 0: none).
     #[arg(long, value_name = "N")]
     pub cpu_lane_threads: Option<usize>,
+    /// Run the CPU lane's decode jobs on the host thread, which waits for
+    /// each (by default the GPU waits for the lane on a host flag while the
+    /// host goes on; this is for measuring the difference).
+    #[arg(long)]
+    pub cpu_lane_sync: bool,
     /// Never page-lock the model file in host memory (uploads go pageable).
     #[arg(long)]
     pub no_pin: bool,
@@ -107,6 +112,7 @@ impl GpuArgs {
             census,
             cold: self.cold_path,
             lane_threads: self.cpu_lane_threads,
+            lane_sync: self.cpu_lane_sync,
             no_pin: self.no_pin || cached_store,
             no_prefetch: self.no_prefetch,
             no_graphs: self.no_cuda_graphs,

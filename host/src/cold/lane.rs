@@ -211,6 +211,9 @@ fn chunk_rows(rows: usize, row_bytes: usize, n_mats: usize, threads: usize) -> u
 /// The CPU lane: its own threads, so it never queues behind the host's other
 /// work, and spinning ones ([`SpinPool`]), so a layer's job starts at once.
 pub struct CpuLane {
+    /// Runs jobs beside the host thread (the pool's caller then). Declared
+    /// first so it drops first: its last job may still use the pool.
+    driver: super::driver::Driver,
     kernels: Kernels,
     pool: SpinPool,
 }
@@ -271,7 +274,8 @@ impl CpuLane {
     pub fn with_kernels(kernels: Kernels, threads: usize) -> Result<CpuLane, LaneError> {
         let threads = threads.max(1);
         let pool = SpinPool::new(threads, "pulsar-lane").map_err(|source| LaneError::Pool { threads, source })?;
-        Ok(CpuLane { kernels, pool })
+        let driver = super::driver::Driver::new("pulsar-lane-driver").map_err(|source| LaneError::Pool { threads, source })?;
+        Ok(CpuLane { kernels, pool, driver })
     }
 
     pub fn threads(&self) -> usize {
@@ -280,6 +284,11 @@ impl CpuLane {
 
     pub fn kernels(&self) -> Kernels {
         self.kernels
+    }
+
+    /// The thread that runs jobs while the host goes on (see [`super::driver`]).
+    pub fn driver(&self) -> &super::driver::Driver {
+        &self.driver
     }
 
     /// Run `f` once per task on the lane's threads; the first error wins.

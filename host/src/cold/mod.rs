@@ -23,9 +23,12 @@
 //! [`head_rows`] sizes the heads of the next layer's predicted cold experts
 //! before their prefetch, and the cost model's bias follows whether the lane
 //! or the link held each layer up. The lane runs on its own spinning threads
-//! ([`spin::SpinPool`]): a layer's job must start within microseconds.
+//! ([`spin::SpinPool`]): a layer's job must start within microseconds. Where
+//! the GPU can wait on a host flag, the lane's job runs on its own driver
+//! thread ([`driver::Driver`]) while the host goes on queueing the layer.
 
 pub mod cost;
+pub mod driver;
 pub mod lane;
 pub mod spin;
 pub mod split;

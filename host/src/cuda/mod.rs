@@ -16,7 +16,7 @@
 mod fuse;
 mod measure;
 mod pinned;
-mod pool;
+pub(crate) mod pool;
 mod profile;
 pub mod roles;
 mod step;
@@ -113,6 +113,9 @@ pub struct LoadOptions {
     pub cold: crate::cold::ColdPolicy,
     /// CPU lane threads (None: half the cores; 0: no CPU lane).
     pub lane_threads: Option<usize>,
+    /// The host thread waits for the CPU lane's jobs instead of the GPU
+    /// waiting on a host flag.
+    pub lane_sync: bool,
     /// Never page-lock the file mapping (uploads then go pageable).
     pub no_pin: bool,
     /// Do not copy the next layer's predicted experts ahead in decode.
@@ -205,6 +208,9 @@ impl CudaModel {
             let mut pool = ExpertPool::new(&dev, slot_bytes as usize, n_slots, n_exp, 256.0 * n_moe_layers as f64)?;
             if !opts.no_pin {
                 pin_mapping(&dev, model, mem.expert_bytes, &mut pool);
+            }
+            if !opts.lane_sync && !pool.enable_async_lane(&dev) {
+                tracing::info!("this device cannot wait on host flags: the CPU lane's jobs block the host thread");
             }
             if let Some(census) = opts.census.as_ref().filter(|c| !c.is_empty()) {
                 let cat = crate::experts::catalog(model).map_err(|e| CudaBackendError::Other(e.to_string()))?;

@@ -1,9 +1,10 @@
 //! VRAM pools: reusable activation buffers, and the expert-slot hot set.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use cudarc::driver::CudaEvent;
-use pulsar_cuda::{CudaDevice, DeviceBuf, HostRegistration, PinnedBuf, Pod};
+use pulsar_cuda::{CudaDevice, DeviceBuf, HostFlag, HostRegistration, PinnedBuf, Pod};
 use pulsar_store::{Catalog, Census, HotSet, HotSetConfig, SlabId, SlabKind};
 
 use super::pinned::PinnedRanges;
@@ -115,6 +116,11 @@ pub struct ExpertPool {
     /// staged for the device.
     lane_input: Option<PinnedBuf<f32>>,
     row_lo_stage: Option<PinnedBuf<i32>>,
+    /// The asynchronous lane: the flag the compute stream waits on, the last
+    /// job number handed out, and the staging its outputs are written to.
+    lane_flag: Option<Arc<HostFlag>>,
+    lane_seq: u32,
+    lane_async_stage: Option<PinnedBuf<f32>>,
     /// Cross-layer prefetch: cold slabs of `pf_layer` already copied into
     /// its scratch window (slot, bytes), during the layer before.
     pf_enabled: bool,
@@ -241,6 +247,9 @@ impl ExpertPool {
             lane_stage_used: 0,
             lane_input: None,
             row_lo_stage: None,
+            lane_flag: None,
+            lane_seq: 0,
+            lane_async_stage: None,
             pf_enabled: false,
             copied_per_layer: f64::INFINITY,
             pf_layer: None,
@@ -818,6 +827,50 @@ impl ExpertPool {
         Ok(())
     }
 
+    /// Let lane jobs run beside the host thread, the compute stream waiting
+    /// for their output on a host flag; false where the device cannot wait
+    /// on one (jobs then block the host).
+    pub fn enable_async_lane(&mut self, dev: &CudaDevice) -> bool {
+        if self.lane_flag.is_none() && dev.flag_waits_work() {
+            self.lane_flag = dev.new_flag().ok().map(Arc::new);
+        }
+        self.lane_flag.is_some()
+    }
+
+    pub fn async_lane(&self) -> bool {
+        self.lane_flag.is_some()
+    }
+
+    /// Room for one asynchronous lane job's `len` output values, and the flag
+    /// value its end must raise. Call only once the job before has finished
+    /// and after this layer's routing sync (the staging's copies are done).
+    pub fn reserve_lane_output(&mut self, dev: &CudaDevice, len: usize) -> Result<LaneOutput, CudaBackendError> {
+        let flag = self.lane_flag.clone().ok_or_else(|| CudaBackendError::Other("no asynchronous lane".into()))?;
+        if self.lane_async_stage.as_ref().is_none_or(|b| b.len() < len) {
+            dev.compute().synchronize().map_err(pulsar_cuda::CudaError::from)?;
+            self.lane_async_stage = Some(dev.alloc_pinned::<f32>((2 * len).max(1 << 16))?);
+        }
+        self.lane_seq = self.lane_seq.wrapping_add(1);
+        let ptr = self.lane_async_stage.as_ref().expect("allocated above").as_ptr();
+        Ok(LaneOutput { flag, seq: self.lane_seq, ptr, len })
+    }
+
+    /// Queue, on the compute stream, a wait for the lane job that raises the
+    /// flag to `seq`, then the copies of its output (reserved with
+    /// [`reserve_lane_output`](Self::reserve_lane_output)) cut into `segs`
+    /// (offset in `out`, length) in order.
+    pub fn queue_lane_output(&mut self, dev: &CudaDevice, seq: u32, segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
+        let flag = self.lane_flag.as_ref().ok_or_else(|| CudaBackendError::Other("no asynchronous lane".into()))?;
+        let stage = self.lane_async_stage.as_ref().ok_or_else(|| CudaBackendError::Other("no lane output reserved".into()))?;
+        let total: usize = segs.iter().map(|s| s.1).sum();
+        if total > stage.len() {
+            return Err(CudaBackendError::Other(format!("lane segments of {total} values for {} reserved", stage.len())));
+        }
+        flag.wait_on(dev.compute(), seq)?;
+        // No slice of the staging: the lane may be writing it right now.
+        copy_segments(dev, SegSource::Raw(stage.as_ptr() as *const u8, total * 4), segs, out)
+    }
+
     /// Copy the CPU lane's output rows (`y`: `[rows.len(), d_model]`) into
     /// rows `rows` of `out` on the compute stream, through a page-locked
     /// staging buffer (reused at the next layer, after its routing sync).
@@ -850,21 +903,7 @@ impl ExpertPool {
             // SAFETY: f32 has no padding; the view covers exactly `s`.
             unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
         };
-        let mut at = 0;
-        for &(off, len) in segs {
-            if off + len > out.len() {
-                return Err(CudaBackendError::Other(format!("lane values {off}..{} outside a buffer of {}", off + len, out.len())));
-            }
-            if len > 0 {
-                let dst = out.device_ptr_at(off)?;
-                let src = &bytes[at * 4..(at + len) * 4];
-                // SAFETY: `dst` has `len` floats (checked); the staging buffer
-                // is page-locked and not rewritten before the next layer's sync.
-                unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, src) }?;
-            }
-            at += len;
-        }
-        Ok(())
+        copy_segments(dev, SegSource::Slice(bytes), segs, out)
     }
 
     /// The host copies of the tables the last fill wrote.
@@ -927,4 +966,82 @@ impl ExpertPool {
     pub fn settle(&mut self) -> Result<(), CudaBackendError> {
         self.read_copy_time()
     }
+}
+
+/// An asynchronous lane job's output: `len` values of page-locked staging at
+/// `ptr`, and the flag value to raise when they are written.
+pub struct LaneOutput {
+    pub flag: Arc<HostFlag>,
+    pub seq: u32,
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the staging is written by one job at a time (the pool hands out a
+// region only after the job before has finished) and outlives it.
+unsafe impl Send for LaneOutput {}
+
+impl LaneOutput {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The staging to write the output into.
+    ///
+    /// # Safety
+    /// Only the job the region was reserved for may call this, once, before
+    /// it raises the flag, while the pool that reserved it is alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn values(&self) -> &mut [f32] {
+        // SAFETY: per the contract; `len` values were reserved at `ptr`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Let the stream's waiters go (error or not: nothing else would).
+    pub fn raise(&self) {
+        self.flag.set(self.seq);
+    }
+}
+
+/// Copy `bytes` (f32 values), cut into `segs` (offset in `out`, length) in
+/// order, into `out` on the compute stream. `bytes` must be page-locked and
+/// unchanged until the stream's next sync.
+/// Where [`copy_segments`] reads: a slice, or a raw page-locked range the
+/// lane may still be writing (read by the stream only after its flag wait).
+enum SegSource<'b> {
+    Slice(&'b [u8]),
+    Raw(*const u8, usize),
+}
+
+fn copy_segments(dev: &CudaDevice, src: SegSource<'_>, segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
+    let n_bytes = match src {
+        SegSource::Slice(b) => b.len(),
+        SegSource::Raw(_, n) => n,
+    };
+    let mut at = 0;
+    for &(off, len) in segs {
+        if off + len > out.len() {
+            return Err(CudaBackendError::Other(format!("lane values {off}..{} outside a buffer of {}", off + len, out.len())));
+        }
+        if len > 0 {
+            let dst = out.device_ptr_at(off)?;
+            if (at + len) * 4 > n_bytes {
+                return Err(CudaBackendError::Other(format!("lane segments past {} staged values", n_bytes / 4)));
+            }
+            match src {
+                // SAFETY: `dst` has `len` floats (checked); the caller keeps
+                // the page-locked source unchanged until the stream's next sync.
+                SegSource::Slice(b) => unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, &b[at * 4..(at + len) * 4]) }?,
+                // SAFETY: as above, the range checked against the staged bytes;
+                // its writer finishes before the wait queued ahead of this copy.
+                SegSource::Raw(p, _) => unsafe { pulsar_cuda::copy_raw_to_device_async(dev.compute(), dst, p.add(at * 4), len * 4) }?,
+            }
+        }
+        at += len;
+    }
+    Ok(())
 }

@@ -287,6 +287,7 @@ impl<'m> CudaEngine<'m> {
             prev_linears: if decode { &self.linears } else { &[] },
             linears: Vec::new(),
             pending: Vec::new(),
+            lane_pending: None,
         };
         let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
         let mut captured = None;
@@ -310,6 +311,8 @@ impl<'m> CudaEngine<'m> {
                 Err(e) => Err(e.into_string()),
             }
         };
+        // The last split layer's lane job: its errors fail the step.
+        let result = result.and_then(|v| step.join_lane().map(|()| v));
         step.finish();
         let (trace, early) = (step.trace.take(), step.released_early.get());
         let linears = std::mem::take(&mut step.linears);
@@ -402,6 +405,17 @@ struct CudaStep<'a> {
     /// Outputs of linear ops already computed with an earlier one that read
     /// the same input, by (weight, input value): claimed when their op comes.
     pending: Vec<(u32, u32, DeviceBuf<f32>)>,
+    /// The CPU lane's asynchronous job of the last split layer, until joined.
+    lane_pending: Option<lane::PendingLane>,
+}
+
+impl Drop for CudaStep<'_> {
+    fn drop(&mut self) {
+        // A job in flight borrows what this step borrows: it must end first.
+        if let (Some(p), Some(l)) = (self.lane_pending.take(), self.cm.lane.as_ref()) {
+            l.driver().wait(p.ticket());
+        }
+    }
 }
 
 fn res(r: R<Val>) -> OpResult {
@@ -863,6 +877,8 @@ impl<'a> CudaStep<'a> {
         let mut lane_x: Vec<f32> = Vec::new();
         // (expert, rows): gate/up heads the CPU lane computes this step.
         let mut lane_heads: Vec<(u32, usize)> = Vec::new();
+        // Whether the heads run on the lane's driver (their job is pending).
+        let mut lane_async = false;
         let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
@@ -931,6 +947,9 @@ impl<'a> CudaStep<'a> {
                 if let Some(&e) = h_ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
                     return Err(format!("moe layer {}: router chose expert {e} of {ne}", spec.layer));
                 }
+                // The layer before's lane job is done (the stream waited for
+                // it before this sync): account it before this layer's plan.
+                self.join_lane()?;
                 let touched: Vec<u32> = h_ids.iter().map(|&e| e as u32).collect();
                 let mut experts = touched.clone();
                 experts.sort_unstable();
@@ -1032,6 +1051,11 @@ impl<'a> CudaStep<'a> {
                         self.buf(x)?.download(&stream, &mut x_host).map_err(err)?;
                     }
                 }
+                // Heads start now, on the lane's driver, while the host copies and queues.
+                let heads_async = !heads.is_empty() && pool.async_lane();
+                if heads_async {
+                    self.submit_heads(&mut pool, spec, std::mem::take(&mut x_host), &h_ids, &heads, widx, ff)?;
+                }
                 let req = super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, heads: &head_experts, ..req0 };
                 let need = &plan.need;
                 match self.store.filter(|_| !need.is_empty()) {
@@ -1104,6 +1128,9 @@ impl<'a> CudaStep<'a> {
                 lane_experts = cpu;
                 lane_heads = heads;
                 lane_x = x_host;
+                if heads_async {
+                    lane_async = true;
+                }
                 layer_kinds = kinds;
                 if grouped {
                     let t = pool.host_tables();
@@ -1202,6 +1229,13 @@ impl<'a> CudaStep<'a> {
                 let mut fill = |h: &mut DeviceBuf<f32>| -> Result<(), pulsar_cuda::CudaError> {
                     if heads.is_empty() {
                         return Ok(());
+                    }
+                    if let (true, Some(p), Some(pool)) = (lane_async, me.lane_pending.as_ref(), cm.experts.as_ref()) {
+                        // Behind a wait for the job's flag: the host does not wait.
+                        return pool.lock().unwrap_or_else(|e| e.into_inner()).queue_lane_output(dev, p.seq, &p.segs, h).map_err(|e| {
+                            lane_err = Some(e.to_string());
+                            pulsar_cuda::CudaError::Shape { op: "moe_ffn", what: "the cpu lane's heads could not be queued".into() }
+                        });
                     }
                     me.lane_heads(spec, xh, ids, heads, widx, ff, h).map_err(|e| {
                         lane_err = Some(e);
