@@ -358,6 +358,19 @@ extern "C" __global__ void moe_combine_add(const float* out, const float* w, int
     s[i] = r_first ? r[i] + acc : acc + r[i];
 }
 
+// lane_fill_rows — values computed elsewhere (the CPU lane's heads of split
+// experts) into their rows of h: segment s copies seg[3s + 2] values from
+// vals + seg[3s + 1] to h + seg[3s]. vals and seg may be mapped host memory
+// (a few KB read over the bus): one launch instead of a copy per pair.
+// Twin: the segment copies it replaces.
+extern "C" __global__ void lane_fill_rows(const float* vals, const int* seg, int n_seg, float* h) {
+    pdl_begin();
+    int s = blockIdx.x;
+    if (s >= n_seg) return;
+    int dst = seg[3 * s], src = seg[3 * s + 1], len = seg[3 * s + 2];
+    for (int i = threadIdx.x; i < len; i += blockDim.x) h[dst + i] = vals[src + i];
+}
+
 // moe_up_<f32|f16|bf16> / moe_down_<...> — the same pairs and null-pointer
 // skipping as the quantized entries above, for float expert weights on f32
 // activations: moe_up writes H[p] = act(gate x_t) * (up x_t) with x_t token t's

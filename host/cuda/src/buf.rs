@@ -250,6 +250,15 @@ impl<T: Pod> PinnedBuf<T> {
     pub fn as_ptr(&self) -> *mut T {
         self.ptr
     }
+    /// The address kernels read this memory at over the bus (with unified
+    /// addressing every page-locked allocation is mapped).
+    pub fn device_addr(&self) -> Result<u64, CudaError> {
+        self.ctx.bind_to_thread()?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a live cuMemHostAlloc allocation of this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, self.ptr as *mut std::ffi::c_void, 0) }.result()?;
+        Ok(d)
+    }
 }
 
 impl<T: Pod> Drop for PinnedBuf<T> {
@@ -364,25 +373,5 @@ pub unsafe fn copy_to_device_async(
     stream.context().bind_to_thread()?;
     // SAFETY: per the contract above.
     unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
-    Ok(())
-}
-
-/// [`copy_to_device_async`] from a raw range: for page-locked memory another
-/// thread is still writing, which the stream reads only after a wait queued
-/// before this copy (a slice of it would assert it unchanged now).
-///
-/// # Safety
-/// `dst` must address `len` bytes of live device memory; `src..src + len`
-/// must be page-locked host memory that stays alive, holding its final
-/// bytes by the time the stream passes this copy.
-pub unsafe fn copy_raw_to_device_async(
-    stream: &CudaStream,
-    dst: u64,
-    src: *const u8,
-    len: usize,
-) -> Result<(), CudaError> {
-    stream.context().bind_to_thread()?;
-    // SAFETY: per the contract above.
-    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, len, stream.cu_stream()) }.result()?;
     Ok(())
 }

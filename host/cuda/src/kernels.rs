@@ -312,6 +312,7 @@ const MOE: &[&str] = &[
     "moe_down_bf16",
     "route_topk_warp",
     "moe_combine_add",
+    "lane_fill_rows",
 ];
 pub(crate) const ACT_GATHER_ROWS: usize = 4;
 pub(crate) const ACT_SCATTER_ROWS: usize = 5;
@@ -320,6 +321,7 @@ pub(crate) const MOE_COMBINE: usize = 28;
 pub(crate) const MOE_FLOAT: usize = 29;
 pub(crate) const ROUTE_WARP: usize = 35;
 pub(crate) const MOE_COMBINE_ADD: usize = 36;
+pub(crate) const LANE_FILL_ROWS: usize = 37;
 
 #[cfg(test)]
 mod tests {
@@ -357,6 +359,7 @@ mod tests {
         assert_eq!(MOE[MOE_GATHER_PTRS], "moe_gather_ptrs");
         assert_eq!(MOE[MOE_COMBINE], "moe_combine");
         assert_eq!(MOE[MOE_COMBINE_ADD], "moe_combine_add");
+        assert_eq!(MOE[LANE_FILL_ROWS], "lane_fill_rows");
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
         assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
         for (i, d) in ATT_PREFILL_DIMS.iter().enumerate() {
@@ -374,7 +377,7 @@ mod tests {
             assert!(src.contains(def), "attention.cu lacks {def}");
         }
         assert_eq!(attn_prefill_smem(128), (64 * 132 + 64 * 132 + 256 * 72) * 4);
-        assert_eq!(MOE.len(), MOE_COMBINE_ADD + 1);
+        assert_eq!(MOE.len(), LANE_FILL_ROWS + 1);
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub mod buf;
 pub mod device;
 pub mod flag;
 
-pub use buf::{copy_raw_to_device_async, copy_to_device_async, DeviceBuf, HostRegistration, PinnedBuf, Pod};
+pub use buf::{copy_to_device_async, DeviceBuf, HostRegistration, PinnedBuf, Pod};
 pub use device::CudaDevice;
 pub use flag::HostFlag;
 pub mod ops;

@@ -411,6 +411,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     small_ops::cases(dev, &mut t, &pool, &k, &mut next);
     moe_split::cases(dev, &mut t, &mut next);
     t.push("stream waits for a host flag", "u32", "copy queued behind a wait, flag set 30 ms later".into(), flag_case(dev));
+    t.push("lane_fill_rows == segment copies", "f32", "6 segments from mapped host memory into 8 x 300".into(), lane_fill_case(dev, next()));
     t.push(
         "moe_gather_ptrs",
         "u64",
@@ -491,6 +492,37 @@ fn gather_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
         }
     }
     Ok(Cmp { abs: diff as f64, rel: diff as f64 / (3 * n_pairs) as f64, tol: 0.0, pass: diff == 0 })
+}
+
+/// The lane's heads written in place from mapped host memory: each segment's
+/// values land at its offset, every other value of h keeps its poison.
+fn lane_fill_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
+    let (n_pairs, ff) = (8usize, 300usize);
+    // (pair, rows): none, one, a block's worth, all, and two ordinary ones.
+    let rows = [(0usize, 0usize), (1, 1), (2, 128), (4, 300), (5, 37), (7, 64)];
+    let n_vals: usize = rows.iter().map(|r| r.1).sum();
+    let vals = random_values(n_vals, seed);
+    let mut vh = dev.alloc_pinned::<f32>(n_vals)?;
+    vh.as_mut_slice().copy_from_slice(&vals);
+    let mut segs = Vec::new();
+    let mut at = 0;
+    for &(p, r) in &rows {
+        segs.push([(p * ff) as i32, at as i32, r as i32]);
+        at += r;
+    }
+    let mut sh = dev.alloc_pinned::<i32>(3 * segs.len())?;
+    sh.as_mut_slice().copy_from_slice(segs.concat().as_slice());
+    let mut h = poisoned::<f32>(dev, n_pairs * ff)?;
+    let mut want = dev.download(&h)?;
+    for &[d, s, l] in &segs {
+        want[d as usize..(d + l) as usize].copy_from_slice(&vals[s as usize..(s + l) as usize]);
+    }
+    // SAFETY: both page-locked buffers hold what `segs` says and outlive the sync.
+    unsafe { dev.lane_fill_rows(dev.compute(), vh.device_addr()?, n_vals, sh.device_addr()?, &segs, &mut h) }?;
+    dev.compute().synchronize()?;
+    let got = dev.download(&h)?;
+    let bad = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    Ok(Cmp { abs: bad as f64, rel: bad as f64 / got.len() as f64, tol: 0.0, pass: bad == 0 })
 }
 
 /// A copy queued behind a flag wait must read what the host wrote just

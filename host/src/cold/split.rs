@@ -144,10 +144,13 @@ pub fn lane_seconds(cold: &[ColdExpert], paths: &[ColdPath], cost: &CostModel) -
 /// of one shape: `ff` rows of gate and of up, `gate_up_row_bytes` the bytes of
 /// one row of both) for the CPU lane to compute, so that it and the link
 /// finish together: the lane takes `b` bytes of heads, the link the rest,
-/// with `chain + fixed + b / cpu = (total - b) / link` (the lane's layer also
-/// holds the layer's other serial work, `CostModel::chain_s`). A multiple of `granule` rows
-/// (rounded down), at most `ff`; 0 when the lane would not gain.
-pub fn head_rows(cold: &[ColdExpert], gate_up_row_bytes: u64, ff: usize, granule: usize, cost: &CostModel) -> usize {
+/// with `serial + fixed + b / cpu = (total - b) / link`. `serial` is the
+/// layer's other work the lane's time adds to: the layer's chain
+/// ([`CostModel::chain_s`]) when the host waits for the lane, nothing when the
+/// lane runs beside the host (the bias then finds what the GPU's tail after
+/// the lane costs). A multiple of `granule` rows (rounded down), at most
+/// `ff`; 0 when the lane would not gain.
+pub fn head_rows(cold: &[ColdExpert], gate_up_row_bytes: u64, ff: usize, granule: usize, serial_s: f64, cost: &CostModel) -> usize {
     let total: u64 = cold.iter().map(|e| e.bytes).sum();
     let Some(first) = cold.first() else { return 0 };
     if total == 0 || gate_up_row_bytes == 0 || cold.iter().any(|e| !e.in_host_memory) {
@@ -158,8 +161,8 @@ pub fn head_rows(cold: &[ColdExpert], gate_up_row_bytes: u64, ff: usize, granule
     if !(link.is_finite() && cpu.is_finite()) {
         return 0;
     }
-    // The lane's layer also carries the layer's other serial work.
-    let b = (total as f64 * link - cost.cpu_fixed() - cost.chain_s.max(0.0)) / (cpu + link);
+    let serial = if serial_s.is_finite() { serial_s.max(0.0) } else { 0.0 };
+    let b = (total as f64 * link - cost.cpu_fixed() - serial) / (cpu + link);
     let rows = b / (cold.len() as f64 * gate_up_row_bytes as f64);
     if !(rows.is_finite() && rows > 0.0) {
         return 0;
@@ -389,35 +392,32 @@ mod tests {
         let row = 2 * 1_000_000 / 3 / 1024;
         // Equal rates, no fixed cost: half the bytes each, capped by the heads' 2/3.
         let cost = model(20.0, None, 20.0);
-        let r = head_rows(&cold, row, 1024, 1, &cost);
+        let r = head_rows(&cold, row, 1024, 1, 0.0, &cost);
         let b = (3 * r as u64 * row) as f64;
         assert!((b / 3e6 - 0.5).abs() < 0.01, "lane share {}", b / 3e6);
         // A lane three times slower takes a quarter; a multiple of the granule.
         let cost = model(30.0, None, 10.0);
-        let r = head_rows(&cold, row, 1024, 32, &cost);
+        let r = head_rows(&cold, row, 1024, 32, 0.0, &cost);
         assert_eq!(r % 32, 0);
         let share = (3 * r as u64 * row) as f64 / 3e6;
         assert!((share - 0.25).abs() < 0.02, "{share}");
         // A fixed cost takes some away; one as long as the link time, all.
         let mut fixed = cost.clone();
         fixed.cpu_fixed_s = 0.01e-3;
-        assert!(head_rows(&cold, row, 1024, 32, &fixed) < r);
+        assert!(head_rows(&cold, row, 1024, 32, 0.0, &fixed) < r);
         fixed.cpu_fixed_s = 3e6 / 30e9;
-        assert_eq!(head_rows(&cold, row, 1024, 32, &fixed), 0);
-        // So does the layer's chain.
-        let mut chain = cost.clone();
-        chain.chain_s = 0.01e-3;
-        assert!(head_rows(&cold, row, 1024, 32, &chain) < r);
-        chain.chain_s = 3e6 / 30e9;
-        assert_eq!(head_rows(&cold, row, 1024, 32, &chain), 0);
+        assert_eq!(head_rows(&cold, row, 1024, 32, 0.0, &fixed), 0);
+        // So does the layer's serial work.
+        assert!(head_rows(&cold, row, 1024, 32, 0.01e-3, &cost) < r);
+        assert_eq!(head_rows(&cold, row, 1024, 32, 3e6 / 30e9, &cost), 0);
         // A lane far faster than the link is capped at every row.
-        assert_eq!(head_rows(&cold, row, 1024, 32, &model(1.0, None, 1000.0)), 1024);
+        assert_eq!(head_rows(&cold, row, 1024, 32, 0.0, &model(1.0, None, 1000.0)), 1024);
         // Nothing measured, nothing cold, or a disk miss among them: none.
-        assert_eq!(head_rows(&cold, row, 1024, 32, &model(30.0, None, 0.0)), 0);
-        assert_eq!(head_rows(&[], row, 1024, 32, &cost), 0);
+        assert_eq!(head_rows(&cold, row, 1024, 32, 0.0, &model(30.0, None, 0.0)), 0);
+        assert_eq!(head_rows(&[], row, 1024, 32, 0.0, &cost), 0);
         let mut miss = cold.clone();
         miss[1].in_host_memory = false;
-        assert_eq!(head_rows(&miss, row, 1024, 32, &cost), 0);
+        assert_eq!(head_rows(&miss, row, 1024, 32, 0.0, &cost), 0);
     }
 
     #[test]

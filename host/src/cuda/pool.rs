@@ -121,6 +121,7 @@ pub struct ExpertPool {
     lane_flag: Option<Arc<HostFlag>>,
     lane_seq: u32,
     lane_async_stage: Option<PinnedBuf<f32>>,
+    lane_seg_stage: Option<PinnedBuf<i32>>,
     /// Cross-layer prefetch: cold slabs of `pf_layer` already copied into
     /// its scratch window (slot, bytes), during the layer before.
     pf_enabled: bool,
@@ -250,6 +251,7 @@ impl ExpertPool {
             lane_flag: None,
             lane_seq: 0,
             lane_async_stage: None,
+            lane_seg_stage: None,
             pf_enabled: false,
             copied_per_layer: f64::INFINITY,
             pf_layer: None,
@@ -856,19 +858,38 @@ impl ExpertPool {
     }
 
     /// Queue, on the compute stream, a wait for the lane job that raises the
-    /// flag to `seq`, then the copies of its output (reserved with
-    /// [`reserve_lane_output`](Self::reserve_lane_output)) cut into `segs`
-    /// (offset in `out`, length) in order.
+    /// flag to `seq`, then one kernel that reads its output (reserved with
+    /// [`reserve_lane_output`](Self::reserve_lane_output)) in place over the
+    /// bus and writes it, cut into `segs` (offset in `out`, length) in order,
+    /// into `out`. One launch, not a copy per pair: each small copy on the
+    /// compute stream costs the GPU microseconds.
     pub fn queue_lane_output(&mut self, dev: &CudaDevice, seq: u32, segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
         let flag = self.lane_flag.as_ref().ok_or_else(|| CudaBackendError::Other("no asynchronous lane".into()))?;
         let stage = self.lane_async_stage.as_ref().ok_or_else(|| CudaBackendError::Other("no lane output reserved".into()))?;
-        let total: usize = segs.iter().map(|s| s.1).sum();
-        if total > stage.len() {
-            return Err(CudaBackendError::Other(format!("lane segments of {total} values for {} reserved", stage.len())));
+        let mut trip = Vec::with_capacity(segs.len());
+        let mut at = 0usize;
+        for &(off, len) in segs {
+            let v = [off, at, len].map(i32::try_from);
+            match v {
+                [Ok(d), Ok(s), Ok(l)] => trip.push([d, s, l]),
+                _ => return Err(CudaBackendError::Other(format!("lane segment ({off}, {len}) past i32"))),
+            }
+            at += len;
+        }
+        if self.lane_seg_stage.as_ref().is_none_or(|b| b.len() < 3 * trip.len()) {
+            // The layer before's launch read the old one before this layer's sync.
+            self.lane_seg_stage = Some(dev.alloc_pinned::<i32>((3 * trip.len()).max(192))?);
+        }
+        let seg = self.lane_seg_stage.as_mut().expect("allocated above");
+        for (d, t) in seg.as_mut_slice().chunks_exact_mut(3).zip(&trip) {
+            d.copy_from_slice(t);
         }
         flag.wait_on(dev.compute(), seq)?;
-        // No slice of the staging: the lane may be writing it right now.
-        copy_segments(dev, SegSource::Raw(stage.as_ptr() as *const u8, total * 4), segs, out)
+        // SAFETY: both stagings are page-locked, owned by the pool and not
+        // rewritten before the next layer's sync; the lane writes the values
+        // before it raises the flag the launch waits behind.
+        unsafe { dev.lane_fill_rows(dev.compute(), stage.device_addr()?, stage.len(), seg.device_addr()?, &trip, out) }?;
+        Ok(())
     }
 
     /// Copy the CPU lane's output rows (`y`: `[rows.len(), d_model]`) into
@@ -903,7 +924,7 @@ impl ExpertPool {
             // SAFETY: f32 has no padding; the view covers exactly `s`.
             unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
         };
-        copy_segments(dev, SegSource::Slice(bytes), segs, out)
+        copy_segments(dev, bytes, segs, out)
     }
 
     /// The host copies of the tables the last fill wrote.
@@ -1010,18 +1031,7 @@ impl LaneOutput {
 /// Copy `bytes` (f32 values), cut into `segs` (offset in `out`, length) in
 /// order, into `out` on the compute stream. `bytes` must be page-locked and
 /// unchanged until the stream's next sync.
-/// Where [`copy_segments`] reads: a slice, or a raw page-locked range the
-/// lane may still be writing (read by the stream only after its flag wait).
-enum SegSource<'b> {
-    Slice(&'b [u8]),
-    Raw(*const u8, usize),
-}
-
-fn copy_segments(dev: &CudaDevice, src: SegSource<'_>, segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
-    let n_bytes = match src {
-        SegSource::Slice(b) => b.len(),
-        SegSource::Raw(_, n) => n,
-    };
+fn copy_segments(dev: &CudaDevice, bytes: &[u8], segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
     let mut at = 0;
     for &(off, len) in segs {
         if off + len > out.len() {
@@ -1029,17 +1039,10 @@ fn copy_segments(dev: &CudaDevice, src: SegSource<'_>, segs: &[(usize, usize)], 
         }
         if len > 0 {
             let dst = out.device_ptr_at(off)?;
-            if (at + len) * 4 > n_bytes {
-                return Err(CudaBackendError::Other(format!("lane segments past {} staged values", n_bytes / 4)));
-            }
-            match src {
-                // SAFETY: `dst` has `len` floats (checked); the caller keeps
-                // the page-locked source unchanged until the stream's next sync.
-                SegSource::Slice(b) => unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, &b[at * 4..(at + len) * 4]) }?,
-                // SAFETY: as above, the range checked against the staged bytes;
-                // its writer finishes before the wait queued ahead of this copy.
-                SegSource::Raw(p, _) => unsafe { pulsar_cuda::copy_raw_to_device_async(dev.compute(), dst, p.add(at * 4), len * 4) }?,
-            }
+            let src = bytes.get(at * 4..(at + len) * 4).ok_or_else(|| CudaBackendError::Other(format!("lane segments past {} staged values", bytes.len() / 4)))?;
+            // SAFETY: `dst` has `len` floats (checked); the caller keeps the
+            // page-locked source unchanged until the stream's next sync.
+            unsafe { pulsar_cuda::copy_to_device_async(dev.compute(), dst, src) }?;
         }
         at += len;
     }

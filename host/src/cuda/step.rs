@@ -1106,7 +1106,9 @@ impl<'a> CudaStep<'a> {
                                     // lane and the link finish together.
                                     ColdPolicy::Auto => match next_head(&nw) {
                                         Some((gu_row, ff_next, row)) if !float => {
-                                            let r = crate::cold::head_rows(&next_cold, gu_row, ff_next, HEAD_GRANULE, &cost);
+                                            // Beside the host, the lane adds to no host work.
+                                            let serial = if pool.async_lane() { 0.0 } else { cost.chain_s };
+                                            let r = crate::cold::head_rows(&next_cold, gu_row, ff_next, HEAD_GRANULE, serial, &cost);
                                             if r == 0 { Vec::new() } else { next_cold.iter().map(|c| (c.expert, super::pool::LaneShare::Head { rows: r, bytes: r * row })).collect() }
                                         }
                                         _ => Vec::new(),

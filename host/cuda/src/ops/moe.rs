@@ -513,6 +513,47 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// Segment `s` of `segs` (`(dst, src, len)`) copies `len` values from
+    /// `vals + src` into `h[dst..]`, in one launch. `vals` and `segs` are
+    /// device addresses, possibly of mapped host memory (the CPU lane's heads
+    /// and their places, written by the host). Twin: one copy per segment.
+    ///
+    /// # Safety
+    /// `vals` must address `vals_len` readable f32s and `segs` the `3 *
+    /// n_seg` i32s `seg_host` holds (the same values), both alive and
+    /// unchanged until the stream passes this launch.
+    pub unsafe fn lane_fill_rows(
+        &self,
+        stream: &CudaStream,
+        vals: u64,
+        vals_len: usize,
+        segs: u64,
+        seg_host: &[[i32; 3]],
+        h: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "lane_fill_rows";
+        for &[dst, src, len] in seg_host {
+            let ok = dst >= 0 && src >= 0 && len >= 0 && (dst as usize + len as usize) <= h.len() && (src as usize + len as usize) <= vals_len;
+            if !ok {
+                return Err(shape(OP, format!("segment ({dst}, {src}, {len}) outside h of {} or values of {vals_len}", h.len())));
+            }
+        }
+        if seg_host.is_empty() {
+            return Ok(());
+        }
+        let n = to_i32(OP, "segments", seg_host.len())?;
+        if seg_host.len() > 65535 {
+            return Err(shape(OP, format!("{n} segments in one launch (at most 65535)")));
+        }
+        let hp = h.device_ptr();
+        let f = self.func(Family::Moe, LANE_FILL_ROWS)?;
+        // SAFETY: segments checked against both buffers; the caller keeps the
+        // addresses alive (per the contract above).
+        unsafe { self.launch(f, (n as u32, 1, 1), 128, 0, stream, &mut params![vals, segs, n, hp]) }
+    }
+}
+
 /// The sizes a slot combine checks: `(n_tok, n_slot, d_model)` as kernel ints.
 fn check_combine(
     op: &'static str,
