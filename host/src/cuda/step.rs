@@ -1054,7 +1054,8 @@ impl<'a> CudaStep<'a> {
                 // Heads start now, on the lane's driver, while the host copies and queues.
                 let heads_async = !heads.is_empty() && pool.async_lane();
                 if heads_async {
-                    self.submit_heads(&mut pool, spec, std::mem::take(&mut x_host), &h_ids, &heads, widx, ff)?;
+                    // A copy: whole cold experts of this layer run on the lane after it (16 KB).
+                    self.submit_heads(&mut pool, spec, x_host.clone(), &h_ids, &heads, widx, ff)?;
                 }
                 let req = super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, heads: &head_experts, ..req0 };
                 let need = &plan.need;
