@@ -52,7 +52,7 @@ impl Inner {
                 }
                 std::hint::spin_loop();
                 spins += 1;
-                if spins % 256 == 0 && since.elapsed() > SPIN {
+                if spins.is_multiple_of(256) && since.elapsed() > SPIN {
                     let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
                     self.parked.store(true, SeqCst);
                     while self.submitted.load(SeqCst) == done && !self.stop.load(SeqCst) {

@@ -91,7 +91,7 @@ impl Inner {
                 }
                 std::hint::spin_loop();
                 spins += 1;
-                if spins % 256 == 0 && since.elapsed() > SPIN {
+                if spins.is_multiple_of(256) && since.elapsed() > SPIN {
                     let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
                     // Counted before the state is re-read, so a caller that
                     // publishes after this check sees the count and wakes us.
