@@ -32,7 +32,7 @@ pub struct GpuArgs {
     /// CPU lane by cost, measured at load and refined as it runs).
     #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
     pub cold_path: crate::cold::ColdPolicy,
-    /// CPU lane threads for cold experts (default: three quarters of the cores; 0: none).
+    /// CPU lane threads for cold experts (default: half the cores; 0: none).
     #[arg(long, value_name = "N")]
     pub cpu_lane_threads: Option<usize>,
     /// Run the CPU lane's decode jobs on the host thread, which waits for

@@ -111,7 +111,7 @@ pub struct LoadOptions {
     pub census: Option<pulsar_store::Census>,
     /// How decode's cold experts are served (auto splits by measured cost).
     pub cold: crate::cold::ColdPolicy,
-    /// CPU lane threads (None: three quarters of the cores; 0: no CPU lane).
+    /// CPU lane threads (None: half the cores; 0: no CPU lane).
     pub lane_threads: Option<usize>,
     /// The host thread waits for the CPU lane's jobs instead of the GPU
     /// waiting on a host flag.
@@ -277,11 +277,11 @@ impl CudaModel {
 /// measured on the lane itself.
 fn cold_lane(dev: &CudaDevice, model: &Model, opts: &LoadOptions) -> Result<(Option<crate::cold::CpuLane>, crate::cold::CostModel), CudaBackendError> {
     use crate::cold::{ColdPath, ColdPolicy};
-    // Three quarters of the cores by default, the rest for the host thread
-    // that queues the GPU's work: on the H200 host 12 spinning lane threads beat
-    // 8 and 6 (49.1 / 48.2 / 44.1 tok/s, docs/perf.md session 8); 16 under
-    // rayon lost to 4-8 (fork-join cost on a layer's few experts).
-    let threads = opts.lane_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| (n.get() * 3 / 4).max(1)));
+    // Half the cores by default: on the H200 host 8 spinning lane threads
+    // tie 12 (one run each way, within the noise) and beat 6; 16 under rayon
+    // lost to 4-8, whose fork-join cost on a layer's few experts outweighed
+    // the extra bandwidth (docs/perf.md, session 8).
+    let threads = opts.lane_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)));
     let wants_lane = threads > 0 && matches!(opts.cold, ColdPolicy::Auto | ColdPolicy::Force(ColdPath::Cpu));
     let mut types: Vec<GgmlType> = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).map(|w| w.ty).collect();
     types.sort_by_key(|t| t.name());
