@@ -55,7 +55,8 @@ pub struct CostModel {
     pub cpu_bias: f64,
     /// Seconds of a decode layer's serial work besides the lane (host
     /// planning, the GPU's kernels between one routing sync and the next):
-    /// the lane's share must fit beside it within the link's time.
+    /// when the host waits for the lane, the lane's share must fit beside it
+    /// within the link's time (a lane beside the host overlaps it instead).
     pub chain_s: f64,
 }
 
