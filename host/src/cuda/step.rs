@@ -1131,9 +1131,7 @@ impl<'a> CudaStep<'a> {
                 lane_experts = cpu;
                 lane_heads = heads;
                 lane_x = x_host;
-                if heads_async {
-                    lane_async = true;
-                }
+                lane_async = heads_async;
                 layer_kinds = kinds;
                 if grouped {
                     let t = pool.host_tables();
