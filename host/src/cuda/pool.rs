@@ -120,8 +120,9 @@ pub struct ExpertPool {
     /// job number handed out, and the staging its outputs are written to.
     lane_flag: Option<Arc<HostFlag>>,
     lane_seq: u32,
-    lane_async_stage: Option<PinnedBuf<f32>>,
-    lane_seg_stage: Option<PinnedBuf<i32>>,
+    /// (Both with the address kernels read them at, looked up once.)
+    lane_async_stage: Option<(PinnedBuf<f32>, u64)>,
+    lane_seg_stage: Option<(PinnedBuf<i32>, u64)>,
     /// Cross-layer prefetch: cold slabs of `pf_layer` already copied into
     /// its scratch window (slot, bytes), during the layer before.
     pf_enabled: bool,
@@ -848,12 +849,14 @@ impl ExpertPool {
     /// and after this layer's routing sync (the staging's copies are done).
     pub fn reserve_lane_output(&mut self, dev: &CudaDevice, len: usize) -> Result<LaneOutput, CudaBackendError> {
         let flag = self.lane_flag.clone().ok_or_else(|| CudaBackendError::Other("no asynchronous lane".into()))?;
-        if self.lane_async_stage.as_ref().is_none_or(|b| b.len() < len) {
+        if self.lane_async_stage.as_ref().is_none_or(|b| b.0.len() < len) {
             dev.compute().synchronize().map_err(pulsar_cuda::CudaError::from)?;
-            self.lane_async_stage = Some(dev.alloc_pinned::<f32>((2 * len).max(1 << 16))?);
+            let b = dev.alloc_pinned::<f32>((2 * len).max(1 << 16))?;
+            let addr = b.device_addr()?;
+            self.lane_async_stage = Some((b, addr));
         }
         self.lane_seq = self.lane_seq.wrapping_add(1);
-        let ptr = self.lane_async_stage.as_ref().expect("allocated above").as_ptr();
+        let ptr = self.lane_async_stage.as_ref().expect("allocated above").0.as_ptr();
         Ok(LaneOutput { flag, seq: self.lane_seq, ptr, len })
     }
 
@@ -865,7 +868,7 @@ impl ExpertPool {
     /// compute stream costs the GPU microseconds.
     pub fn queue_lane_output(&mut self, dev: &CudaDevice, seq: u32, segs: &[(usize, usize)], out: &mut DeviceBuf<f32>) -> Result<(), CudaBackendError> {
         let flag = self.lane_flag.as_ref().ok_or_else(|| CudaBackendError::Other("no asynchronous lane".into()))?;
-        let stage = self.lane_async_stage.as_ref().ok_or_else(|| CudaBackendError::Other("no lane output reserved".into()))?;
+        let (stage, stage_addr) = self.lane_async_stage.as_ref().ok_or_else(|| CudaBackendError::Other("no lane output reserved".into()))?;
         let mut trip = Vec::with_capacity(segs.len());
         let mut at = 0usize;
         for &(off, len) in segs {
@@ -876,11 +879,13 @@ impl ExpertPool {
             }
             at += len;
         }
-        if self.lane_seg_stage.as_ref().is_none_or(|b| b.len() < 3 * trip.len()) {
+        if self.lane_seg_stage.as_ref().is_none_or(|b| b.0.len() < 3 * trip.len()) {
             // The layer before's launch read the old one before this layer's sync.
-            self.lane_seg_stage = Some(dev.alloc_pinned::<i32>((3 * trip.len()).max(192))?);
+            let b = dev.alloc_pinned::<i32>((3 * trip.len()).max(192))?;
+            let addr = b.device_addr()?;
+            self.lane_seg_stage = Some((b, addr));
         }
-        let seg = self.lane_seg_stage.as_mut().expect("allocated above");
+        let (seg, seg_addr) = self.lane_seg_stage.as_mut().expect("allocated above");
         for (d, t) in seg.as_mut_slice().chunks_exact_mut(3).zip(&trip) {
             d.copy_from_slice(t);
         }
@@ -888,7 +893,7 @@ impl ExpertPool {
         // SAFETY: both stagings are page-locked, owned by the pool and not
         // rewritten before the next layer's sync; the lane writes the values
         // before it raises the flag the launch waits behind.
-        unsafe { dev.lane_fill_rows(dev.compute(), stage.device_addr()?, stage.len(), seg.device_addr()?, &trip, out) }?;
+        unsafe { dev.lane_fill_rows(dev.compute(), *stage_addr, stage.len(), *seg_addr, &trip, out) }?;
         Ok(())
     }
 
@@ -1003,14 +1008,6 @@ pub struct LaneOutput {
 unsafe impl Send for LaneOutput {}
 
 impl LaneOutput {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The staging to write the output into.
     ///
     /// # Safety

@@ -877,8 +877,6 @@ impl<'a> CudaStep<'a> {
         let mut lane_x: Vec<f32> = Vec::new();
         // (expert, rows): gate/up heads the CPU lane computes this step.
         let mut lane_heads: Vec<(u32, usize)> = Vec::new();
-        // Whether the heads run on the lane's driver (their job is pending).
-        let mut lane_async = false;
         let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
@@ -1131,7 +1129,6 @@ impl<'a> CudaStep<'a> {
                 lane_experts = cpu;
                 lane_heads = heads;
                 lane_x = x_host;
-                lane_async = heads_async;
                 layer_kinds = kinds;
                 if grouped {
                     let t = pool.host_tables();
@@ -1231,8 +1228,10 @@ impl<'a> CudaStep<'a> {
                     if heads.is_empty() {
                         return Ok(());
                     }
-                    if let (true, Some(p), Some(pool)) = (lane_async, me.lane_pending.as_ref(), cm.experts.as_ref()) {
-                        // Behind a wait for the job's flag: the host does not wait.
+                    // A pending job here is this layer's (the layer before's
+                    // was joined at the routing sync): its copies go behind a
+                    // wait for its flag, and the host does not wait.
+                    if let (Some(p), Some(pool)) = (me.lane_pending.as_ref(), cm.experts.as_ref()) {
                         return pool.lock().unwrap_or_else(|e| e.into_inner()).queue_lane_output(dev, p.seq, &p.segs, h).map_err(|e| {
                             lane_err = Some(e.to_string());
                             pulsar_cuda::CudaError::Shape { op: "moe_ffn", what: "the cpu lane's heads could not be queued".into() }

@@ -51,16 +51,13 @@ impl<'a> CudaStep<'a> {
     /// Expert `e`'s host bytes of weight `wi` (slab kind `kind`) of `layer`,
     /// for the CPU lane: from the store's step, or the file mapping.
     fn lane_slab<'g>(&'g self, layer: u32, wi: usize, kind: pulsar_store::SlabKind, guard: Option<&'g pulsar_store::StepGuard<'_>>, e: u32) -> R<crate::cold::Slab<'g>> {
-        let model = self.model;
-        let w = &model.weights[wi];
-        let bytes = match guard {
-            Some(g) => g.slab(pulsar_store::SlabId::new(layer, kind, e)).ok_or_else(|| format!("layer {layer} expert {e}: not resolved"))?,
-            None => {
-                let range = model.file.expert_slab(model.tensor(w), e as u64).map_err(err)?;
-                model.file.bytes(&range).map_err(err)?
+        match guard {
+            Some(g) => {
+                let bytes = g.slab(pulsar_store::SlabId::new(layer, kind, e)).ok_or_else(|| format!("layer {layer} expert {e}: not resolved"))?;
+                Ok(crate::cold::Slab { ty: self.model.weights[wi].ty, bytes })
             }
-        };
-        Ok(crate::cold::Slab { ty: w.ty, bytes })
+            None => self.mapped_slab(wi, e),
+        }
     }
 
     /// Account a finished lane job (`bytes` of `ty` weights in `secs`) in the
@@ -177,8 +174,7 @@ impl<'a> CudaStep<'a> {
         for (p, &e) in h_ids.iter().enumerate() {
             let Some(&(e, rows)) = heads.iter().find(|h| h.0 as i32 == e) else { continue };
             let t = p / k;
-            let gate = self.lane_slab(spec.layer, widx[0], pulsar_store::SlabKind::Gate, None, e)?;
-            let up = self.lane_slab(spec.layer, widx[1], pulsar_store::SlabKind::Up, None, e)?;
+            let (gate, up) = (self.mapped_slab(widx[0], e)?, self.mapped_slab(widx[1], e)?);
             pairs.push(crate::cold::LaneHead { expert: e, x: &xh[t * d_model..(t + 1) * d_model], gate_up: crate::cold::GateUp::Split { gate, up }, rows });
             segs.push((p * ff, rows));
         }
