@@ -7,10 +7,7 @@
 //! per step for everyone. A row's logits do not depend on the other rows of
 //! its step: batched and alone give the same bits.
 
-use abi_stable::sabi_trait::TD_Opaque;
-use pulsar_plugin_api::Ops_TO;
-
-use crate::cpu::{CpuBackend, CpuStep, ExpertSource, KvCache, Named};
+use crate::cpu::{CpuBackend, CpuStep, ExpertSource, Named, SeqState, Snapshot};
 use crate::model::Model;
 
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +28,7 @@ pub struct Engine<'m> {
     pub model: &'m Model,
     pub cpu: &'m CpuBackend,
     pub experts: &'m dyn ExpertSource,
-    pub kv: KvCache,
+    pub kv: SeqState,
     /// Tokens already in the cache.
     pub n_past: usize,
     /// Largest chunk a prefill runs at once.
@@ -44,7 +41,7 @@ pub struct Engine<'m> {
 
 impl<'m> Engine<'m> {
     pub fn new(model: &'m Model, cpu: &'m CpuBackend, experts: &'m dyn ExpertSource, n_ctx: usize) -> Engine<'m> {
-        Engine { model, cpu, experts, kv: KvCache::new(&model.plan, n_ctx), n_past: 0, ubatch: 256, capture: None, history: Vec::new() }
+        Engine { model, cpu, experts, kv: SeqState::new(&model.plan, n_ctx), n_past: 0, ubatch: 256, capture: None, history: Vec::new() }
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -57,10 +54,29 @@ impl<'m> Engine<'m> {
         self.history.clear();
     }
 
-    /// Keep the first `n` cached positions and drop the rest.
-    pub fn truncate(&mut self, n: usize) {
-        self.n_past = self.n_past.min(n);
+    /// Keep the first `n` cached positions and drop the rest. A family with
+    /// recurrent state cannot go back without a snapshot: it restarts at 0.
+    /// Returns the positions kept.
+    pub fn truncate(&mut self, n: usize) -> usize {
+        self.n_past = self.kv.keepable(n, self.n_past);
         self.history.truncate(self.n_past);
+        self.n_past
+    }
+
+    /// The sequence's state now, to [`Engine::restore`] later (speculative
+    /// decoding: run draft tokens, then go back).
+    pub fn snapshot(&self) -> Snapshot {
+        self.kv.snapshot(self.n_past)
+    }
+
+    /// Go back to `snap` (taken from this engine at or before now).
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<(), EngineError> {
+        if snap.n_past > self.n_past {
+            return Err(EngineError::Forward(format!("a snapshot at position {} is ahead of the sequence ({})", snap.n_past, self.n_past)));
+        }
+        self.n_past = self.kv.restore(snap).map_err(EngineError::Forward)?;
+        self.history.truncate(self.n_past);
+        Ok(())
     }
 
     /// Run `tokens` after the cached ones. Returns the logits of every token
@@ -81,9 +97,7 @@ impl<'m> Engine<'m> {
             if let Some(c) = self.capture.as_mut() {
                 step.capture = Some(c);
             }
-            let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
-            let logits = r.map_err(|e| EngineError::Forward(e.into_string()))?;
-            let m = step.take(logits).map_err(EngineError::Forward)?;
+            let m = step.run(self.model.steps.for_tokens(chunk.len())).map_err(EngineError::Forward)?;
             self.n_past += chunk.len();
             self.history.extend_from_slice(chunk);
             if all || ci == last_chunk {
@@ -125,7 +139,7 @@ pub struct BatchEngine<'m> {
     pub model: &'m Model,
     pub cpu: &'m CpuBackend,
     pub experts: &'m dyn ExpertSource,
-    kvs: Vec<KvCache>,
+    kvs: Vec<SeqState>,
     slots: Vec<Slot>,
     n_ctx: usize,
     clock: u64,
@@ -139,7 +153,7 @@ impl<'m> BatchEngine<'m> {
             model,
             cpu,
             experts,
-            kvs: (0..n_seq).map(|_| KvCache::new(&model.plan, n_ctx)).collect(),
+            kvs: (0..n_seq).map(|_| SeqState::new(&model.plan, n_ctx)).collect(),
             slots: (0..n_seq).map(|_| Slot::default()).collect(),
             n_ctx,
             clock: 0,
@@ -160,7 +174,7 @@ impl<'m> BatchEngine<'m> {
 
     /// Bytes of all KV caches.
     pub fn kv_bytes(&self) -> usize {
-        self.kvs.iter().map(KvCache::bytes).sum()
+        self.kvs.iter().map(SeqState::bytes).sum()
     }
 
     /// Take a free slot for a sequence that starts with `prompt`: the one whose
@@ -179,7 +193,7 @@ impl<'m> BatchEngine<'m> {
             .max_by_key(|(_, s)| (common(&s.history), std::cmp::Reverse(s.last_used)))
             .map(|(i, _)| i)?;
         let slot = &mut self.slots[best];
-        let keep = common(&slot.history);
+        let keep = self.kvs[best].keepable(common(&slot.history), slot.history.len());
         slot.in_use = true;
         slot.history.truncate(keep);
         self.clock += 1;
@@ -214,11 +228,13 @@ impl<'m> BatchEngine<'m> {
         Ok(&self.slot(seq)?.history)
     }
 
-    /// Keep the first `n` cached positions of `seq` and drop the rest.
-    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<(), EngineError> {
-        self.slot(seq)?;
-        self.slots[seq.0 as usize].history.truncate(n);
-        Ok(())
+    /// Keep at most the first `n` cached positions of `seq` (fewer when a
+    /// recurrent state cannot go back); returns how many stay.
+    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<usize, EngineError> {
+        let have = self.slot(seq)?.history.len();
+        let keep = self.kvs[seq.0 as usize].keepable(n, have);
+        self.slots[seq.0 as usize].history.truncate(keep);
+        Ok(keep)
     }
 
     /// One forward step over every item's tokens (each after its sequence's
@@ -243,9 +259,7 @@ impl<'m> BatchEngine<'m> {
             seqs.extend(std::iter::repeat_n(it.seq.0, it.tokens.len()));
         }
         let mut step = CpuStep::batched(self.model, self.cpu, &mut self.kvs, &seqs, self.experts, &tokens, &positions, false);
-        let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
-        let logits = r.map_err(|e| EngineError::Forward(e.into_string()))?;
-        let m = step.take(logits).map_err(EngineError::Forward)?;
+        let m = step.run(self.model.steps.for_tokens(tokens.len())).map_err(EngineError::Forward)?;
         if m.rows != items.len() {
             return Err(EngineError::Forward(format!("the step gave {} logit rows for {} sequences", m.rows, items.len())));
         }

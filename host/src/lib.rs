@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod engine;
 pub mod experts;
+pub mod graph;
 pub mod model;
 pub mod npy;
 pub mod sample;

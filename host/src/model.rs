@@ -1,6 +1,7 @@
-//! A model: its GGUF file, the family plugin that understands it, and the
-//! plan the plugin declared (weights by role, KV caches), resolved against
-//! the file's tensor directory before any weight byte is read.
+//! A model: its GGUF file, the family plugin that understands it, the plan
+//! the plugin declared (weights by role, per-sequence state), resolved
+//! against the file's tensor directory before any weight byte is read, and
+//! the family's step graphs, built and checked once.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -22,6 +23,10 @@ pub enum ModelError {
     Plugin { plugin: String, why: String },
     #[error("plugin `{plugin}` declared weight `{name}`, which the file does not have")]
     UnknownWeight { plugin: String, name: String },
+    #[error("{0}")]
+    Graph(#[from] crate::graph::PlanError),
+    #[error("plugin `{plugin}` declares state {index} of kind {kind} with dims this host does not know (a newer host may be needed)")]
+    UnknownState { plugin: String, index: usize, kind: u32 },
 }
 
 /// The GGUF as a plugin sees it.
@@ -104,8 +109,10 @@ pub struct MemoryPlan {
     /// Routed experts: stream through the expert store.
     pub expert_bytes: u64,
     pub expert_bytes_per_layer: Vec<u64>,
-    /// f32 KV cache bytes per token of context.
+    /// f32 KV (and latent cache) bytes per token of context.
     pub kv_bytes_per_token: u64,
+    /// Fixed-size per-sequence state (recurrent states), f32 bytes.
+    pub state_bytes_per_seq: u64,
     /// Device bytes a prefill step's activations and MoE work space take per
     /// token of the chunk (an estimate: two layers' values live at once,
     /// plus the routed experts' gate, up, product and output rows).
@@ -120,6 +127,8 @@ pub struct Model {
     pub plan: ModelPlan,
     pub weights: Vec<Weight>,
     pub chat: ChatSpec,
+    /// The family's decode and prefill graphs, checked against the weights.
+    pub steps: crate::graph::StepPlans,
 }
 
 impl Model {
@@ -156,8 +165,19 @@ impl Model {
                 bytes: t.n_bytes,
             });
         }
+        let known = |s: &pulsar_plugin_api::StateSpec| match s.kind {
+            pulsar_plugin_api::STATE_KV => s.as_kv().is_some(),
+            pulsar_plugin_api::STATE_ROWS => s.dims.len() == 1 && s.dims[0] > 0,
+            pulsar_plugin_api::STATE_RECURRENT => !s.dims.is_empty() && s.dims.iter().all(|&d| d > 0),
+            _ => false,
+        };
+        if let Some((index, st)) = plan.states.iter().enumerate().find(|(_, s)| !known(s)) {
+            return Err(ModelError::UnknownState { plugin: plugin_name.into(), index, kind: st.kind });
+        }
+        let dims: Vec<Vec<u64>> = weights.iter().map(|w| w.dims.clone()).collect();
+        let steps = crate::graph::StepPlans::build(plugin_name, &family, &plan, &dims)?;
         let chat = family.chat();
-        Ok(Model { file, arch, plugin: plugin_name.to_string(), family, plan, weights, chat })
+        Ok(Model { file, arch, plugin: plugin_name.to_string(), family, plan, weights, chat, steps })
     }
 
     pub fn memory_plan(&self) -> MemoryPlan {
@@ -172,7 +192,8 @@ impl Model {
                 m.resident_bytes += w.bytes;
             }
         }
-        m.kv_bytes_per_token = self.plan.kv.iter().map(|k| 4 * k.n_kv_head as u64 * (k.head_dim_k + k.head_dim_v) as u64).sum();
+        m.kv_bytes_per_token = self.plan.states.iter().map(|s| s.bytes().0).sum();
+        m.state_bytes_per_seq = self.plan.states.iter().map(|s| s.bytes().1).sum();
         let d = self.plan.n_embd as u64;
         let (ff, dm) = self
             .weights

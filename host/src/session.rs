@@ -8,7 +8,9 @@ pub trait Session {
     /// Run `tokens` after the cached ones; logits of every row (`all`) or the last.
     fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError>;
     fn reset(&mut self);
-    fn truncate(&mut self, n: usize);
+    /// Keep at most the first `n` cached positions; returns how many stay
+    /// (fewer when the state cannot go back, e.g. a recurrent one).
+    fn truncate(&mut self, n: usize) -> usize;
     fn n_past(&self) -> usize;
     fn n_ctx(&self) -> usize;
     fn history(&self) -> &[u32];
@@ -26,7 +28,7 @@ impl Session for Engine<'_> {
     fn reset(&mut self) {
         Engine::reset(self)
     }
-    fn truncate(&mut self, n: usize) {
+    fn truncate(&mut self, n: usize) -> usize {
         Engine::truncate(self, n)
     }
     fn n_past(&self) -> usize {
@@ -50,8 +52,9 @@ impl Session for CudaEngine<'_> {
     fn reset(&mut self) {
         CudaEngine::reset(self)
     }
-    fn truncate(&mut self, n: usize) {
-        CudaEngine::truncate(self, n)
+    fn truncate(&mut self, n: usize) -> usize {
+        CudaEngine::truncate(self, n);
+        self.n_past
     }
     fn n_past(&self) -> usize {
         self.n_past

@@ -86,7 +86,7 @@ fn archs_lists_plugins_and_survives_a_broken_one() {
         }
     }
     std::fs::create_dir_all(dir.path().join("junk")).unwrap();
-    std::fs::write(dir.path().join("junk/plugin.toml"), "name = \"junk\"\nversion = \"0.1.0\"\napi = \"^0.1\"\narchitectures = [\"j\"]\nlibrary = \"libjunk.so\"\n").unwrap();
+    std::fs::write(dir.path().join("junk/plugin.toml"), "name = \"junk\"\nversion = \"0.1.0\"\napi = \"^0.2\"\narchitectures = [\"j\"]\nlibrary = \"libjunk.so\"\n").unwrap();
     std::fs::write(dir.path().join("junk/libjunk.so"), b"\x7fELF garbage").unwrap();
     let o = bin().arg("archs").arg("--plugin-dir").arg(dir.path()).env("HOME", dir.path()).output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));

@@ -1,5 +1,5 @@
-//! The FFI-safe surface: the root module every plugin exports, the views the
-//! host lends to a plugin, the op vocabulary the host implements and the family
+//! The FFI-safe surface: the root module every plugin exports, the view the
+//! host lends to a plugin, the step graphs a family builds and the family
 //! object a plugin returns.
 //!
 //! Everything here is `#[repr(C)]` + `StableAbi`, so abi_stable can compare the
@@ -7,8 +7,9 @@
 //! Rules for changing it (see docs/plugin-api.md):
 //! - new methods go after the current `#[sabi(last_prefix_field)]` one and the
 //!   marker moves to the new last method only in a new minor version;
-//! - existing structs and enums are never changed; a richer op gets a new
-//!   method taking a new spec struct.
+//! - existing structs and enums are never changed; ops and state kinds are
+//!   codes (`graph::op::code`, `STATE_*`), so the vocabulary grows without
+//!   changing a layout.
 
 use abi_stable::{
     declare_root_module_statics,
@@ -16,7 +17,7 @@ use abi_stable::{
     package_version_strings, sabi_trait,
     sabi_types::VersionStrings,
     std_types::{RBox, ROption, RResult, RStr, RString, RVec},
-    RMut, RRef, StableAbi,
+    RRef, StableAbi,
 };
 
 /// The name abi_stable uses for the root module. The library file name is not
@@ -75,8 +76,7 @@ pub enum Role {
 #[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Wt(pub u32);
 
-/// An activation produced during one forward step. Every activation is a
-/// row-major matrix with one row per token of the step.
+/// A value of a step graph (the index of the node that makes it).
 #[repr(transparent)]
 #[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Val(pub u32);
@@ -90,17 +90,61 @@ pub struct WeightReq {
     pub layer: i32,
 }
 
-/// The KV cache one attention layer needs.
+/// Per-sequence state a family declares; the host owns it (allocates it per
+/// sequence, snapshots, rolls back and truncates it). Kinds are codes so new
+/// kinds never change this layout; `dims` means what the kind says.
 #[repr(C)]
 #[derive(StableAbi, Clone, Debug, PartialEq)]
-pub struct KvSpec {
-    pub layer: u32,
-    pub n_kv_head: u32,
-    pub head_dim_k: u32,
-    pub head_dim_v: u32,
-    /// Sliding window in tokens; 0 = full attention (the host may keep only
-    /// the window's worth of rows for sliding layers).
-    pub window: u32,
+pub struct StateSpec {
+    /// [`STATE_KV`], ...
+    pub kind: u32,
+    /// The block it belongs to (-1: none), for reports and memory plans.
+    pub layer: i32,
+    pub dims: RVec<u64>,
+}
+
+/// A KV cache: `dims = [n_kv_head, head_dim_k, head_dim_v, window]` (window
+/// 0 = full attention; the host may keep only a window's worth of rows).
+pub const STATE_KV: u32 = 0;
+/// One row per position (a latent cache: MLA's compressed KV and rope part):
+/// `dims = [width]`.
+pub const STATE_ROWS: u32 = 1;
+/// A fixed-size recurrent state per sequence: `dims` is its shape.
+pub const STATE_RECURRENT: u32 = 2;
+
+impl StateSpec {
+    pub fn kv(layer: u32, n_kv_head: u32, head_dim_k: u32, head_dim_v: u32, window: u32) -> StateSpec {
+        StateSpec { kind: STATE_KV, layer: layer as i32, dims: RVec::from(vec![n_kv_head as u64, head_dim_k as u64, head_dim_v as u64, window as u64]) }
+    }
+
+    /// A cache of one `width`-wide row per position.
+    pub fn rows(layer: u32, width: u32) -> StateSpec {
+        StateSpec { kind: STATE_ROWS, layer: layer as i32, dims: RVec::from(vec![width as u64]) }
+    }
+
+    /// A recurrent state of shape `dims`, zero at the start of a sequence.
+    pub fn recurrent(layer: u32, dims: &[u64]) -> StateSpec {
+        StateSpec { kind: STATE_RECURRENT, layer: layer as i32, dims: dims.iter().copied().collect() }
+    }
+
+    /// Bytes per sequence: per position for KV and rows states, in all for a
+    /// recurrent one (f32).
+    pub fn bytes(&self) -> (u64, u64) {
+        match (self.kind, self.dims.as_slice()) {
+            (STATE_KV, [h, k, v, _]) => (4 * h * (k + v), 0),
+            (STATE_ROWS, [w]) => (4 * w, 0),
+            (STATE_RECURRENT, d) => (0, 4 * d.iter().product::<u64>()),
+            _ => (0, 0),
+        }
+    }
+
+    /// A KV cache's (n_kv_head, head_dim_k, head_dim_v, window).
+    pub fn as_kv(&self) -> Option<(u32, u32, u32, u32)> {
+        match (self.kind, self.dims.as_slice()) {
+            (STATE_KV, [h, k, v, w]) => Some((*h as u32, *k as u32, *v as u32, *w as u32)),
+            _ => None,
+        }
+    }
 }
 
 /// Everything the host needs to know before reading a weight.
@@ -113,7 +157,43 @@ pub struct ModelPlan {
     /// Training context length (the default `--ctx` cap).
     pub n_ctx_train: u32,
     pub weights: RVec<WeightReq>,
-    pub kv: RVec<KvSpec>,
+    /// Per-sequence state, indexed by the ops that use it.
+    pub states: RVec<StateSpec>,
+}
+
+/// Which step a graph is built for. A graph is built once per kind and
+/// serves every step of it: the step's token count is the symbol `T`.
+#[repr(u8)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StepKind {
+    /// One new token per sequence.
+    Decode,
+    /// A chunk of prompt tokens.
+    Prefill,
+}
+
+/// One op of a step graph, as it crosses the boundary: the opcode and its
+/// attributes (`graph::Op` decodes them), the values it reads (indices of
+/// earlier nodes), and an optional name for dumps.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: u32,
+    pub inputs: RVec<u32>,
+    pub ints: RVec<i64>,
+    pub floats: RVec<f32>,
+    /// `attn_out`, `l_out`, ... (empty: unnamed).
+    pub label: RString,
+    /// The block the label belongs to (-1: none).
+    pub layer: i32,
+}
+
+/// A step as a graph: node `i` makes value `i`; `output` is the logits.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, Default, PartialEq)]
+pub struct StepGraph {
+    pub nodes: RVec<Node>,
+    pub output: u32,
 }
 
 /// Chat conventions the plugin knows for its family.
@@ -147,122 +227,6 @@ pub struct PluginInfo {
     pub api_version: RString,
 }
 
-#[repr(u8)]
-#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Act {
-    Silu,
-    /// GELU with the tanh approximation (gemma's `gelu_pytorch_tanh`).
-    GeluTanh,
-    /// Exact (erf) GELU.
-    Gelu,
-}
-
-#[repr(u8)]
-#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopeMode {
-    /// Rotate pairs (x[i], x[i + n_rot/2]) — GPT-NeoX / HF `rotate_half`.
-    Neox,
-    /// Rotate adjacent pairs (x[2i], x[2i+1]) — original llama / GPT-J.
-    Interleaved,
-}
-
-/// Rotary position embedding on `[n_tok, n_head * head_dim]`, at the host's
-/// positions for this step.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug, PartialEq)]
-pub struct RopeSpec {
-    pub head_dim: u32,
-    /// Rotated dimensions per head (the rest pass through); = head_dim for full rotary.
-    pub n_rot: u32,
-    pub base: f32,
-    /// Linear position scaling: position is multiplied by 1/factor (1 = none).
-    pub linear_factor: f32,
-    pub mode: RopeMode,
-}
-
-/// Attention over the layer's cache. q is `[n_tok, n_head*head_dim_k]`, k
-/// `[n_tok, n_kv_head*head_dim_k]`, v `[n_tok, n_kv_head*head_dim_v]`; the host
-/// appends k and v to the cache at this step's positions first. Causal.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug, PartialEq)]
-pub struct AttnSpec {
-    pub layer: u32,
-    pub n_head: u32,
-    pub n_kv_head: u32,
-    pub head_dim_k: u32,
-    pub head_dim_v: u32,
-    /// Multiplier on q·k.
-    pub scale: f32,
-    /// 0 = full; else each query sees the last `window` positions (itself included).
-    pub window: u32,
-    /// 0 = none; else scores become `cap * tanh(score / cap)`.
-    pub softcap: f32,
-}
-
-#[repr(u8)]
-#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Gating {
-    Softmax,
-    Sigmoid,
-}
-
-/// A routed-expert FFN block: router, top-k, expert FFNs resolved through the
-/// host's expert store, weighted sum.
-#[repr(C)]
-#[derive(StableAbi, Clone, Copy, Debug, PartialEq)]
-pub struct MoeSpec {
-    pub layer: u32,
-    /// `[n_embd] -> [n_expert]` router weight.
-    pub router: Wt,
-    /// `*_exps` tensors `[n_embd, n_ff, n_expert]` / `[n_ff, n_embd, n_expert]`.
-    pub gate_exps: Wt,
-    pub up_exps: Wt,
-    pub down_exps: Wt,
-    pub n_expert: u32,
-    pub top_k: u32,
-    pub gating: Gating,
-    /// Renormalise the selected weights to sum to 1.
-    pub norm_topk: bool,
-    /// Multiplier on the selected weights after normalisation.
-    pub weights_scale: f32,
-    pub act: Act,
-}
-
-/// A forward-step error crossing the boundary: one line.
-pub type OpResult = RResult<Val, RString>;
-
-/// The op vocabulary. The host implements it; a plugin calls it from `forward`.
-/// Handles are valid for the current step only.
-#[sabi_trait]
-pub trait Ops {
-    /// Tokens in this step.
-    fn n_tokens(&self) -> u32;
-    /// Shape of an activation as (rows, cols).
-    fn shape(&self, x: Val) -> RResult<RVec<u64>, RString>;
-    /// Rows of `table` for this step's token ids, times `scale`.
-    fn embed(&mut self, table: Wt, scale: f32) -> OpResult;
-    /// `x · wᵀ` for a `[n_in] -> [n_out]` weight in any supported format.
-    fn linear(&mut self, w: Wt, x: Val) -> OpResult;
-    /// RMS norm over groups of `group` columns (= width for a plain norm, = head
-    /// dim for per-head q/k norms), times the weight if given.
-    fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult;
-    fn add(&mut self, a: Val, b: Val) -> OpResult;
-    fn mul(&mut self, a: Val, b: Val) -> OpResult;
-    fn scale(&mut self, x: Val, s: f32) -> OpResult;
-    fn act(&mut self, x: Val, act: Act) -> OpResult;
-    /// `act(gate) * up`.
-    fn glu(&mut self, gate: Val, up: Val, act: Act) -> OpResult;
-    fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult;
-    fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> OpResult;
-    fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult;
-    /// Keep only the rows whose logits the host wants (e.g. the last token of a
-    /// prefill chunk); call before the final norm so the output head runs once.
-    fn output_rows(&mut self, x: Val) -> OpResult;
-    /// Name an intermediate (`attn_out`, layer 3) so the host can dump and diff it.
-    #[sabi(last_prefix_field)]
-    fn name(&mut self, x: Val, name: RStr<'_>, layer: i32);
-}
-
 /// The host's view of the model file, lent to a plugin while it opens.
 #[sabi_trait]
 pub trait ModelView {
@@ -273,16 +237,16 @@ pub trait ModelView {
     fn tensor_names(&self) -> RVec<RString>;
 }
 
-/// An opened model family: its plan, its forward step and its chat conventions.
+/// An opened model family: its plan, its step graphs and its chat conventions.
 #[sabi_trait]
 pub trait Family: Send + Sync {
     fn plan(&self) -> ModelPlan;
-    fn forward(&self, ops: OpsRef<'_>) -> OpResult;
+    /// The step graph for `kind` (built once per kind; the host validates it).
+    fn build(&self, kind: StepKind) -> RResult<StepGraph, RString>;
     #[sabi(last_prefix_field)]
     fn chat(&self) -> ChatSpec;
 }
 
-pub type OpsRef<'a> = Ops_TO<'a, RMut<'a, ()>>;
 pub type ModelViewRef<'a> = ModelView_TO<'a, RRef<'a, ()>>;
 pub type FamilyBox = Family_TO<'static, RBox<()>>;
 

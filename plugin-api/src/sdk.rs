@@ -7,10 +7,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use abi_stable::{
     sabi_trait::TD_Opaque,
-    std_types::{RBox, ROption, RResult, RStr, RString, RVec},
+    std_types::{RBox, RResult, RStr, RString, RVec},
 };
 
 use crate::abi::*;
+use crate::graph::{infer, Act, Attention, Binary, Dim, Experts, Op, Reduce, Rope, Shape, ShapeCx, Unary};
 
 /// Errors a plugin reports. Each names the key, tensor or feature at fault.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -39,7 +40,8 @@ pub trait FamilyPlugin: Sized + Send + Sync + 'static {
     /// naming it; unsupported configurations fail here, not in `forward`.
     fn open(cx: &mut OpenCx<'_>) -> Result<Self, PluginError>;
 
-    /// One forward step over the host's current tokens; returns the logits.
+    /// Record the step graph for `g.kind()`; returns the logits (`[O, n_vocab]`).
+    /// Called once per step kind: the graph serves every step of that kind.
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError>;
 
     /// Chat template fallback, stop and thinking markers.
@@ -54,11 +56,13 @@ pub struct OpenCx<'a> {
     arch: String,
     model: ModelViewRef<'a>,
     plan: ModelPlan,
+    /// ggml dims of each declared weight (what graph shape rules read).
+    dims: Vec<Vec<u64>>,
 }
 
 impl<'a> OpenCx<'a> {
     pub fn new(arch: &str, model: ModelViewRef<'a>) -> Self {
-        OpenCx { arch: arch.to_string(), model, plan: ModelPlan::default() }
+        OpenCx { arch: arch.to_string(), model, plan: ModelPlan::default(), dims: Vec::new() }
     }
 
     /// The `general.architecture` being opened.
@@ -186,6 +190,7 @@ impl<'a> OpenCx<'a> {
         }
         let id = Wt(self.plan.weights.len() as u32);
         self.plan.weights.push(WeightReq { name: name.into(), role, layer: layer.map_or(-1, |l| l as i32) });
+        self.dims.push(self.tensor(name).map(|t| t.dims.to_vec()).unwrap_or_default());
         Ok(Some(id))
     }
 
@@ -206,13 +211,34 @@ impl<'a> OpenCx<'a> {
         self.plan.n_ctx_train = n_ctx_train;
     }
 
-    /// Declare the KV cache of one attention layer.
-    pub fn kv_cache(&mut self, spec: KvSpec) {
-        self.plan.kv.push(spec);
+    /// Declare a per-sequence state; returns its index (what ops name it by).
+    pub fn state(&mut self, spec: StateSpec) -> u32 {
+        self.plan.states.push(spec);
+        self.plan.states.len() as u32 - 1
+    }
+
+    /// Declare a cache of one `width`-wide row per position; returns its index.
+    pub fn rows_state(&mut self, layer: u32, width: u32) -> u32 {
+        self.state(StateSpec::rows(layer, width))
+    }
+
+    /// Declare a recurrent state of shape `dims`; returns its index.
+    pub fn recurrent_state(&mut self, layer: u32, dims: &[u64]) -> u32 {
+        self.state(StateSpec::recurrent(layer, dims))
+    }
+
+    /// Declare the KV cache of one attention layer; returns its state index.
+    pub fn kv_cache(&mut self, layer: u32, n_kv_head: u32, head_dim_k: u32, head_dim_v: u32, window: u32) -> u32 {
+        self.state(StateSpec::kv(layer, n_kv_head, head_dim_k, head_dim_v, window))
     }
 
     pub fn into_plan(self) -> ModelPlan {
         self.plan
+    }
+
+    /// The plan and each declared weight's ggml dims.
+    pub fn into_parts(self) -> (ModelPlan, Vec<Vec<u64>>) {
+        (self.plan, self.dims)
     }
 }
 
@@ -241,69 +267,214 @@ fn wrong(key: &str, expected: &'static str, found: &MetaValue) -> PluginError {
     PluginError::WrongType { key: key.into(), expected, found }
 }
 
-/// The plugin-side face of the host's ops: the same vocabulary with `Result`s.
+/// The step graph a family records in [`FamilyPlugin::forward`]: one typed
+/// method per op, each checked (inputs, shapes) as it is recorded, so a
+/// mistake fails at build time with the node that made it.
 pub struct Graph<'a> {
-    ops: OpsRef<'a>,
-}
-
-fn lift(r: OpResult) -> Result<Val, PluginError> {
-    r.into_result().map_err(|e| PluginError::Op(e.into_string()))
+    kind: StepKind,
+    cx: ShapeCx<'a>,
+    nodes: Vec<Node>,
+    shapes: Vec<Shape>,
 }
 
 impl<'a> Graph<'a> {
-    pub fn new(ops: OpsRef<'a>) -> Self {
-        Graph { ops }
+    pub fn new(kind: StepKind, cx: ShapeCx<'a>) -> Self {
+        Graph { kind, cx, nodes: Vec::new(), shapes: Vec::new() }
     }
-    pub fn n_tokens(&self) -> u32 {
-        self.ops.n_tokens()
+
+    /// The step kind this graph is built for (decode: one token per sequence).
+    pub fn kind(&self) -> StepKind {
+        self.kind
     }
-    pub fn shape(&self, x: Val) -> Result<(u64, u64), PluginError> {
-        let s = self.ops.shape(x).into_result().map_err(|e| PluginError::Op(e.into_string()))?;
-        match s.as_slice() {
-            [r, c] => Ok((*r, *c)),
-            other => Err(PluginError::Op(format!("unexpected shape {other:?}"))),
+
+    /// A value's shape.
+    pub fn shape(&self, x: Val) -> Result<&Shape, PluginError> {
+        self.shapes.get(x.0 as usize).ok_or_else(|| PluginError::Op(format!("unknown value {}", x.0)))
+    }
+
+    /// Record `op` reading `inputs`: its shape rule runs now.
+    pub fn op(&mut self, op: Op, inputs: &[Val]) -> Result<Val, PluginError> {
+        let i = self.nodes.len();
+        let ins: Vec<&Shape> = inputs.iter().map(|v| self.shape(*v)).collect::<Result<_, _>>()?;
+        let shape = infer(&op, &ins, &self.cx).map_err(|why| PluginError::Op(format!("node {i} ({}): {why}", op.name())))?;
+        let e = op.encode();
+        self.nodes.push(Node {
+            op: e.code,
+            inputs: inputs.iter().map(|v| v.0).collect(),
+            ints: e.ints.into(),
+            floats: e.floats.into(),
+            label: RString::new(),
+            layer: -1,
+        });
+        self.shapes.push(shape);
+        Ok(Val(i as u32))
+    }
+
+    /// Name a value (`attn_out`, layer 3) so the host can dump it and diff it
+    /// against a reference; returns it for chaining.
+    pub fn name(&mut self, x: Val, label: &str, layer: Option<u32>) -> Val {
+        if let Some(n) = self.nodes.get_mut(x.0 as usize) {
+            n.label = label.into();
+            n.layer = layer.map_or(-1, |l| l as i32);
         }
+        x
     }
-    pub fn embed(&mut self, table: Wt, scale: f32) -> Result<Val, PluginError> {
-        lift(self.ops.embed(table, scale))
+
+    /// The graph, with `output` (the logits, `[O, n_vocab]`).
+    pub fn finish(self, output: Val) -> StepGraph {
+        StepGraph { nodes: self.nodes.into(), output: output.0 }
     }
+
+    /// The step's token ids, i32 `[T]`.
+    pub fn tokens(&mut self) -> Result<Val, PluginError> {
+        self.op(Op::Tokens, &[])
+    }
+    /// The step's positions, i32 `[T]`.
+    pub fn positions(&mut self) -> Result<Val, PluginError> {
+        self.op(Op::Positions, &[])
+    }
+    /// A resident weight as a value (row-major, ggml dims reversed).
+    pub fn weight(&mut self, w: Wt) -> Result<Val, PluginError> {
+        self.op(Op::Weight(w), &[])
+    }
+    /// Rows of `table` for i32 `ids`, times `scale`.
+    pub fn embed(&mut self, table: Wt, ids: Val, scale: f32) -> Result<Val, PluginError> {
+        self.op(Op::Embed { table, scale }, &[ids])
+    }
+    /// `x · wᵀ` over the last axis.
     pub fn linear(&mut self, w: Wt, x: Val) -> Result<Val, PluginError> {
-        lift(self.ops.linear(w, x))
+        self.op(Op::Linear(w), &[x])
     }
-    pub fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32) -> Result<Val, PluginError> {
-        lift(self.ops.rms_norm(x, ROption::from(w), eps, group))
+    /// Keep the rows whose logits the host wants; call before the final norm
+    /// so the output head runs once per wanted row.
+    pub fn output_rows(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.op(Op::OutputRows, &[x])
     }
-    pub fn add(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
-        lift(self.ops.add(a, b))
+    pub fn reshape(&mut self, x: Val, dims: &[Dim]) -> Result<Val, PluginError> {
+        self.op(Op::Reshape(dims.to_vec()), &[x])
     }
-    pub fn mul(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
-        lift(self.ops.mul(a, b))
+    /// `[T, heads * head_dim]` as `[T, heads, head_dim]`.
+    pub fn split_heads(&mut self, x: Val, heads: u32, head_dim: u32) -> Result<Val, PluginError> {
+        self.reshape(x, &[Dim::T, Dim::N(heads as u64), Dim::N(head_dim as u64)])
+    }
+    /// `[T, a, b, ..]` as `[T, a * b * ..]`.
+    pub fn merge_heads(&mut self, x: Val) -> Result<Val, PluginError> {
+        let s = self.shape(x)?;
+        let (n, sym) = s.split();
+        if sym != [Dim::T] || s.dims.first() != Some(&Dim::T) {
+            return Err(PluginError::Op(format!("merge_heads: {s} is not [T, ..]")));
+        }
+        self.reshape(x, &[Dim::T, Dim::N(n)])
+    }
+    pub fn permute(&mut self, x: Val, perm: &[u32]) -> Result<Val, PluginError> {
+        self.op(Op::Permute(perm.to_vec()), &[x])
+    }
+    pub fn concat(&mut self, xs: &[Val], axis: i64) -> Result<Val, PluginError> {
+        self.op(Op::Concat { axis }, xs)
+    }
+    pub fn slice(&mut self, x: Val, axis: i64, start: u64, len: u64) -> Result<Val, PluginError> {
+        self.op(Op::Slice { axis, start, len }, &[x])
+    }
+    pub fn unary(&mut self, x: Val, f: Unary) -> Result<Val, PluginError> {
+        self.op(Op::Unary(f), &[x])
+    }
+    pub fn exp(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.unary(x, Unary::Exp)
+    }
+    pub fn sigmoid(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.unary(x, Unary::Sigmoid)
+    }
+    pub fn softplus(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.unary(x, Unary::Softplus)
+    }
+    pub fn silu(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.unary(x, Unary::Silu)
+    }
+    pub fn tanh(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.unary(x, Unary::Tanh)
     }
     pub fn scale(&mut self, x: Val, s: f32) -> Result<Val, PluginError> {
-        lift(self.ops.scale(x, s))
+        self.op(Op::Scale(s), &[x])
     }
-    pub fn act(&mut self, x: Val, act: Act) -> Result<Val, PluginError> {
-        lift(self.ops.act(x, act))
+    pub fn clamp(&mut self, x: Val, lo: f32, hi: f32) -> Result<Val, PluginError> {
+        self.op(Op::Clamp { lo, hi }, &[x])
     }
+    pub fn binary(&mut self, a: Val, b: Val, f: Binary) -> Result<Val, PluginError> {
+        self.op(Op::Binary(f), &[a, b])
+    }
+    pub fn add(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        self.binary(a, b, Binary::Add)
+    }
+    pub fn sub(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        self.binary(a, b, Binary::Sub)
+    }
+    pub fn mul(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        self.binary(a, b, Binary::Mul)
+    }
+    pub fn div(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        self.binary(a, b, Binary::Div)
+    }
+    pub fn softmax(&mut self, x: Val, axis: i64) -> Result<Val, PluginError> {
+        self.op(Op::Softmax { axis }, &[x])
+    }
+    pub fn sum(&mut self, x: Val, axis: i64) -> Result<Val, PluginError> {
+        self.op(Op::Reduce { kind: Reduce::Sum, axis }, &[x])
+    }
+    pub fn mean(&mut self, x: Val, axis: i64) -> Result<Val, PluginError> {
+        self.op(Op::Reduce { kind: Reduce::Mean, axis }, &[x])
+    }
+    pub fn max(&mut self, x: Val, axis: i64) -> Result<Val, PluginError> {
+        self.op(Op::Reduce { kind: Reduce::Max, axis }, &[x])
+    }
+    /// Indices of the `k` largest entries along the last axis, largest first.
+    pub fn top_k(&mut self, x: Val, k: u32) -> Result<Val, PluginError> {
+        self.op(Op::TopK { k }, &[x])
+    }
+    /// `x[..., ids[..., j]]` along the last axis.
+    pub fn take_along(&mut self, x: Val, ids: Val) -> Result<Val, PluginError> {
+        self.op(Op::TakeAlong, &[x, ids])
+    }
+    /// Rows of `x` (first axis) by i32 `ids`.
+    pub fn gather(&mut self, x: Val, ids: Val) -> Result<Val, PluginError> {
+        self.op(Op::Gather, &[x, ids])
+    }
+    pub fn cumsum(&mut self, x: Val, axis: i64) -> Result<Val, PluginError> {
+        self.op(Op::Cumsum { axis }, &[x])
+    }
+    /// `[.., m, k] · [.., k, n]`.
+    pub fn matmul(&mut self, a: Val, b: Val) -> Result<Val, PluginError> {
+        self.op(Op::Matmul, &[a, b])
+    }
+    /// RMS norm over the last axis (reshape to `[T, heads, head_dim]` first
+    /// for per-head norms).
+    pub fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32) -> Result<Val, PluginError> {
+        self.op(Op::RmsNorm { weight: w, eps }, &[x])
+    }
+    pub fn rope(&mut self, x: Val, spec: Rope) -> Result<Val, PluginError> {
+        self.op(Op::Rope(spec), &[x])
+    }
+    /// `act(gate) * up`.
     pub fn glu(&mut self, gate: Val, up: Val, act: Act) -> Result<Val, PluginError> {
-        lift(self.ops.glu(gate, up, act))
+        self.op(Op::Glu(act), &[gate, up])
     }
-    pub fn rope(&mut self, x: Val, spec: RopeSpec) -> Result<Val, PluginError> {
-        lift(self.ops.rope(x, spec))
+    pub fn attention(&mut self, q: Val, k: Val, v: Val, spec: Attention) -> Result<Val, PluginError> {
+        self.op(Op::Attention(spec), &[q, k, v])
     }
-    pub fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> Result<Val, PluginError> {
-        lift(self.ops.attention(q, k, v, spec))
+    /// The selected experts' FFNs through the expert store.
+    pub fn experts(&mut self, x: Val, ids: Val, weights: Val, spec: Experts) -> Result<Val, PluginError> {
+        self.op(Op::Experts(spec), &[x, ids, weights])
     }
-    pub fn moe(&mut self, x: Val, spec: MoeSpec) -> Result<Val, PluginError> {
-        lift(self.ops.moe(x, spec))
+    /// Append `x` `[T, W]` to a rows state and read the cache back, `[C, W]`.
+    pub fn state_rows(&mut self, state: u32, x: Val) -> Result<Val, PluginError> {
+        self.op(Op::StateRows { state }, &[x])
     }
-    pub fn output_rows(&mut self, x: Val) -> Result<Val, PluginError> {
-        lift(self.ops.output_rows(x))
+    /// The causal (and, with `window`, sliding) mask `[T, C]`: 0 or -inf.
+    pub fn mask(&mut self, window: u32) -> Result<Val, PluginError> {
+        self.op(Op::Mask { window }, &[])
     }
-    /// Name an intermediate for dumps; returns it for chaining.
-    pub fn name(&mut self, x: Val, name: &str, layer: Option<u32>) -> Val {
-        self.ops.name(x, RStr::from_str(name), layer.map_or(-1, |l| l as i32));
-        x
+    /// `S_t = a_t * S_{t-1} + b_t` on a recurrent state; every `S_t`.
+    pub fn scan(&mut self, state: u32, a: Val, b: Val) -> Result<Val, PluginError> {
+        self.op(Op::Scan { state }, &[a, b])
     }
 }
 
@@ -327,18 +498,27 @@ pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, PluginError>) -> RResu
 pub struct Exported<F> {
     family: F,
     plan: ModelPlan,
+    dims: Vec<Vec<u64>>,
+    names: Vec<String>,
     label: String,
+}
+
+impl<F: FamilyPlugin> Exported<F> {
+    /// Record `family`'s graph for `kind` against its declared weights.
+    pub fn graph(&self, kind: StepKind) -> Result<StepGraph, PluginError> {
+        let cx = ShapeCx { weights: &self.dims, weight_names: &self.names, states: &self.plan.states };
+        let mut g = Graph::new(kind, cx);
+        let out = self.family.forward(&mut g)?;
+        Ok(g.finish(out))
+    }
 }
 
 impl<F: FamilyPlugin> Family for Exported<F> {
     fn plan(&self) -> ModelPlan {
         self.plan.clone()
     }
-    fn forward(&self, ops: OpsRef<'_>) -> OpResult {
-        guard(&self.label, || {
-            let mut g = Graph::new(ops);
-            self.family.forward(&mut g)
-        })
+    fn build(&self, kind: StepKind) -> RResult<StepGraph, RString> {
+        guard(&self.label, || self.graph(kind))
     }
     fn chat(&self) -> ChatSpec {
         // A chat spec is plain data: a panic here is still caught.
@@ -355,8 +535,9 @@ pub fn open_family<F: FamilyPlugin>(plugin: &str, arch: RStr<'_>, model: ModelVi
     guard(&label.clone(), || {
         let mut cx = OpenCx::new(arch.as_str(), model);
         let family = F::open(&mut cx)?;
-        let plan = cx.into_plan();
-        let exported = Exported { family, plan, label };
+        let (plan, dims) = cx.into_parts();
+        let names = plan.weights.iter().map(|w| w.name.to_string()).collect();
+        let exported = Exported { family, plan, dims, names, label };
         Ok(Family_TO::from_ptr(RBox::new(exported), TD_Opaque))
     })
 }

@@ -3,7 +3,7 @@
 //! ```toml
 //! name = "gemma3"
 //! version = "0.1.0"
-//! api = "^0.1"                     # semver requirement on plugin-api
+//! api = "^0.2"                     # semver requirement on plugin-api
 //! architectures = ["gemma3"]       # general.architecture values served
 //! library = "libpulsar_arch_gemma3.so"
 //! ```

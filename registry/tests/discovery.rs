@@ -64,24 +64,24 @@ fn broken_and_incompatible_plugins_are_one_line_each_and_good_ones_still_load() 
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let good = built_lib("pulsar-testplugin-panicky");
-    install(root, "good", &good, &manifest("panicky", "^0.1", &["panicky"], "libpulsar_testplugin_panicky.so"));
+    install(root, "good", &good, &manifest("panicky", "^0.2", &["panicky"], "libpulsar_testplugin_panicky.so"));
     let old = built_lib("pulsar-testplugin-oldapi");
     // Honest manifest: refused by the semver check before any code runs.
     install(root, "old-honest", &old, &manifest("oldapi", "^0.9", &["old"], "libpulsar_testplugin_oldapi.so"));
     // Lying manifest: caught by abi_stable's version check at load.
-    install(root, "old-lying", &old, &manifest("oldapi-lying", "^0.1", &["old"], "libpulsar_testplugin_oldapi.so"));
+    install(root, "old-lying", &old, &manifest("oldapi-lying", "^0.2", &["old"], "libpulsar_testplugin_oldapi.so"));
     let noroot = built_lib("pulsar-testplugin-noroot");
-    install(root, "noroot", &noroot, &manifest("noroot", "^0.1", &["x"], "libpulsar_testplugin_noroot.so"));
+    install(root, "noroot", &noroot, &manifest("noroot", "^0.2", &["x"], "libpulsar_testplugin_noroot.so"));
     // A truncated copy of a good library.
     std::fs::create_dir_all(root.join("truncated")).unwrap();
     let bytes = std::fs::read(&good).unwrap();
     std::fs::write(root.join("truncated/libtrunc.so"), &bytes[..bytes.len().min(6000)]).unwrap();
-    std::fs::write(root.join("truncated/plugin.toml"), manifest("trunc", "^0.1", &["t"], "libtrunc.so")).unwrap();
+    std::fs::write(root.join("truncated/plugin.toml"), manifest("trunc", "^0.2", &["t"], "libtrunc.so")).unwrap();
     // Random bytes named .so.
     std::fs::create_dir_all(root.join("random")).unwrap();
     let noise: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
     std::fs::write(root.join("random/librandom.so"), noise).unwrap();
-    std::fs::write(root.join("random/plugin.toml"), manifest("random", "^0.1", &["r"], "librandom.so")).unwrap();
+    std::fs::write(root.join("random/plugin.toml"), manifest("random", "^0.2", &["r"], "librandom.so")).unwrap();
     // A manifest that does not parse.
     std::fs::create_dir_all(root.join("badmanifest")).unwrap();
     std::fs::write(root.join("badmanifest/plugin.toml"), "name = [unclosed").unwrap();
@@ -126,7 +126,7 @@ fn missing_or_empty_plugin_folders_are_not_errors() {
 #[test]
 fn panics_in_a_loaded_plugin_become_errors() {
     let tmp = tempfile::tempdir().unwrap();
-    install(tmp.path(), "p", &built_lib("pulsar-testplugin-panicky"), &manifest("panicky", "^0.1", &["panicky"], "libpulsar_testplugin_panicky.so"));
+    install(tmp.path(), "p", &built_lib("pulsar-testplugin-panicky"), &manifest("panicky", "^0.2", &["panicky"], "libpulsar_testplugin_panicky.so"));
     let reg = Registry::discover(&SearchPath::only(&[tmp.path().to_path_buf()]));
     let module = find(&reg, "panicky").module().unwrap();
     let model = FakeModel::new().s("panicky.at", "open");
@@ -135,9 +135,7 @@ fn panics_in_a_loaded_plugin_become_errors() {
 
     let calm = FakeModel::new();
     let fam = (module.open())("panicky".into(), calm.view()).into_result().unwrap();
-    let plan = fam.plan();
-    let mut rec = pulsar_plugin_api::testing::RecordingOps::new(&calm, &plan, 1);
-    let e = fam.forward(rec.ops()).into_result().err().unwrap();
+    let e = fam.build(pulsar_plugin_api::StepKind::Decode).into_result().err().unwrap();
     assert!(e.contains("forward exploded"), "{e}");
 }
 
@@ -146,8 +144,8 @@ fn two_plugins_claiming_one_arch_pick_the_earlier_folder_with_a_warning() {
     let a = tempfile::tempdir().unwrap();
     let b = tempfile::tempdir().unwrap();
     let lib = built_lib("pulsar-testplugin-panicky");
-    install(a.path(), "x", &lib, &manifest("panicky", "^0.1", &["panicky"], "libpulsar_testplugin_panicky.so"));
-    install(b.path(), "y", &lib, &manifest("panicky", "^0.1", &["panicky"], "libpulsar_testplugin_panicky.so"));
+    install(a.path(), "x", &lib, &manifest("panicky", "^0.2", &["panicky"], "libpulsar_testplugin_panicky.so"));
+    install(b.path(), "y", &lib, &manifest("panicky", "^0.2", &["panicky"], "libpulsar_testplugin_panicky.so"));
     let reg = Registry::discover(&SearchPath::only(&[b.path().to_path_buf(), a.path().to_path_buf()]));
     let (p, warn) = reg.select("panicky", None).unwrap();
     assert!(p.path.starts_with(b.path()));

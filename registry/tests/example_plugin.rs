@@ -4,7 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use pulsar_plugin_api::testing::{FakeModel, RecordingOps};
+use pulsar_plugin_api::testing::FakeModel;
+use pulsar_plugin_api::{Dim, StepKind};
 use pulsar_registry::{Registry, SearchPath, Status};
 
 #[test]
@@ -38,8 +39,6 @@ fn example_plugin_builds_out_of_tree_and_loads() {
         .t("output_norm.weight", &[8])
         .t("output.weight", &[8, 20]);
     let fam = (sel.module().unwrap().open())("hello-bigram".into(), model.view()).into_result().unwrap();
-    let plan = fam.plan();
-    let mut ops = RecordingOps::new(&model, &plan, 2);
-    let logits = fam.forward(ops.ops()).into_result().unwrap();
-    assert_eq!(ops.shape_of(logits), Some((1, 20)));
+    let g = model.check_graph(&fam, StepKind::Prefill).unwrap();
+    assert_eq!(g.shapes[g.output as usize].dims, vec![Dim::O, Dim::N(20)]);
 }

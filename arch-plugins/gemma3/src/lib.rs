@@ -11,9 +11,7 @@
 //! layers only), GELU-tanh GLU, sandwich norms (pre and post of both blocks),
 //! per-head q/k RMS norms, embeddings scaled by sqrt(n_embd).
 
-use pulsar_plugin_api::{
-    Act, AttnSpec, ChatSpec, FamilyPlugin, Graph, KvSpec, OpenCx, PluginError, Role, RopeMode, RopeSpec, Val, Wt,
-};
+use pulsar_plugin_api::{Act, Attention, ChatSpec, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt};
 
 /// The configuration, parsed once.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,6 +97,8 @@ struct Layer {
     up: Wt,
     down: Wt,
     post_ffn_norm: Wt,
+    /// The layer's KV state.
+    kv: u32,
 }
 
 pub struct Gemma3 {
@@ -135,9 +135,8 @@ impl FamilyPlugin for Gemma3 {
                 up: w("ffn_up", Role::Dense, &[e, ff])?,
                 down: w("ffn_down", Role::Dense, &[ff, e])?,
                 post_ffn_norm: w("post_ffw_norm", Role::Norm, &[e])?,
+                kv: cx.kv_cache(l, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, if cfg.is_global(l) { 0 } else { cfg.window }),
             });
-            let window = if cfg.is_global(l) { 0 } else { cfg.window };
-            cx.kv_cache(KvSpec { layer: l, n_kv_head: cfg.n_kv_head, head_dim_k: cfg.head_dim, head_dim_v: cfg.head_dim, window });
         }
         cx.set_dims(cfg.n_layers, cfg.n_embd, cfg.n_vocab, cfg.n_ctx_train);
         Ok(Gemma3 { cfg, tok_embd, output_norm, output, layers })
@@ -145,52 +144,47 @@ impl FamilyPlugin for Gemma3 {
 
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError> {
         let c = &self.cfg;
-        let mut x = g.embed(self.tok_embd, (c.n_embd as f32).sqrt())?;
+        let ids = g.tokens()?;
+        let mut x = g.embed(self.tok_embd, ids, (c.n_embd as f32).sqrt())?;
         for (il, w) in self.layers.iter().enumerate() {
             let l = il as u32;
             let global = c.is_global(l);
-            let rope = RopeSpec {
-                head_dim: c.head_dim,
+            let rope = Rope {
                 n_rot: c.head_dim,
                 base: if global { c.rope_base_global } else { c.rope_base_local },
                 linear_factor: if global { c.rope_scale_global } else { 1.0 },
                 mode: RopeMode::Neox,
             };
-            let h = g.rms_norm(x, Some(w.attn_norm), c.eps, c.n_embd)?;
+            let h = g.rms_norm(x, Some(w.attn_norm), c.eps)?;
             let q = g.linear(w.wq, h)?;
             let k = g.linear(w.wk, h)?;
             let v = g.linear(w.wv, h)?;
-            let q = g.rms_norm(q, Some(w.q_norm), c.eps, c.head_dim)?;
-            let k = g.rms_norm(k, Some(w.k_norm), c.eps, c.head_dim)?;
+            let q = g.split_heads(q, c.n_head, c.head_dim)?;
+            let k = g.split_heads(k, c.n_kv_head, c.head_dim)?;
+            let v = g.split_heads(v, c.n_kv_head, c.head_dim)?;
+            let q = g.rms_norm(q, Some(w.q_norm), c.eps)?;
+            let k = g.rms_norm(k, Some(w.k_norm), c.eps)?;
             let q = g.rope(q, rope)?;
             let k = g.rope(k, rope)?;
-            let spec = AttnSpec {
-                layer: l,
-                n_head: c.n_head,
-                n_kv_head: c.n_kv_head,
-                head_dim_k: c.head_dim,
-                head_dim_v: c.head_dim,
-                scale: c.attn_scale,
-                window: if global { 0 } else { c.window },
-                softcap: 0.0,
-            };
+            let spec = Attention { state: w.kv, scale: c.attn_scale, window: if global { 0 } else { c.window }, softcap: 0.0 };
             let a = g.attention(q, k, v, spec)?;
+            let a = g.merge_heads(a)?;
             let a = g.linear(w.wo, a)?;
-            let a = g.rms_norm(a, Some(w.post_attn_norm), c.eps, c.n_embd)?;
+            let a = g.rms_norm(a, Some(w.post_attn_norm), c.eps)?;
             let a = g.name(a, "attn_out", Some(l));
             x = g.add(x, a)?;
-            let h = g.rms_norm(x, Some(w.ffn_norm), c.eps, c.n_embd)?;
+            let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
             let gate = g.linear(w.gate, h)?;
             let up = g.linear(w.up, h)?;
             let f = g.glu(gate, up, Act::GeluTanh)?;
             let f = g.linear(w.down, f)?;
-            let f = g.rms_norm(f, Some(w.post_ffn_norm), c.eps, c.n_embd)?;
+            let f = g.rms_norm(f, Some(w.post_ffn_norm), c.eps)?;
             let f = g.name(f, "ffn_out", Some(l));
             x = g.add(x, f)?;
             x = g.name(x, "l_out", Some(l));
         }
         let x = g.output_rows(x)?;
-        let x = g.rms_norm(x, Some(self.output_norm), c.eps, c.n_embd)?;
+        let x = g.rms_norm(x, Some(self.output_norm), c.eps)?;
         let logits = g.linear(self.output, x)?;
         Ok(g.name(logits, "logits", None))
     }

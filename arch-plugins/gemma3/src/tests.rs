@@ -1,6 +1,7 @@
 use super::*;
-use pulsar_plugin_api::testing::{FakeModel, RecordingOps};
-use pulsar_plugin_api::FamilyBox;
+use pulsar_plugin_api::graph::Op;
+use pulsar_plugin_api::testing::{count_ops, FakeModel};
+use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
 
 /// A gemma3-shaped model with 7 layers: 5 local, 1 global, 1 local.
 fn model() -> FakeModel {
@@ -54,7 +55,7 @@ fn plan_declares_every_weight_and_a_window_per_layer() {
     assert_eq!(plan.n_vocab, 50);
     // 13 per layer + embedding + output norm; the output head is tied.
     assert_eq!(plan.weights.len(), 7 * 13 + 2);
-    let windows: Vec<u32> = plan.kv.iter().map(|k| k.window).collect();
+    let windows: Vec<u32> = plan.states.iter().map(|k| k.as_kv().unwrap().3).collect();
     assert_eq!(windows, vec![4, 4, 4, 4, 4, 0, 4]);
 }
 
@@ -62,14 +63,13 @@ fn plan_declares_every_weight_and_a_window_per_layer() {
 fn forward_builds_a_shape_consistent_graph() {
     let m = model();
     let fam = open(&m).unwrap();
-    let plan = fam.plan();
-    let mut rec = RecordingOps::new(&m, &plan, 3);
-    let logits = fam.forward(rec.ops()).into_result().unwrap();
-    assert_eq!(rec.shape_of(logits), Some((1, 50)));
-    // The global layer (5) uses the global base; local layers the local one.
-    assert!(rec.calls.iter().any(|c| c.starts_with("attention(layer 5)")));
-    assert_eq!(rec.calls.iter().filter(|c| c.starts_with("embed(token_embd.weight)")).count(), 1);
-    assert!(rec.calls.last().unwrap().contains("logits"));
+    let g = m.check_graph(&fam, StepKind::Prefill).unwrap();
+    assert_eq!(g.shapes[g.output as usize].dims, vec![Dim::O, Dim::N(50)]);
+    // The global layer (5) attends over its whole cache; local layers over the window.
+    let windows: Vec<u32> = g.ops.iter().filter_map(|o| if let Op::Attention(a) = o { Some(a.window) } else { None }).collect();
+    assert_eq!(windows, vec![4, 4, 4, 4, 4, 0, 4]);
+    assert_eq!(count_ops(&g, "embed"), 1);
+    assert!(matches!(g.ops[g.output as usize], Op::Linear(_)));
 }
 
 #[test]

@@ -11,8 +11,8 @@
 //! checks on the expert tensors.
 
 use pulsar_plugin_api::{
-    Act, AttnSpec, ChatSpec, FamilyPlugin, Gating, Graph, KvSpec, MoeSpec, OpenCx, PluginError, Role, RopeMode,
-    RopeSpec, ThinkingMarkers, Val, Wt,
+    Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers,
+    Val, Wt,
 };
 
 #[derive(Debug, Clone, PartialEq)]
@@ -83,6 +83,8 @@ struct Layer {
     gate_exps: Wt,
     up_exps: Wt,
     down_exps: Wt,
+    /// The layer's KV state.
+    kv: u32,
 }
 
 pub struct Qwen3Moe {
@@ -122,8 +124,8 @@ impl FamilyPlugin for Qwen3Moe {
                 gate_exps: w("ffn_gate_exps", Role::RoutedExpert, &[e, ff, nx])?,
                 up_exps: w("ffn_up_exps", Role::RoutedExpert, &[e, ff, nx])?,
                 down_exps: w("ffn_down_exps", Role::RoutedExpert, &[ff, e, nx])?,
+                kv: cx.kv_cache(l, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, 0),
             });
-            cx.kv_cache(KvSpec { layer: l, n_kv_head: cfg.n_kv_head, head_dim_k: cfg.head_dim, head_dim_v: cfg.head_dim, window: 0 });
         }
         cx.set_dims(cfg.n_layers, cfg.n_embd, cfg.n_vocab, cfg.n_ctx_train);
         Ok(Qwen3Moe { cfg, tok_embd, output_norm, output, layers })
@@ -131,53 +133,44 @@ impl FamilyPlugin for Qwen3Moe {
 
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError> {
         let c = &self.cfg;
-        let rope = RopeSpec { head_dim: c.head_dim, n_rot: c.head_dim, base: c.rope_base, linear_factor: 1.0, mode: RopeMode::Neox };
-        let mut x = g.embed(self.tok_embd, 1.0)?;
+        let rope = Rope { n_rot: c.head_dim, base: c.rope_base, linear_factor: 1.0, mode: RopeMode::Neox };
+        let ids = g.tokens()?;
+        let mut x = g.embed(self.tok_embd, ids, 1.0)?;
         for (il, w) in self.layers.iter().enumerate() {
             let l = il as u32;
-            let h = g.rms_norm(x, Some(w.attn_norm), c.eps, c.n_embd)?;
+            let h = g.rms_norm(x, Some(w.attn_norm), c.eps)?;
             let q = g.linear(w.wq, h)?;
             let k = g.linear(w.wk, h)?;
             let v = g.linear(w.wv, h)?;
-            let q = g.rms_norm(q, Some(w.q_norm), c.eps, c.head_dim)?;
-            let k = g.rms_norm(k, Some(w.k_norm), c.eps, c.head_dim)?;
+            let q = g.split_heads(q, c.n_head, c.head_dim)?;
+            let k = g.split_heads(k, c.n_kv_head, c.head_dim)?;
+            let v = g.split_heads(v, c.n_kv_head, c.head_dim)?;
+            let q = g.rms_norm(q, Some(w.q_norm), c.eps)?;
+            let k = g.rms_norm(k, Some(w.k_norm), c.eps)?;
             let q = g.rope(q, rope)?;
             let k = g.rope(k, rope)?;
-            let spec = AttnSpec {
-                layer: l,
-                n_head: c.n_head,
-                n_kv_head: c.n_kv_head,
-                head_dim_k: c.head_dim,
-                head_dim_v: c.head_dim,
-                scale: 1.0 / (c.head_dim as f32).sqrt(),
-                window: 0,
-                softcap: 0.0,
-            };
+            let spec = Attention { state: w.kv, scale: 1.0 / (c.head_dim as f32).sqrt(), window: 0, softcap: 0.0 };
             let a = g.attention(q, k, v, spec)?;
+            let a = g.merge_heads(a)?;
             let a = g.linear(w.wo, a)?;
             let a = g.name(a, "attn_out", Some(l));
             x = g.add(x, a)?;
-            let h = g.rms_norm(x, Some(w.ffn_norm), c.eps, c.n_embd)?;
-            let moe = MoeSpec {
-                layer: l,
-                router: w.router,
-                gate_exps: w.gate_exps,
-                up_exps: w.up_exps,
-                down_exps: w.down_exps,
-                n_expert: c.n_expert,
-                top_k: c.n_expert_used,
-                gating: Gating::Softmax,
-                norm_topk: true,
-                weights_scale: 1.0,
-                act: Act::Silu,
-            };
-            let f = g.moe(h, moe)?;
+            let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
+            // Softmax router, top-k, the selected weights renormalised.
+            let scores = g.linear(w.router, h)?;
+            let p = g.softmax(scores, -1)?;
+            let sel = g.top_k(p, c.n_expert_used)?;
+            let sw = g.take_along(p, sel)?;
+            let total = g.sum(sw, -1)?;
+            let sw = g.div(sw, total)?;
+            let spec = Experts { layer: l, gate: w.gate_exps, up: w.up_exps, down: w.down_exps, act: Act::Silu };
+            let f = g.experts(h, sel, sw, spec)?;
             let f = g.name(f, "ffn_moe_out", Some(l));
             x = g.add(x, f)?;
             x = g.name(x, "l_out", Some(l));
         }
         let x = g.output_rows(x)?;
-        let x = g.rms_norm(x, Some(self.output_norm), c.eps, c.n_embd)?;
+        let x = g.rms_norm(x, Some(self.output_norm), c.eps)?;
         let logits = g.linear(self.output, x)?;
         Ok(g.name(logits, "logits", None))
     }
@@ -202,8 +195,8 @@ pulsar_plugin_api::export_plugin! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pulsar_plugin_api::testing::{FakeModel, RecordingOps};
-    use pulsar_plugin_api::FamilyBox;
+    use pulsar_plugin_api::testing::{count_ops, FakeModel};
+    use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
 
     fn model() -> FakeModel {
         let (e, hd, nh, nkv, ff, nx, v) = (16u64, 8u64, 4u64, 2u64, 12u64, 8u64, 40u64);
@@ -252,10 +245,13 @@ mod tests {
         let fam = open(&m).unwrap();
         let plan = fam.plan();
         assert_eq!(plan.weights.iter().filter(|w| w.role == Role::RoutedExpert).count(), 6);
-        let mut rec = RecordingOps::new(&m, &plan, 5);
-        let logits = fam.forward(rec.ops()).into_result().unwrap();
-        assert_eq!(rec.shape_of(logits), Some((1, 40)));
-        assert_eq!(rec.calls.iter().filter(|c| c.starts_with("moe(")).count(), 2);
+        assert_eq!(plan.states.len(), 2);
+        for kind in [StepKind::Decode, StepKind::Prefill] {
+            let g = m.check_graph(&fam, kind).unwrap();
+            assert_eq!(g.shapes[g.output as usize].dims, vec![Dim::O, Dim::N(40)]);
+            assert_eq!(count_ops(&g, "experts"), 2);
+            assert_eq!(count_ops(&g, "attention"), 2);
+        }
     }
 
     #[test]

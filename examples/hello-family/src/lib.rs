@@ -1,7 +1,7 @@
 //! `hello-bigram`: the smallest useful family — a bigram language model whose
 //! next-token logits are `output · norm(embed(token))`. It shows every part of
 //! a plugin: a config parsed once with errors naming keys, weights declared
-//! with roles and checked shapes, a forward step built from host ops, and a
+//! with roles and checked shapes, a step graph recorded from host ops, and a
 //! chat template.
 
 use pulsar_plugin_api::{ChatSpec, FamilyPlugin, Graph, OpenCx, PluginError, Role, Val, Wt};
@@ -28,9 +28,10 @@ impl FamilyPlugin for HelloBigram {
     }
 
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError> {
-        let x = g.embed(self.embd, 1.0)?;
+        let ids = g.tokens()?;
+        let x = g.embed(self.embd, ids, 1.0)?;
         let x = g.output_rows(x)?;
-        let x = g.rms_norm(x, Some(self.norm), self.eps, self.n_embd)?;
+        let x = g.rms_norm(x, Some(self.norm), self.eps)?;
         let logits = g.linear(self.output, x)?;
         Ok(g.name(logits, "logits", None))
     }
@@ -54,7 +55,8 @@ pulsar_plugin_api::export_plugin! {
 
 #[cfg(test)]
 mod tests {
-    use pulsar_plugin_api::testing::{FakeModel, RecordingOps};
+    use pulsar_plugin_api::testing::FakeModel;
+    use pulsar_plugin_api::{Dim, StepKind};
 
     fn model() -> FakeModel {
         FakeModel::new()
@@ -68,10 +70,10 @@ mod tests {
     fn builds_a_graph_against_the_fake_host() {
         let m = model();
         let fam = (super::plugin_module().open())("hello-bigram".into(), m.view()).into_result().unwrap();
-        let plan = fam.plan();
-        let mut ops = RecordingOps::new(&m, &plan, 4);
-        let logits = fam.forward(ops.ops()).into_result().unwrap();
-        assert_eq!(ops.shape_of(logits), Some((1, 20)));
+        for kind in [StepKind::Decode, StepKind::Prefill] {
+            let g = m.check_graph(&fam, kind).unwrap();
+            assert_eq!(g.shapes[g.output as usize].dims, vec![Dim::O, Dim::N(20)]);
+        }
     }
 
     #[test]

@@ -389,7 +389,7 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, samp
         let ids = tok.encode(&text, false, true);
         // Reuse the cached prefix shared with the previous turns.
         let common = engine.history().iter().zip(&ids).take_while(|(x, y)| x == y).count().min(ids.len() - 1);
-        engine.truncate(common);
+        let common = engine.truncate(common);
         let t0 = Instant::now();
         let mut logits = engine.forward(&ids[common..], false)?.pop().expect("one row");
         let prefill = (ids.len() - common, t0.elapsed().as_secs_f64());

@@ -1,24 +1,27 @@
-//! The CPU backend: executes a plugin's ops eagerly on f32 activations with
-//! the kernels crate. It is the reference every other backend is checked
-//! against, and a real path on machines without a GPU.
+//! The CPU backend: runs a family's step graph node by node on N-D f32/i32
+//! tensors with the kernels crate. It is the reference every other backend
+//! is checked against, and a real path on machines without a GPU.
 //!
 //! Determinism: every op computes each row with the same code whatever the
 //! number of rows, so a prefill of N tokens and N single-token decodes give
 //! bit-identical logits.
 
-mod kv;
+mod state;
 pub mod moe;
+pub mod prim;
 
-use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
 use pulsar_kernels::ops::{self, Activation, AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::{Activations, Kernels, WeightMatrix};
-use pulsar_plugin_api::{Act, AttnSpec, MoeSpec, OpResult, Ops, RopeMode, RopeSpec, Val, Wt};
+use pulsar_plugin_api::graph::{Act, Attention, Dim, Op, Rope, RopeMode, Sizes};
+use pulsar_plugin_api::Wt;
 use rayon::ThreadPool;
 
+use crate::graph::StepPlan;
 use crate::model::{Model, Weight};
 
-pub use kv::KvCache;
+pub use state::{SeqState, Snapshot};
 pub use moe::{ExpertSource, MappedExperts, SlabBytes};
+pub use prim::{TData, Tensor};
 
 /// Compute resources of the CPU backend, created once.
 pub struct CpuBackend {
@@ -52,7 +55,7 @@ pub struct Named {
     pub value: Mat,
 }
 
-/// One forward step over `tokens` at `positions`.
+/// One forward step over `tokens` at `positions`: runs a [`StepPlan`].
 ///
 /// A step may carry rows of several sequences (a batched decode): row `i`
 /// belongs to the cache `kvs[seqs[i]]` and sits at `positions[i]` of it. Only
@@ -62,7 +65,7 @@ pub struct CpuStep<'a> {
     pub model: &'a Model,
     pub cpu: &'a CpuBackend,
     /// One KV cache per sequence in the step.
-    pub kvs: &'a mut [KvCache],
+    pub kvs: &'a mut [SeqState],
     /// Per row, its sequence's index into `kvs`; `None`: every row is `kvs[0]`'s.
     pub seqs: Option<&'a [u32]>,
     pub experts: &'a dyn ExpertSource,
@@ -72,17 +75,9 @@ pub struct CpuStep<'a> {
     pub all_rows: bool,
     /// Record named intermediates whose name matches (empty = none).
     pub capture: Option<&'a mut Vec<Named>>,
-    vals: Vec<Mat>,
 }
 
 type R<T> = Result<T, String>;
-
-fn res(r: R<Val>) -> OpResult {
-    match r {
-        Ok(v) => RResult::ROk(v),
-        Err(e) => RResult::RErr(RString::from(e)),
-    }
-}
 
 pub(crate) fn act_of(a: Act) -> Activation {
     match a {
@@ -96,14 +91,14 @@ impl<'a> CpuStep<'a> {
     pub fn new(
         model: &'a Model,
         cpu: &'a CpuBackend,
-        kv: &'a mut KvCache,
+        kv: &'a mut SeqState,
         experts: &'a dyn ExpertSource,
         tokens: &'a [u32],
         positions: &'a [u32],
         all_rows: bool,
     ) -> Self {
         let kvs = std::slice::from_mut(kv);
-        CpuStep { model, cpu, kvs, seqs: None, experts, tokens, positions, all_rows, capture: None, vals: Vec::new() }
+        CpuStep { model, cpu, kvs, seqs: None, experts, tokens, positions, all_rows, capture: None }
     }
 
     /// A step over rows of several sequences: row `i` reads and extends the
@@ -114,14 +109,14 @@ impl<'a> CpuStep<'a> {
     pub fn batched(
         model: &'a Model,
         cpu: &'a CpuBackend,
-        kvs: &'a mut [KvCache],
+        kvs: &'a mut [SeqState],
         seqs: &'a [u32],
         experts: &'a dyn ExpertSource,
         tokens: &'a [u32],
         positions: &'a [u32],
         all_rows: bool,
     ) -> Self {
-        CpuStep { model, cpu, kvs, seqs: Some(seqs), experts, tokens, positions, all_rows, capture: None, vals: Vec::new() }
+        CpuStep { model, cpu, kvs, seqs: Some(seqs), experts, tokens, positions, all_rows, capture: None }
     }
 
     /// Row ranges `[start, end)` that belong to one sequence, with its cache index.
@@ -143,19 +138,181 @@ impl<'a> CpuStep<'a> {
         Ok(runs)
     }
 
-    /// The value a handle names, moved out (the step is over).
-    pub fn take(&mut self, v: Val) -> R<Mat> {
-        let m = self.vals.get_mut(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))?;
-        Ok(std::mem::replace(m, Mat { rows: 0, cols: 0, data: Vec::new() }))
+    /// Rows `output_rows` keeps.
+    fn n_output_rows(&self) -> R<usize> {
+        let n = self.tokens.len();
+        if self.all_rows || n <= 1 {
+            return Ok(n);
+        }
+        Ok(self.seq_runs(n)?.len())
     }
 
-    fn get(&self, v: Val) -> R<&Mat> {
-        self.vals.get(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))
+    /// Run `plan` over this step's tokens; returns the logits `[rows, n_vocab]`.
+    /// Each value is dropped after its last reader.
+    pub fn run(&mut self, plan: &StepPlan) -> R<Mat> {
+        let t = self.tokens.len();
+        // C is defined for a step of one sequence (else 0: ops reading it refuse).
+        let c = match self.seq_runs(t)?.as_slice() {
+            [_] => self.positions.iter().max().map_or(0, |&p| p as usize + 1),
+            _ => 0,
+        };
+        let sizes = Sizes { t, o: self.n_output_rows()?, c };
+        let mut vals: Vec<Option<Tensor>> = vec![None; plan.len()];
+        for i in 0..plan.len() {
+            let op = &plan.ops[i];
+            let at = |e: String| {
+                let (label, layer) = &plan.labels[i];
+                let place = if *layer >= 0 { format!(" at layer {layer}") } else { String::new() };
+                let label = if label.is_empty() { String::new() } else { format!(" {label:?}") };
+                format!("node {i} ({}{place}{label}): {e}", op.name())
+            };
+            let ins: Vec<&Tensor> = plan.inputs[i]
+                .iter()
+                .map(|&v| vals[v as usize].as_ref().ok_or_else(|| at(format!("value {v} was dropped before this read"))))
+                .collect::<R<_>>()?;
+            if sizes.c == 0 && plan.shapes[i].dims.contains(&Dim::C) {
+                return Err(at("reads a sequence's whole cache in a step of several sequences".into()));
+            }
+            let want = plan.shapes[i].at(&sizes);
+            let y = self.eval(plan, i, op, &ins, &want).map_err(at)?;
+            if y.dims != want {
+                return Err(at(format!("made {:?}, the graph says {want:?}", y.dims)));
+            }
+            if let Some(c) = self.capture.as_deref_mut() {
+                let (label, layer) = &plan.labels[i];
+                if !label.is_empty() {
+                    if let Ok(d) = y.f() {
+                        let (rows, cols) = y.rows_cols();
+                        c.push(Named { name: label.clone(), layer: *layer, value: Mat { rows, cols, data: d.to_vec() } });
+                    }
+                }
+            }
+            vals[i] = Some(y);
+            for &v in &plan.inputs[i] {
+                if plan.last_use[v as usize] == i {
+                    vals[v as usize] = None;
+                }
+            }
+            if plan.last_use[i] == i {
+                vals[i] = None;
+            }
+        }
+        let out = vals[plan.output as usize].take().ok_or("the output was dropped")?;
+        let (rows, cols) = out.rows_cols();
+        Ok(Mat { rows, cols, data: out.into_f32()? })
     }
 
-    fn push(&mut self, m: Mat) -> R<Val> {
-        self.vals.push(m);
-        Ok(Val(self.vals.len() as u32 - 1))
+    fn eval(&mut self, plan: &StepPlan, node: usize, op: &Op, ins: &[&Tensor], want: &[usize]) -> R<Tensor> {
+        let axis = |a: i64| plan.shapes[plan.inputs[node][0] as usize].axis(a);
+        Ok(match op {
+            Op::Tokens => Tensor::i32(want.to_vec(), self.tokens.iter().map(|&t| t as i32).collect()),
+            Op::Positions => Tensor::i32(want.to_vec(), self.positions.iter().map(|&p| p as i32).collect()),
+            Op::Weight(w) => Tensor::f32(want.to_vec(), self.weight_f32(*w)?),
+            Op::Embed { table, scale } => self.embed(*table, *scale, ins[0], want)?,
+            Op::Linear(w) => {
+                let wt = self.weight(*w)?;
+                let y = self.matmul(wt, self.model.data(wt), ins[0].f()?, *ins[0].dims.last().unwrap_or(&0))?;
+                Tensor::f32(want.to_vec(), y.data)
+            }
+            Op::OutputRows => self.output_rows(ins[0], want)?,
+            Op::Reshape(_) => ins[0].reshaped(want.to_vec())?,
+            Op::Permute(p) => prim::permute(ins[0], p)?,
+            Op::Concat { axis: a } => prim::concat(ins, axis(*a)?)?,
+            Op::Slice { axis: a, start, len } => prim::slice(ins[0], axis(*a)?, *start as usize, *len as usize)?,
+            Op::Unary(f) => {
+                let f = prim::unary_fn(*f);
+                Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| f(v)).collect())
+            }
+            Op::Scale(s) => Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| v * s).collect()),
+            Op::Clamp { lo, hi } => Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| v.max(*lo).min(*hi)).collect()),
+            Op::Binary(f) => prim::binary(ins[0], ins[1], want, prim::binary_fn(*f))?,
+            Op::Softmax { axis: a } => prim::softmax(ins[0].clone(), axis(*a)?)?,
+            Op::Reduce { kind, axis: a } => prim::reduce(ins[0], *kind, axis(*a)?)?,
+            Op::TopK { k } => prim::top_k(ins[0], *k as usize)?,
+            Op::TakeAlong => prim::take_along(ins[0], ins[1])?,
+            Op::Gather => prim::gather(ins[0], ins[1])?,
+            Op::Cumsum { axis: a } => prim::cumsum(ins[0].clone(), axis(*a)?)?,
+            Op::Matmul => prim::matmul(ins[0], ins[1], want)?,
+            Op::RmsNorm { weight, eps } => {
+                let w = weight.map(|w| self.weight_f32(w)).transpose()?;
+                let g = *want.last().ok_or("rms_norm of a scalar")?;
+                let mut d = ins[0].clone().into_f32()?;
+                ops::rms_norm_rows(&mut d, g, w.as_deref(), *eps);
+                Tensor::f32(want.to_vec(), d)
+            }
+            Op::Rope(r) => self.rope(ins[0], r, want)?,
+            Op::Glu(a) => {
+                let a = act_of(*a);
+                prim::binary(ins[0], ins[1], want, match a {
+                    Activation::Silu => |g, u| ops::silu(g) * u,
+                    Activation::GeluTanh => |g, u| ops::gelu_tanh(g) * u,
+                    Activation::Gelu => |g, u| ops::gelu(g) * u,
+                })?
+            }
+            Op::Attention(a) => {
+                let d = self.attention(ins[0], ins[1], ins[2], a, &plan.shapes[plan.inputs[node][0] as usize])?;
+                Tensor::f32(want.to_vec(), d)
+            }
+            Op::Experts(e) => {
+                let y = moe::run_experts(self, plan, ins[0], ins[1], ins[2], e)?;
+                Tensor::f32(want.to_vec(), y.data)
+            }
+            Op::StateRows { state } => Tensor::f32(want.to_vec(), self.state_rows(*state as usize, ins[0], want[0])?),
+            Op::Mask { window } => Tensor::f32(want.to_vec(), self.mask(*window as usize, want[1])),
+            Op::Scan { state } => Tensor::f32(want.to_vec(), self.scan(*state as usize, ins[0], ins[1])?),
+        })
+    }
+
+    /// Append the step's rows to a rows state; the first `c` rows after.
+    fn state_rows(&mut self, state: usize, x: &Tensor, c: usize) -> R<Vec<f32>> {
+        let (n, w) = x.rows_cols();
+        let d = x.f()?;
+        let seq = self.seq_runs(n)?.first().map_or(0, |r| r.2);
+        let rows = self.kvs[seq].rows_mut(state)?;
+        for i in 0..n {
+            rows.write(self.positions[i] as usize, &d[i * w..(i + 1) * w])?;
+        }
+        Ok(rows.rows(c).to_vec())
+    }
+
+    /// Query row i (at position p) sees key j iff j <= p and, with a window,
+    /// j > p - window (attention's rule).
+    fn mask(&self, window: usize, c: usize) -> Vec<f32> {
+        let mut m = vec![f32::NEG_INFINITY; self.positions.len() * c];
+        for (i, &p) in self.positions.iter().enumerate() {
+            let p = p as usize;
+            let lo = if window == 0 { 0 } else { (p + 1).saturating_sub(window) };
+            for j in lo..=p.min(c.saturating_sub(1)) {
+                m[i * c + j] = 0.0;
+            }
+        }
+        m
+    }
+
+    /// `S_t = a_t * S_{t-1} + b_t` per sequence run, from the sequence's
+    /// state (zero at position 0), which keeps the run's last `S_t`.
+    fn scan(&mut self, state: usize, a: &Tensor, b: &Tensor) -> R<Vec<f32>> {
+        let (n, w) = a.rows_cols();
+        let (da, db) = (a.f()?, b.f()?);
+        let mut out = vec![0f32; n * w];
+        for (start, end, seq) in self.seq_runs(n)? {
+            let first = self.positions[start] as usize;
+            let r = self.kvs[seq].recurrent_mut(state)?;
+            if first == 0 {
+                r.value.iter_mut().for_each(|v| *v = 0.0);
+            } else if r.pos != first {
+                return Err(format!("recurrent state {state} holds {} tokens but the step starts at position {first} (restore a snapshot)", r.pos));
+            }
+            for i in start..end {
+                let row = i * w..(i + 1) * w;
+                for ((s, &x), &y) in r.value.iter_mut().zip(&da[row.clone()]).zip(&db[row.clone()]) {
+                    *s = x * *s + y;
+                }
+                out[row].copy_from_slice(&r.value);
+            }
+            r.pos = self.positions[end - 1] as usize + 1;
+        }
+        Ok(out)
     }
 
     fn weight(&self, w: Wt) -> R<&'a Weight> {
@@ -171,33 +328,25 @@ impl<'a> CpuStep<'a> {
         Ok(out)
     }
 
-    fn matmul(&self, wt: &Weight, bytes: &[u8], x: &Mat) -> R<Mat> {
+    /// `x · Wᵀ` for rows of `cols` values (`x.len() / cols` of them).
+    fn matmul(&self, wt: &Weight, bytes: &[u8], x: &[f32], cols: usize) -> R<Mat> {
         let (n_in, n_out) = match wt.dims.as_slice() {
             [i, o] => (*i as usize, *o as usize),
             [i, o, _] => (*i as usize, *o as usize),
             d => return Err(format!("{}: not a matrix {d:?}", wt.name)),
         };
-        if x.cols != n_in {
-            return Err(format!("linear {}: input width {} but weight takes {n_in}", wt.name, x.cols));
+        if cols != n_in {
+            return Err(format!("linear {}: input width {cols} but weight takes {n_in}", wt.name));
         }
+        let rows = x.len() / n_in.max(1);
         let wm = WeightMatrix::new(wt.ty, bytes, n_out, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
-        let acts = Activations::for_weight(wt.ty, &x.data, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
-        let mut y = vec![0f32; x.rows * n_out];
+        let acts = Activations::for_weight(wt.ty, x, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
+        let mut y = vec![0f32; rows * n_out];
         self.cpu.kernels.matmul(&self.cpu.pool, &wm, &acts, &mut y).map_err(|e| format!("{}: {e}", wt.name))?;
-        Ok(Mat { rows: x.rows, cols: n_out, data: y })
+        Ok(Mat { rows, cols: n_out, data: y })
     }
 
-    fn binary(&mut self, a: Val, b: Val, what: &str, f: impl Fn(f32, f32) -> f32) -> R<Val> {
-        let (ma, mb) = (self.get(a)?, self.get(b)?);
-        if (ma.rows, ma.cols) != (mb.rows, mb.cols) {
-            return Err(format!("{what}: shapes [{}, {}] and [{}, {}] differ", ma.rows, ma.cols, mb.rows, mb.cols));
-        }
-        let data = ma.data.iter().zip(&mb.data).map(|(&x, &y)| f(x, y)).collect();
-        let m = Mat { rows: ma.rows, cols: ma.cols, data };
-        self.push(m)
-    }
-
-    fn do_embed(&mut self, table: Wt, scale: f32) -> R<Val> {
+    fn embed(&self, table: Wt, scale: f32, ids: &Tensor, want: &[usize]) -> R<Tensor> {
         let wt = self.weight(table)?;
         let (n_embd, n_vocab) = match wt.dims.as_slice() {
             [e, v] => (*e as usize, *v as usize),
@@ -205,186 +354,93 @@ impl<'a> CpuStep<'a> {
         };
         let bytes = self.model.data(wt);
         let row_bytes = bytes.len() / n_vocab;
-        let mut data = vec![0f32; self.tokens.len() * n_embd];
-        for (i, &t) in self.tokens.iter().enumerate() {
-            if t as usize >= n_vocab {
-                return Err(format!("token id {t} is outside the vocabulary of {n_vocab}"));
-            }
-            let row = &bytes[t as usize * row_bytes..(t as usize + 1) * row_bytes];
+        let ids = ids.ids()?;
+        let mut data = vec![0f32; ids.len() * n_embd];
+        for (i, &t) in ids.iter().enumerate() {
+            let t = usize::try_from(t).ok().filter(|&t| t < n_vocab).ok_or_else(|| format!("token id {t} is outside the vocabulary of {n_vocab}"))?;
+            let row = &bytes[t * row_bytes..(t + 1) * row_bytes];
             let out = &mut data[i * n_embd..(i + 1) * n_embd];
             pulsar_kernels::dequantize(wt.ty, row, out).map_err(|e| format!("{}: {e}", wt.name))?;
             if scale != 1.0 {
                 out.iter_mut().for_each(|v| *v *= scale);
             }
         }
-        self.push(Mat { rows: self.tokens.len(), cols: n_embd, data })
+        Ok(Tensor::f32(want.to_vec(), data))
     }
 
-    fn do_attention(&mut self, q: Val, k: Val, v: Val, s: AttnSpec) -> R<Val> {
-        let (mq, mk, mv) = (self.get(q)?, self.get(k)?, self.get(v)?);
-        let (nh, nkv, dk, dv) = (s.n_head as usize, s.n_kv_head as usize, s.head_dim_k as usize, s.head_dim_v as usize);
-        if mq.cols != nh * dk || mk.cols != nkv * dk || mv.cols != nkv * dv || mq.rows != mk.rows || mk.rows != mv.rows {
-            return Err(format!("attention layer {}: q/k/v shapes do not match the spec", s.layer));
+    fn output_rows(&self, x: &Tensor, want: &[usize]) -> R<Tensor> {
+        let (rows, cols) = x.rows_cols();
+        if want[0] == rows {
+            return Ok(x.clone());
         }
-        if mq.rows != self.positions.len() {
-            return Err(format!("attention layer {}: {} rows for {} positions", s.layer, mq.rows, self.positions.len()));
+        // The last row of each sequence's run (of the only one, unbatched).
+        let d = x.f()?;
+        let mut data = Vec::with_capacity(want[0] * cols);
+        for &(_, end, _) in &self.seq_runs(rows)? {
+            data.extend_from_slice(&d[(end - 1) * cols..end * cols]);
+        }
+        Ok(Tensor::f32(want.to_vec(), data))
+    }
+
+    fn rope(&self, x: &Tensor, r: &Rope, want: &[usize]) -> R<Tensor> {
+        let (rows, cols) = x.rows_cols();
+        if rows != self.positions.len() {
+            return Err(format!("{rows} rows for {} positions", self.positions.len()));
+        }
+        let kind = match r.mode {
+            RopeMode::Neox => RopeKind::Neox,
+            RopeMode::Interleaved => RopeKind::Interleaved,
+        };
+        let hd = *want.last().ok_or("rope of a scalar")?;
+        let p = RopeParams { head_dim: hd, n_rot: r.n_rot as usize, base: r.base, linear_factor: r.linear_factor, kind };
+        let mut d = x.clone().into_f32()?;
+        ops::rope_rows(&mut d, cols, self.positions, p);
+        Ok(Tensor::f32(want.to_vec(), d))
+    }
+
+    /// Attention over the KV state `a.state` (q `[T, H, Dk]`); k and v are
+    /// appended at the step's positions first.
+    fn attention(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, a: &Attention, q_shape: &pulsar_plugin_api::graph::Shape) -> R<Vec<f32>> {
+        let dim = |i: usize| q_shape.dims[i].fixed().unwrap_or(0) as usize;
+        let (nh, dk) = (dim(1), dim(2));
+        let (nkv, dv) = (k.dims[1], v.dims[2]);
+        let (mq, mk, mv) = (q.f()?, k.f()?, v.f()?);
+        let n = q.dims[0];
+        if n != self.positions.len() {
+            return Err(format!("{n} rows for {} positions", self.positions.len()));
         }
         if let Some(seqs) = self.seqs {
             if let Some(&bad) = seqs.iter().find(|&&q| q as usize >= self.kvs.len()) {
-                return Err(format!("attention layer {}: sequence {bad} has no cache ({} in the step)", s.layer, self.kvs.len()));
+                return Err(format!("sequence {bad} has no cache ({} in the step)", self.kvs.len()));
             }
         }
+        let st = a.state as usize;
         let (kw, vw) = (nkv * dk, nkv * dv);
-        let (k_rows, v_rows) = (mk.data.clone(), mv.data.clone());
-        let runs = self.seq_runs(mq.rows).map_err(|e| format!("attention layer {}: {e}", s.layer))?;
+        let runs = self.seq_runs(n)?;
         // Every row's key and value go to its own sequence's cache first, so a
         // row attends to the rows before it in the same step.
         for &(start, end, seq) in &runs {
-            let layer = self.kvs[seq].layer_mut(s.layer as usize, kw, vw)?;
+            let layer = self.kvs[seq].layer_mut(st, kw, vw)?;
             for i in start..end {
-                layer.write(self.positions[i] as usize, &k_rows[i * kw..(i + 1) * kw], &v_rows[i * vw..(i + 1) * vw])?;
+                layer.write(self.positions[i] as usize, &mk[i * kw..(i + 1) * kw], &mv[i * vw..(i + 1) * vw])?;
             }
         }
-        let params = AttnParams {
-            n_head: nh,
-            n_kv_head: nkv,
-            head_dim_k: dk,
-            head_dim_v: dv,
-            scale: s.scale,
-            window: s.window as usize,
-            softcap: s.softcap,
-        };
-        let mq = self.get(q)?;
-        let mut out = vec![0f32; mq.rows * nh * dv];
+        let params = AttnParams { n_head: nh, n_kv_head: nkv, head_dim_k: dk, head_dim_v: dv, scale: a.scale, window: a.window as usize, softcap: a.softcap };
+        let mut out = vec![0f32; n * nh * dv];
         for &(start, end, seq) in &runs {
             let positions = &self.positions[start..end];
             let n_ctx = positions.iter().max().map_or(0, |&p| p as usize + 1);
-            let layer = self.kvs[seq].layer(s.layer as usize)?;
+            let layer = self.kvs[seq].layer(st)?;
             ops::attend_rows(
                 &self.cpu.pool,
                 &params,
-                &mq.data[start * nh * dk..end * nh * dk],
+                &mq[start * nh * dk..end * nh * dk],
                 positions,
                 layer.keys(n_ctx),
                 layer.values(n_ctx),
                 &mut out[start * nh * dv..end * nh * dv],
             );
         }
-        let rows = mq.rows;
-        self.push(Mat { rows, cols: nh * dv, data: out })
-    }
-}
-
-impl Ops for CpuStep<'_> {
-    fn n_tokens(&self) -> u32 {
-        self.tokens.len() as u32
-    }
-    fn shape(&self, x: Val) -> RResult<RVec<u64>, RString> {
-        match self.get(x) {
-            Ok(m) => RResult::ROk(RVec::from(vec![m.rows as u64, m.cols as u64])),
-            Err(e) => RResult::RErr(e.into()),
-        }
-    }
-    fn embed(&mut self, table: Wt, scale: f32) -> OpResult {
-        res(self.do_embed(table, scale))
-    }
-    fn linear(&mut self, w: Wt, x: Val) -> OpResult {
-        res((|| {
-            let wt = self.weight(w)?;
-            let y = self.matmul(wt, self.model.data(wt), self.get(x)?)?;
-            self.push(y)
-        })())
-    }
-    fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
-        res((|| {
-            let weight = match w {
-                ROption::RSome(w) => Some(self.weight_f32(w)?),
-                ROption::RNone => None,
-            };
-            let mut m = self.get(x)?.clone();
-            let g = group as usize;
-            if g == 0 || m.cols % g != 0 || weight.as_ref().is_some_and(|w| w.len() != g) {
-                return Err(format!("rms_norm: group {g} does not fit width {}", m.cols));
-            }
-            ops::rms_norm_rows(&mut m.data, g, weight.as_deref(), eps);
-            self.push(m)
-        })())
-    }
-    fn add(&mut self, a: Val, b: Val) -> OpResult {
-        res(self.binary(a, b, "add", |x, y| x + y))
-    }
-    fn mul(&mut self, a: Val, b: Val) -> OpResult {
-        res(self.binary(a, b, "mul", |x, y| x * y))
-    }
-    fn scale(&mut self, x: Val, s: f32) -> OpResult {
-        res((|| {
-            let mut m = self.get(x)?.clone();
-            m.data.iter_mut().for_each(|v| *v *= s);
-            self.push(m)
-        })())
-    }
-    fn act(&mut self, x: Val, act: Act) -> OpResult {
-        res((|| {
-            let mut m = self.get(x)?.clone();
-            let a = act_of(act);
-            m.data.iter_mut().for_each(|v| *v = a.apply(*v));
-            self.push(m)
-        })())
-    }
-    fn glu(&mut self, gate: Val, up: Val, act: Act) -> OpResult {
-        let a = act_of(act);
-        res(self.binary(gate, up, "glu", move |g, u| a.apply(g) * u))
-    }
-    fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
-        res((|| {
-            let mut m = self.get(x)?.clone();
-            let (hd, nr) = (spec.head_dim as usize, spec.n_rot as usize);
-            if hd == 0 || m.cols % hd != 0 || nr > hd || nr % 2 != 0 || m.rows != self.positions.len() {
-                return Err(format!("rope: spec {spec:?} does not fit [{}, {}]", m.rows, m.cols));
-            }
-            let kind = match spec.mode {
-                RopeMode::Neox => RopeKind::Neox,
-                RopeMode::Interleaved => RopeKind::Interleaved,
-            };
-            let p = RopeParams { head_dim: hd, n_rot: nr, base: spec.base, linear_factor: spec.linear_factor, kind };
-            ops::rope_rows(&mut m.data, m.cols, self.positions, p);
-            self.push(m)
-        })())
-    }
-    fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> OpResult {
-        res(self.do_attention(q, k, v, spec))
-    }
-    fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
-        res((|| {
-            let y = moe::run(self, x, &spec)?;
-            self.push(y)
-        })())
-    }
-    fn output_rows(&mut self, x: Val) -> OpResult {
-        res((|| {
-            let m = self.get(x)?;
-            if self.all_rows || m.rows <= 1 {
-                let m = m.clone();
-                return self.push(m);
-            }
-            // The last row of each sequence's run (of the only one, unbatched).
-            let (rows, cols) = (m.rows, m.cols);
-            let mut data = Vec::new();
-            let runs = self.seq_runs(rows).map_err(|e| format!("output_rows: {e}"))?;
-            let m = self.get(x)?;
-            for &(_, end, _) in &runs {
-                data.extend_from_slice(&m.data[(end - 1) * cols..end * cols]);
-            }
-            self.push(Mat { rows: runs.len(), cols, data })
-        })())
-    }
-    fn name(&mut self, x: Val, name: RStr<'_>, layer: i32) {
-        if self.capture.is_some() {
-            if let Ok(m) = self.get(x).cloned() {
-                if let Some(c) = self.capture.as_deref_mut() {
-                    c.push(Named { name: name.to_string(), layer, value: m });
-                }
-            }
-        }
+        Ok(out)
     }
 }

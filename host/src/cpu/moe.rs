@@ -1,13 +1,13 @@
-//! The routed-expert block on the CPU: router, top-k, and each selected
-//! expert's FFN on the tokens routed to it, summed per token in selection
-//! order (so the result does not depend on batching or on where the expert
-//! bytes came from).
+//! The `experts` op on the CPU: each selected expert's FFN on the tokens
+//! routed to it, summed per token in selection order (so the result does not
+//! depend on batching or on where the expert bytes came from).
 
 use pulsar_kernels::ops;
-use pulsar_plugin_api::{Gating, MoeSpec, Role, Val};
+use pulsar_plugin_api::graph::Experts;
 use pulsar_store::{Selection, SlabKind};
 
-use super::{act_of, CpuStep, Mat, R};
+use super::{act_of, CpuStep, Mat, Tensor, R};
+use crate::graph::{moe::route, StepPlan};
 use crate::model::{Model, Weight};
 
 /// Expert bytes, borrowed for one layer's step.
@@ -73,99 +73,67 @@ pub fn experts_of(sel: &[Selection]) -> Vec<u32> {
     e
 }
 
-/// Routing of one row: selected experts and their weights, in selection order.
-pub fn route(logits: &[f32], spec: &MoeSpec) -> (Vec<u32>, Vec<f32>) {
-    let k = spec.top_k as usize;
-    let mut p = logits.to_vec();
-    match spec.gating {
-        Gating::Softmax => ops::softmax_in_place(&mut p),
-        Gating::Sigmoid => p.iter_mut().for_each(|v| *v = ops::math::sigmoid(*v)),
-    }
-    let sel = ops::top_k(&p, k);
-    let mut w: Vec<f32> = sel.iter().map(|&e| p[e]).collect();
-    if spec.norm_topk {
-        let s: f32 = w.iter().sum();
-        if s > 0.0 {
-            w.iter_mut().for_each(|v| *v /= s);
+/// `experts(x, ids, weights)`: x `[T, E]`, ids and weights `[T, K]`.
+pub(super) fn run_experts(step: &CpuStep<'_>, plan: &StepPlan, x: &Tensor, ids: &Tensor, weights: &Tensor, spec: &Experts) -> R<Mat> {
+    let (rows, n_embd) = x.rows_cols();
+    let xd = x.f()?;
+    let (ids, wts) = (ids.ids()?, weights.f()?);
+    let k = ids.len() / rows.max(1);
+    let (gate_w, up_w, down_w) = (step.weight(spec.gate)?, step.weight(spec.up)?, step.weight(spec.down)?);
+    let ne = gate_w.dims.get(2).copied().unwrap_or(0) as usize;
+    let mut selections = Vec::with_capacity(rows * k);
+    // Rows routed to each expert, as (row, slot).
+    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); ne];
+    for r in 0..rows {
+        for s in 0..k {
+            let e = ids[r * k + s];
+            let eu = usize::try_from(e).ok().filter(|&e| e < ne).ok_or_else(|| format!("expert id {e} is outside 0..{ne}"))?;
+            selections.push(Selection { token: r as u32, slot: s as u32, expert: eu as u32 });
+            by_expert[eu].push((r, s));
         }
-    }
-    w.iter_mut().for_each(|v| *v *= spec.weights_scale);
-    (sel.into_iter().map(|e| e as u32).collect(), w)
-}
-
-/// The next layer's router weight, if the plan declares one.
-fn next_router<'m>(model: &'m Model, layer: u32) -> Option<&'m Weight> {
-    model.weights.iter().find(|w| w.role == Role::Router && w.layer == Some(layer + 1))
-}
-
-pub(super) fn run(step: &mut CpuStep<'_>, x: Val, spec: &MoeSpec) -> R<Mat> {
-    let xm = step.get(x)?.clone();
-    let router = step.weight(spec.router)?;
-    let logits = step.matmul(router, step.model.data(router), &xm)?;
-    let ne = spec.n_expert as usize;
-    if logits.cols != ne {
-        return Err(format!("moe layer {}: router gives {} scores for {ne} experts", spec.layer, logits.cols));
-    }
-    let k = spec.top_k as usize;
-    let mut sel = Vec::with_capacity(xm.rows);
-    let mut selections = Vec::with_capacity(xm.rows * k);
-    for r in 0..xm.rows {
-        let (experts, w) = route(&logits.data[r * ne..(r + 1) * ne], spec);
-        for (s, &e) in experts.iter().enumerate() {
-            selections.push(Selection { token: r as u32, slot: s as u32, expert: e });
-        }
-        sel.push((experts, w));
     }
     // Cross-layer prefetch for decode: the next layer's router on this
     // layer's input predicts its experts well enough to start reading them.
-    if xm.rows == 1 {
-        if let Some(next) = next_router(step.model, spec.layer) {
-            if let Ok(nl) = step.matmul(next, step.model.data(next), &xm) {
-                let (pred, _) = route(&nl.data, spec);
+    if rows == 1 {
+        if let Some(next) = plan.moe_of_layer(spec.layer + 1) {
+            let nw = step.weight(next.spec.router)?;
+            if let Ok(nl) = step.matmul(nw, step.model.data(nw), xd, n_embd) {
+                let (pred, _) = route(&nl.data, &next.spec);
                 step.experts.prefetch(spec.layer + 1, &pred);
             }
         }
     }
-    // Rows routed to each expert, as (row, slot).
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); ne];
-    for (r, (experts, _)) in sel.iter().enumerate() {
-        for (s, &e) in experts.iter().enumerate() {
-            by_expert[e as usize].push((r, s));
-        }
-    }
-    let (gate_w, up_w, down_w) = (step.weight(spec.gate_exps)?, step.weight(spec.up_exps)?, step.weight(spec.down_exps)?);
-    let n_embd = xm.cols;
     // Expert outputs per (row, slot), summed after in slot order.
-    let mut outs = vec![0f32; xm.rows * k * n_embd];
+    let mut outs = vec![0f32; rows * k * n_embd];
     let act = act_of(spec.act);
-    let this: &CpuStep<'_> = step;
-    this.experts.with_layer(this.model, spec.layer, &selections, &mut |slabs: &dyn SlabLookup, experts: &[u32]| {
+    step.experts.with_layer(step.model, spec.layer, &selections, &mut |slabs: &dyn SlabLookup, experts: &[u32]| {
         for &e in experts {
-            let rows = &by_expert[e as usize];
-            let mut xe = Mat { rows: rows.len(), cols: n_embd, data: Vec::with_capacity(rows.len() * n_embd) };
-            for &(r, _) in rows {
-                xe.data.extend_from_slice(&xm.data[r * n_embd..(r + 1) * n_embd]);
+            let routed = &by_expert[e as usize];
+            let mut xe = Vec::with_capacity(routed.len() * n_embd);
+            for &(r, _) in routed {
+                xe.extend_from_slice(&xd[r * n_embd..(r + 1) * n_embd]);
             }
-            let mut h = this.matmul(gate_w, slabs.slab(gate_w, e)?, &xe)?;
-            let up = this.matmul(up_w, slabs.slab(up_w, e)?, &xe)?;
+            let mut h = step.matmul(gate_w, slabs.slab(gate_w, e)?, &xe, n_embd)?;
+            let up = step.matmul(up_w, slabs.slab(up_w, e)?, &xe, n_embd)?;
             ops::glu_rows(&mut h.data, &up.data, act);
-            let y = this.matmul(down_w, slabs.slab(down_w, e)?, &h)?;
+            let y = step.matmul(down_w, slabs.slab(down_w, e)?, &h.data, h.cols)?;
             if y.cols != n_embd {
                 return Err(format!("moe layer {}: expert down projection gives width {}", spec.layer, y.cols));
             }
-            for (i, &(r, s)) in rows.iter().enumerate() {
+            for (i, &(r, s)) in routed.iter().enumerate() {
                 outs[(r * k + s) * n_embd..(r * k + s + 1) * n_embd].copy_from_slice(&y.data[i * n_embd..(i + 1) * n_embd]);
             }
         }
         Ok(())
     })?;
-    let mut out = vec![0f32; xm.rows * n_embd];
-    for (r, (_, w)) in sel.iter().enumerate() {
+    let mut out = vec![0f32; rows * n_embd];
+    for r in 0..rows {
         let o = &mut out[r * n_embd..(r + 1) * n_embd];
-        for (s, &ws) in w.iter().enumerate() {
+        for s in 0..k {
+            let ws = wts[r * k + s];
             let y = &outs[(r * k + s) * n_embd..(r * k + s + 1) * n_embd];
             o.iter_mut().zip(y).for_each(|(a, &b)| *a += ws * b);
         }
     }
-    Ok(Mat { rows: xm.rows, cols: n_embd, data: out })
+    Ok(Mat { rows, cols: n_embd, data: out })
 }

@@ -14,6 +14,7 @@
 //! so after the first step a decode allocates nothing.
 
 mod fuse;
+mod lower;
 mod measure;
 mod pinned;
 pub(crate) mod pool;
@@ -365,7 +366,8 @@ fn pin_mapping(dev: &CudaDevice, model: &Model, expert_bytes: u64, pool: &mut Ex
 
 pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
-/// The KV cache on the device: f32 rows, one key and one value buffer per layer.
+/// The KV cache on the device: f32 rows, one key and one value buffer per
+/// KV state (by state index).
 pub struct CudaKv {
     pub n_ctx: usize,
     pub layers: HashMap<usize, (usize, usize, DeviceBuf<f32>, DeviceBuf<f32>)>,
@@ -374,10 +376,9 @@ pub struct CudaKv {
 impl CudaKv {
     pub fn new(dev: &CudaDevice, model: &Model, n_ctx: usize) -> Result<CudaKv, CudaBackendError> {
         let mut layers = HashMap::new();
-        for k in model.plan.kv.iter() {
-            let kw = (k.n_kv_head * k.head_dim_k) as usize;
-            let vw = (k.n_kv_head * k.head_dim_v) as usize;
-            layers.insert(k.layer as usize, (kw, vw, dev.alloc::<f32>(kw * n_ctx)?, dev.alloc::<f32>(vw * n_ctx)?));
+        for (i, (h, dk, dv, _)) in model.plan.states.iter().enumerate().filter_map(|(i, s)| Some((i, s.as_kv()?))) {
+            let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
+            layers.insert(i, (kw, vw, dev.alloc::<f32>(kw * n_ctx)?, dev.alloc::<f32>(vw * n_ctx)?));
         }
         Ok(CudaKv { n_ctx, layers })
     }

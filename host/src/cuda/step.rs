@@ -4,21 +4,22 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
-use abi_stable::sabi_trait::TD_Opaque;
-use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
 use cudarc::driver::{sys as cusys, CudaGraph};
 use pulsar_cuda::{attention_graph_ctx, attention_workspace_len, DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
 use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
-use pulsar_plugin_api::{Act, AttnSpec, Gating, MoeSpec, OpResult, Ops, Ops_TO, RopeMode, RopeSpec, Val, Wt};
+use pulsar_plugin_api::graph::{Act, RopeMode};
+use pulsar_plugin_api::{Val, Wt};
 
 use super::fuse::{norm_rope_ahead, residual_add_ahead, Ahead, AheadSet, OpKey, TraceOp};
+use super::lower::{AttnSpec, Exec, Lowering, RopeSpec};
 use super::pool::BufPool;
 use super::profile::{short_name, OpProfile};
 use super::{CudaBackendError, CudaKv, CudaModel, DevWeight};
 use crate::cpu::act_of;
 use crate::engine::EngineError;
 use crate::experts::StoreExperts;
+use crate::graph::{Gating, MoeSpec};
 use crate::model::Model;
 
 mod lane;
@@ -125,10 +126,14 @@ pub struct CudaEngine<'m> {
     graph: Option<DecodeGraph>,
     /// Some: every op's GPU time is measured (`bench --profile-ops`).
     profile: Option<OpProfile>,
+    /// How the decode (0) and prefill (1) graphs run on the CUDA step.
+    lowering: [Lowering; 2],
 }
 
 impl<'m> CudaEngine<'m> {
     pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
+        let lower = |p| Lowering::new(p).map_err(|e| CudaBackendError::Other(format!("plugin `{}`: {e}", model.plugin)));
+        let lowering = [lower(&model.steps.decode)?, lower(&model.steps.prefill)?];
         Ok(CudaEngine {
             model,
             cm,
@@ -147,6 +152,7 @@ impl<'m> CudaEngine<'m> {
             graphs: cm.graphs,
             graph: None,
             profile: None,
+            lowering,
         })
     }
 
@@ -289,7 +295,8 @@ impl<'m> CudaEngine<'m> {
             pending: Vec::new(),
             lane_pending: None,
         };
-        let r = self.model.family.forward(Ops_TO::from_ptr(&mut step, TD_Opaque)).into_result();
+        let plan = if decode { &self.model.steps.decode } else { &self.model.steps.prefill };
+        let r = self.lowering[kind].run(plan, &mut step);
         let mut captured = None;
         let result = if capture {
             // End the capture whatever happened, then run what it recorded.
@@ -303,12 +310,12 @@ impl<'m> CudaEngine<'m> {
                 }),
                 (Ok(_), Ok(None)) => Err("the captured decode graph is empty".to_string()),
                 (Ok(_), Err(e)) => Err(format!("capturing the decode step: {e}")),
-                (Err(e), _) => Err(e.into_string()),
+                (Err(e), _) => Err(e),
             }
         } else {
             match r {
                 Ok(v) => step.download(v),
-                Err(e) => Err(e.into_string()),
+                Err(e) => Err(e),
             }
         };
         // The last split layer's lane job: its errors fail the step.
@@ -418,13 +425,6 @@ impl Drop for CudaStep<'_> {
     }
 }
 
-fn res(r: R<Val>) -> OpResult {
-    match r {
-        Ok(v) => RResult::ROk(v),
-        Err(e) => RResult::RErr(RString::from(e)),
-    }
-}
-
 impl<'a> CudaStep<'a> {
     fn finish(&mut self) {
         for v in self.vals.drain(..) {
@@ -515,7 +515,7 @@ impl<'a> CudaStep<'a> {
     }
 
     /// An op's result, after releasing what the plan says is dead.
-    fn done(&mut self, r: R<Val>) -> OpResult {
+    fn done(&mut self, r: R<Val>) -> R<Val> {
         self.mark(None);
         if let Ok(v) = &r {
             if let Some(op) = self.trace.get_mut().last_mut() {
@@ -523,7 +523,7 @@ impl<'a> CudaStep<'a> {
             }
             self.release();
         }
-        res(r)
+        r
     }
 
     /// The output of op `key` reading `inputs` if a fused launch made it ahead.
@@ -1278,18 +1278,8 @@ impl<'a> CudaStep<'a> {
     }
 }
 
-impl Ops for CudaStep<'_> {
-    fn n_tokens(&self) -> u32 {
-        self.tokens.len() as u32
-    }
-    fn shape(&self, x: Val) -> RResult<RVec<u64>, RString> {
-        self.note(&[x]);
-        match self.get(x) {
-            Ok(d) => RResult::ROk(RVec::from(vec![d.rows as u64, d.cols as u64])),
-            Err(e) => RResult::RErr(e.into()),
-        }
-    }
-    fn embed(&mut self, table: Wt, scale: f32) -> OpResult {
+impl Exec for CudaStep<'_> {
+    fn embed(&mut self, table: Wt, scale: f32) -> R<Val> {
         self.note(&[]);
         self.mark(Some(&|| "embed".to_string()));
         let r = (|| {
@@ -1313,14 +1303,14 @@ impl Ops for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn linear(&mut self, w: Wt, x: Val) -> OpResult {
+    fn linear(&mut self, w: Wt, x: Val) -> R<Val> {
         self.note(&[x]);
         self.mark(Some(&|| format!("linear {}", self.model.weights.get(w.0 as usize).map_or("?", |m| short_name(&m.name)))));
         let r = self.linear_w(w, x);
         self.done(r)
     }
-    fn rms_norm(&mut self, x: Val, w: ROption<Wt>, eps: f32, group: u32) -> OpResult {
-        let key = OpKey::Norm { w: w.into_option().map(|w| w.0), eps: eps.to_bits(), group };
+    fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32) -> R<Val> {
+        let key = OpKey::Norm { w: w.map(|w| w.0), eps: eps.to_bits(), group };
         self.note_as(&[x], key);
         self.mark(Some(&|| "rms_norm".to_string()));
         let r = (|| {
@@ -1328,12 +1318,12 @@ impl Ops for CudaStep<'_> {
                 return Ok(v);
             }
             let g = group as usize;
-            if let Some(v) = self.norm_rope_fused(x, w.into_option(), eps, g)? {
+            if let Some(v) = self.norm_rope_fused(x, w, eps, g)? {
                 return Ok(v);
             }
             let (rows, cols) = self.dims(x)?;
             let weight = match w {
-                ROption::RSome(w) => {
+                Some(w) => {
                     let (dw, mw) = self.weight(w)?;
                     let f = dw.f32.as_ref().ok_or_else(|| format!("{} is not a vector", mw.name))?;
                     if f.len() != g {
@@ -1341,7 +1331,7 @@ impl Ops for CudaStep<'_> {
                     }
                     Some(f)
                 }
-                ROption::RNone => None,
+                None => None,
             };
             let mut y = self.new_val(rows, cols)?;
             let stream = self.cm.dev.compute().clone();
@@ -1350,7 +1340,7 @@ impl Ops for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn add(&mut self, a: Val, b: Val) -> OpResult {
+    fn add(&mut self, a: Val, b: Val) -> R<Val> {
         self.note_as(&[a, b], OpKey::Add);
         self.mark(Some(&|| "add".to_string()));
         let r = match self.claim_ahead(OpKey::Add, &[a, b]) {
@@ -1360,13 +1350,13 @@ impl Ops for CudaStep<'_> {
         };
         self.done(r)
     }
-    fn mul(&mut self, a: Val, b: Val) -> OpResult {
+    fn mul(&mut self, a: Val, b: Val) -> R<Val> {
         self.note(&[a, b]);
         self.mark(Some(&|| "mul".to_string()));
         let r = self.binary(a, b, 1);
         self.done(r)
     }
-    fn scale(&mut self, x: Val, s: f32) -> OpResult {
+    fn scale(&mut self, x: Val, s: f32) -> R<Val> {
         self.note(&[x]);
         self.mark(Some(&|| "scale".to_string()));
         let r = (|| {
@@ -1378,7 +1368,7 @@ impl Ops for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn act(&mut self, x: Val, act: Act) -> OpResult {
+    fn act(&mut self, x: Val, act: Act) -> R<Val> {
         // act(x) = glu(x, 1): the GLU kernel with a ones vector.
         self.note(&[x]);
         self.mark(Some(&|| "act".to_string()));
@@ -1394,7 +1384,7 @@ impl Ops for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn glu(&mut self, gate: Val, up: Val, act: Act) -> OpResult {
+    fn glu(&mut self, gate: Val, up: Val, act: Act) -> R<Val> {
         self.note(&[gate, up]);
         self.mark(Some(&|| "glu".to_string()));
         let r = (|| {
@@ -1412,7 +1402,7 @@ impl Ops for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn rope(&mut self, x: Val, spec: RopeSpec) -> OpResult {
+    fn rope(&mut self, x: Val, spec: RopeSpec) -> R<Val> {
         let mode = match spec.mode {
             RopeMode::Neox => 0,
             RopeMode::Interleaved => 1,
@@ -1441,19 +1431,19 @@ impl Ops for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> OpResult {
+    fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> R<Val> {
         self.note(&[q, k, v]);
         self.mark(Some(&|| "attention".to_string()));
         let r = self.do_attention(q, k, v, spec);
         self.done(r)
     }
-    fn moe(&mut self, x: Val, spec: MoeSpec) -> OpResult {
+    fn moe(&mut self, x: Val, spec: MoeSpec) -> R<Val> {
         self.note(&[x]);
         self.mark(Some(&|| "moe: router, top-k".to_string()));
         let r = self.do_moe(x, &spec);
         self.done(r)
     }
-    fn output_rows(&mut self, x: Val) -> OpResult {
+    fn output_rows(&mut self, x: Val) -> R<Val> {
         self.note(&[x]);
         self.mark(Some(&|| "output_rows".to_string()));
         let r = (|| {
@@ -1466,9 +1456,6 @@ impl Ops for CudaStep<'_> {
             self.push(y, keep, cols)
         })();
         self.done(r)
-    }
-    fn name(&mut self, x: Val, _name: RStr<'_>, _layer: i32) {
-        self.note(&[x]);
     }
 }
 

@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 
 use pulsar_cuda::DeviceBuf;
-use pulsar_plugin_api::MoeSpec;
+use crate::graph::MoeSpec;
 
 use super::{err, CudaStep, R};
 use crate::cold::driver::Ticket;

@@ -1,0 +1,411 @@
+//! The primitive ops on the CPU: N-D, row-major, f32 and i32 tensors. These
+//! are the reference semantics every backend's primitives are checked
+//! against; each computes one output element with one fixed order of
+//! operations (reductions run in index order), whatever the batch.
+
+use std::sync::Arc;
+
+use pulsar_kernels::ops::{self, math};
+use pulsar_plugin_api::graph::{Binary, Reduce, Unary};
+
+type R<T> = Result<T, String>;
+
+/// A step value on the CPU. Data is shared, so a reshape copies nothing.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    pub dims: Vec<usize>,
+    pub data: TData,
+}
+
+#[derive(Clone, Debug)]
+pub enum TData {
+    F32(Arc<Vec<f32>>),
+    I32(Arc<Vec<i32>>),
+}
+
+impl Tensor {
+    pub fn f32(dims: Vec<usize>, data: Vec<f32>) -> Tensor {
+        Tensor { dims, data: TData::F32(Arc::new(data)) }
+    }
+    pub fn i32(dims: Vec<usize>, data: Vec<i32>) -> Tensor {
+        Tensor { dims, data: TData::I32(Arc::new(data)) }
+    }
+    pub fn len(&self) -> usize {
+        self.dims.iter().product()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn f(&self) -> R<&[f32]> {
+        match &self.data {
+            TData::F32(d) => Ok(d),
+            TData::I32(_) => Err("expected an f32 value, got i32".into()),
+        }
+    }
+    pub fn ids(&self) -> R<&[i32]> {
+        match &self.data {
+            TData::I32(d) => Ok(d),
+            TData::F32(_) => Err("expected i32 indices, got f32".into()),
+        }
+    }
+    /// The f32 data, copied only when another value shares it.
+    pub fn into_f32(self) -> R<Vec<f32>> {
+        match self.data {
+            TData::F32(d) => Ok(Arc::try_unwrap(d).unwrap_or_else(|d| (*d).clone())),
+            TData::I32(_) => Err("expected an f32 value, got i32".into()),
+        }
+    }
+    /// (rows, cols): the first axis, and the product of the others.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        match self.dims.split_first() {
+            Some((r, rest)) => (*r, rest.iter().product()),
+            None => (1, 1),
+        }
+    }
+    /// The same elements with other dims.
+    pub fn reshaped(&self, dims: Vec<usize>) -> R<Tensor> {
+        if dims.iter().product::<usize>() != self.len() {
+            return Err(format!("cannot view {:?} as {dims:?}", self.dims));
+        }
+        Ok(Tensor { dims, data: self.data.clone() })
+    }
+    fn map_data(&self, f32s: impl Fn(&[f32]) -> Vec<f32>, i32s: impl Fn(&[i32]) -> Vec<i32>, dims: Vec<usize>) -> Tensor {
+        match &self.data {
+            TData::F32(d) => Tensor::f32(dims, f32s(d)),
+            TData::I32(d) => Tensor::i32(dims, i32s(d)),
+        }
+    }
+}
+
+/// Row-major strides of `dims`.
+fn strides(dims: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * dims[i + 1];
+    }
+    s
+}
+
+/// Visit every index of `dims` in row-major order with the offsets of each
+/// of `st` (strides, 0 on broadcast axes).
+fn each_index<const N: usize>(dims: &[usize], st: [&[usize]; N], mut f: impl FnMut([usize; N])) {
+    let n: usize = dims.iter().product();
+    let mut idx = vec![0usize; dims.len()];
+    let mut off = [0usize; N];
+    for _ in 0..n {
+        f(off);
+        for a in (0..dims.len()).rev() {
+            idx[a] += 1;
+            for k in 0..N {
+                off[k] += st[k][a];
+            }
+            if idx[a] < dims[a] {
+                break;
+            }
+            for k in 0..N {
+                off[k] -= st[k][a] * dims[a];
+            }
+            idx[a] = 0;
+        }
+    }
+}
+
+/// Strides of `dims` seen as broadcast to `out` (right-aligned; 0 where a
+/// dim is 1 or missing).
+fn broadcast_strides(dims: &[usize], out: &[usize]) -> Vec<usize> {
+    let s = strides(dims);
+    let pad = out.len() - dims.len();
+    (0..out.len()).map(|i| if i < pad || dims[i - pad] == 1 { 0 } else { s[i - pad] }).collect()
+}
+
+pub fn unary_fn(f: Unary) -> fn(f32) -> f32 {
+    match f {
+        Unary::Neg => |x| -x,
+        Unary::Exp => math::exp,
+        Unary::Log => f32::ln,
+        Unary::Sqrt => f32::sqrt,
+        Unary::Rsqrt => |x| 1.0 / x.sqrt(),
+        Unary::Recip => |x| 1.0 / x,
+        Unary::Square => |x| x * x,
+        Unary::Abs => f32::abs,
+        Unary::Sigmoid => math::sigmoid,
+        // PyTorch's threshold: above 20, softplus(x) = x in f32.
+        Unary::Softplus => |x| if x > 20.0 { x } else { (1.0 + math::exp(x)).ln() },
+        Unary::Tanh => math::tanh,
+        Unary::Relu => |x| if x > 0.0 { x } else { 0.0 },
+        Unary::Silu => math::silu,
+        Unary::Gelu => ops::gelu,
+        Unary::GeluTanh => math::gelu_tanh,
+    }
+}
+
+pub fn binary_fn(f: Binary) -> fn(f32, f32) -> f32 {
+    match f {
+        Binary::Add => |a, b| a + b,
+        Binary::Sub => |a, b| a - b,
+        Binary::Mul => |a, b| a * b,
+        Binary::Div => |a, b| a / b,
+        Binary::Max => f32::max,
+        Binary::Min => f32::min,
+    }
+}
+
+/// `f(a, b)` with numpy broadcasting into `out_dims`.
+pub fn binary(a: &Tensor, b: &Tensor, out_dims: &[usize], f: fn(f32, f32) -> f32) -> R<Tensor> {
+    let (da, db) = (a.f()?, b.f()?);
+    if a.dims == b.dims {
+        return Ok(Tensor::f32(a.dims.clone(), da.iter().zip(db).map(|(&x, &y)| f(x, y)).collect()));
+    }
+    let (sa, sb) = (broadcast_strides(&a.dims, out_dims), broadcast_strides(&b.dims, out_dims));
+    let mut out = Vec::with_capacity(out_dims.iter().product());
+    each_index(out_dims, [&sa, &sb], |[i, j]| out.push(f(da[i], db[j])));
+    Ok(Tensor::f32(out_dims.to_vec(), out))
+}
+
+/// Call `f` on every lane along `axis` (gathered into a contiguous buffer
+/// and written back), in row-major order of the other axes.
+fn along_axis(dims: &[usize], axis: usize, data: &mut [f32], mut f: impl FnMut(&mut [f32])) {
+    let n = dims[axis];
+    let inner: usize = dims[axis + 1..].iter().product();
+    let outer: usize = dims[..axis].iter().product();
+    if inner == 1 {
+        data.chunks_mut(n.max(1)).for_each(f);
+        return;
+    }
+    let mut lane = vec![0f32; n];
+    for o in 0..outer {
+        for i in 0..inner {
+            let base = o * n * inner + i;
+            for j in 0..n {
+                lane[j] = data[base + j * inner];
+            }
+            f(&mut lane);
+            for j in 0..n {
+                data[base + j * inner] = lane[j];
+            }
+        }
+    }
+}
+
+pub fn softmax(x: Tensor, axis: usize) -> R<Tensor> {
+    let dims = x.dims.clone();
+    let mut d = x.into_f32()?;
+    along_axis(&dims, axis, &mut d, ops::softmax_in_place);
+    Ok(Tensor::f32(dims, d))
+}
+
+pub fn cumsum(x: Tensor, axis: usize) -> R<Tensor> {
+    let dims = x.dims.clone();
+    let mut d = x.into_f32()?;
+    along_axis(&dims, axis, &mut d, |lane| {
+        let mut s = 0f32;
+        for v in lane.iter_mut() {
+            s += *v;
+            *v = s;
+        }
+    });
+    Ok(Tensor::f32(dims, d))
+}
+
+/// A reduction along `axis` (kept with size 1), in index order.
+pub fn reduce(x: &Tensor, kind: Reduce, axis: usize) -> R<Tensor> {
+    let d = x.f()?;
+    let n = x.dims[axis];
+    let inner: usize = x.dims[axis + 1..].iter().product();
+    let outer: usize = x.dims[..axis].iter().product();
+    let mut out = Vec::with_capacity(outer * inner);
+    for o in 0..outer {
+        for i in 0..inner {
+            let lane = (0..n).map(|j| d[o * n * inner + j * inner + i]);
+            out.push(match kind {
+                Reduce::Sum => lane.fold(0f32, |s, v| s + v),
+                Reduce::Mean => lane.fold(0f32, |s, v| s + v) / n as f32,
+                Reduce::Max => lane.fold(f32::NEG_INFINITY, f32::max),
+            });
+        }
+    }
+    let mut dims = x.dims.clone();
+    dims[axis] = 1;
+    Ok(Tensor::f32(dims, out))
+}
+
+pub fn top_k(x: &Tensor, k: usize) -> R<Tensor> {
+    let d = x.f()?;
+    let n = *x.dims.last().ok_or("top_k of a scalar")?;
+    let mut out = Vec::with_capacity(d.len() / n.max(1) * k);
+    for row in d.chunks(n.max(1)) {
+        out.extend(ops::top_k(row, k).into_iter().map(|i| i as i32));
+    }
+    let mut dims = x.dims.clone();
+    *dims.last_mut().expect("rank >= 1") = k;
+    Ok(Tensor::i32(dims, out))
+}
+
+fn index(i: i32, n: usize, what: &str) -> R<usize> {
+    usize::try_from(i).ok().filter(|&i| i < n).ok_or_else(|| format!("{what}: index {i} is outside 0..{n}"))
+}
+
+pub fn take_along(x: &Tensor, ids: &Tensor) -> R<Tensor> {
+    let n = *x.dims.last().ok_or("take_along of a scalar")?;
+    let k = *ids.dims.last().ok_or("take_along with scalar indices")?;
+    let ix = ids.ids()?;
+    let pick = |r: usize, j: usize| index(ix[r * k + j], n, "take_along").map(|i| r * n + i);
+    let rows = ix.len() / k.max(1);
+    let positions: Vec<usize> = (0..rows).flat_map(|r| (0..k).map(move |j| (r, j))).map(|(r, j)| pick(r, j)).collect::<R<_>>()?;
+    Ok(match &x.data {
+        TData::F32(d) => Tensor::f32(ids.dims.clone(), positions.iter().map(|&p| d[p]).collect()),
+        TData::I32(d) => Tensor::i32(ids.dims.clone(), positions.iter().map(|&p| d[p]).collect()),
+    })
+}
+
+pub fn gather(x: &Tensor, ids: &Tensor) -> R<Tensor> {
+    let (rows, width) = x.rows_cols();
+    let ix = ids.ids()?;
+    let picks: Vec<usize> = ix.iter().map(|&i| index(i, rows, "gather")).collect::<R<_>>()?;
+    let mut dims = ids.dims.clone();
+    dims.extend_from_slice(&x.dims[1..]);
+    let rows_of = |d: &[f32]| picks.iter().flat_map(|&r| d[r * width..(r + 1) * width].iter().copied()).collect();
+    let rows_of_i = |d: &[i32]| picks.iter().flat_map(|&r| d[r * width..(r + 1) * width].iter().copied()).collect();
+    Ok(x.map_data(rows_of, rows_of_i, dims))
+}
+
+pub fn permute(x: &Tensor, perm: &[u32]) -> R<Tensor> {
+    let s = strides(&x.dims);
+    let dims: Vec<usize> = perm.iter().map(|&a| x.dims[a as usize]).collect();
+    let st: Vec<usize> = perm.iter().map(|&a| s[a as usize]).collect();
+    let order = |n: usize| {
+        let mut o = Vec::with_capacity(n);
+        each_index(&dims, [&st], |[i]| o.push(i));
+        o
+    };
+    let o = order(x.len());
+    Ok(x.map_data(|d| o.iter().map(|&i| d[i]).collect(), |d| o.iter().map(|&i| d[i]).collect(), dims.clone()))
+}
+
+/// `outer` runs of each part in turn (the part's `run` elements each).
+fn join<T: Copy>(parts: &[(&[T], usize)], outer: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.0.len()).sum());
+    for o in 0..outer {
+        for &(p, run) in parts {
+            out.extend_from_slice(&p[o * run..(o + 1) * run]);
+        }
+    }
+    out
+}
+
+pub fn concat(xs: &[&Tensor], axis: usize) -> R<Tensor> {
+    let first = xs[0];
+    let outer: usize = first.dims[..axis].iter().product();
+    let inner: usize = first.dims[axis + 1..].iter().product();
+    let mut dims = first.dims.clone();
+    dims[axis] = xs.iter().map(|t| t.dims[axis]).sum();
+    let run = |t: &Tensor| t.dims[axis] * inner;
+    Ok(match &first.data {
+        TData::F32(_) => Tensor::f32(dims, join(&xs.iter().map(|t| Ok((t.f()?, run(t)))).collect::<R<Vec<_>>>()?, outer)),
+        TData::I32(_) => Tensor::i32(dims, join(&xs.iter().map(|t| Ok((t.ids()?, run(t)))).collect::<R<Vec<_>>>()?, outer)),
+    })
+}
+
+pub fn slice(x: &Tensor, axis: usize, start: usize, len: usize) -> R<Tensor> {
+    let n = x.dims[axis];
+    if start + len > n {
+        return Err(format!("slice [{start}, {}) of an axis of {n}", start + len));
+    }
+    let outer: usize = x.dims[..axis].iter().product();
+    let inner: usize = x.dims[axis + 1..].iter().product();
+    let mut dims = x.dims.clone();
+    dims[axis] = len;
+    let take = |o: usize| (o * n + start) * inner..(o * n + start + len) * inner;
+    Ok(x.map_data(
+        |d| (0..outer).flat_map(|o| d[take(o)].iter().copied()).collect(),
+        |d| (0..outer).flat_map(|o| d[take(o)].iter().copied()).collect(),
+        dims.clone(),
+    ))
+}
+
+/// `[.., m, k] · [.., k, n]`, batch dims broadcast; each dot sums k in order.
+pub fn matmul(a: &Tensor, b: &Tensor, out_dims: &[usize]) -> R<Tensor> {
+    let (da, db) = (a.f()?, b.f()?);
+    let (ra, rb) = (a.dims.len(), b.dims.len());
+    let (m, k, n) = (a.dims[ra - 2], a.dims[ra - 1], b.dims[rb - 1]);
+    let batch = &out_dims[..out_dims.len() - 2];
+    // Strides over the batch axes, in whole matrices.
+    let sa = broadcast_strides(&a.dims[..ra - 2], batch);
+    let sb = broadcast_strides(&b.dims[..rb - 2], batch);
+    let mut out = Vec::with_capacity(out_dims.iter().product());
+    each_index(batch, [&sa, &sb], |[ia, ib]| {
+        let (ma, mb) = (&da[ia * m * k..(ia + 1) * m * k], &db[ib * k * n..(ib + 1) * k * n]);
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f32;
+                for t in 0..k {
+                    s += ma[i * k + t] * mb[t * n + j];
+                }
+                out.push(s);
+            }
+        }
+    });
+    Ok(Tensor::f32(out_dims.to_vec(), out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(dims: &[usize], v: &[f32]) -> Tensor {
+        Tensor::f32(dims.to_vec(), v.to_vec())
+    }
+
+    #[test]
+    fn broadcasting_binary_ops_match_numpy() {
+        let a = t(&[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let b = t(&[3], &[10.0, 20.0, 30.0]);
+        let y = binary(&a, &b, &[2, 3], binary_fn(Binary::Add)).unwrap();
+        assert_eq!(y.f().unwrap(), &[11.0, 22.0, 33.0, 14.0, 25.0, 36.0]);
+        let c = t(&[2, 1], &[2.0, 4.0]);
+        let y = binary(&a, &c, &[2, 3], binary_fn(Binary::Div)).unwrap();
+        assert_eq!(y.f().unwrap(), &[0.5, 1.0, 1.5, 1.0, 1.25, 1.5]);
+    }
+
+    #[test]
+    fn axis_ops_run_along_the_right_axis() {
+        let a = t(&[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(reduce(&a, Reduce::Sum, 0).unwrap().f().unwrap(), &[5.0, 7.0, 9.0]);
+        assert_eq!(reduce(&a, Reduce::Max, 1).unwrap().f().unwrap(), &[3.0, 6.0]);
+        assert_eq!(reduce(&a, Reduce::Mean, 1).unwrap().f().unwrap(), &[2.0, 5.0]);
+        assert_eq!(cumsum(a.clone(), 0).unwrap().f().unwrap(), &[1.0, 2.0, 3.0, 5.0, 7.0, 9.0]);
+        assert_eq!(cumsum(a.clone(), 1).unwrap().f().unwrap(), &[1.0, 3.0, 6.0, 4.0, 9.0, 15.0]);
+        let s = softmax(a.clone(), 0).unwrap();
+        let s = s.f().unwrap();
+        assert!((s[0] + s[3] - 1.0).abs() < 1e-6 && s[3] > s[0]);
+    }
+
+    #[test]
+    fn index_ops_pick_the_right_entries_and_refuse_bad_ids() {
+        let a = t(&[2, 3], &[0.1, 0.7, 0.2, 0.9, 0.05, 0.05]);
+        let ids = top_k(&a, 2).unwrap();
+        assert_eq!(ids.ids().unwrap(), &[1, 2, 0, 1]);
+        assert_eq!(take_along(&a, &ids).unwrap().f().unwrap(), &[0.7, 0.2, 0.9, 0.05]);
+        let rows = gather(&a, &Tensor::i32(vec![3], vec![1, 1, 0])).unwrap();
+        assert_eq!(rows.dims, vec![3, 3]);
+        assert_eq!(&rows.f().unwrap()[..3], &[0.9, 0.05, 0.05]);
+        assert!(gather(&a, &Tensor::i32(vec![1], vec![2])).is_err());
+        assert!(take_along(&a, &Tensor::i32(vec![2, 1], vec![3, 0])).is_err());
+    }
+
+    #[test]
+    fn layout_ops_move_elements_like_numpy() {
+        let a = t(&[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let p = permute(&a, &[1, 0]).unwrap();
+        assert_eq!((p.dims.clone(), p.f().unwrap().to_vec()), (vec![3, 2], vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]));
+        let c = concat(&[&a, &t(&[2, 1], &[7.0, 8.0])], 1).unwrap();
+        assert_eq!(c.f().unwrap(), &[1.0, 2.0, 3.0, 7.0, 4.0, 5.0, 6.0, 8.0]);
+        let s = slice(&c, 1, 1, 2).unwrap();
+        assert_eq!(s.f().unwrap(), &[2.0, 3.0, 5.0, 6.0]);
+        let m = matmul(&a, &t(&[3, 1], &[1.0, 0.0, -1.0]), &[2, 1]).unwrap();
+        assert_eq!(m.f().unwrap(), &[-2.0, -2.0]);
+        // Batched over a broadcast axis: [2, 1, 3] x [3, 2].
+        let m = matmul(&a.reshaped(vec![2, 1, 3]).unwrap(), &t(&[3, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), &[2, 1, 2]).unwrap();
+        assert_eq!(m.f().unwrap(), &[4.0, 5.0, 10.0, 11.0]);
+    }
+}

@@ -1,0 +1,238 @@
+//! A sequence's state on the CPU, one slot per state the plan declares (by
+//! state index): f32 K/V rows per position, rows of a latent cache per
+//! position, and fixed-size recurrent states. Allocated once for the
+//! context length.
+//!
+//! Rows written at a position are never written again by later positions,
+//! so keeping a prefix of a KV or rows cache is free; a recurrent state
+//! holds exactly the tokens it has absorbed, so going back needs a
+//! [`Snapshot`] (or a restart from position 0).
+
+use pulsar_plugin_api::{ModelPlan, STATE_KV, STATE_RECURRENT, STATE_ROWS};
+
+pub struct LayerKv {
+    kw: usize,
+    vw: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn full(pos: usize, n_ctx: usize) -> String {
+    format!("context is full: position {pos} needs a context larger than {n_ctx} (raise --ctx)")
+}
+
+impl LayerKv {
+    pub fn write(&mut self, pos: usize, k: &[f32], v: &[f32]) -> Result<(), String> {
+        let n_ctx = self.k.len() / self.kw.max(1);
+        if pos >= n_ctx {
+            return Err(full(pos, n_ctx));
+        }
+        self.k[pos * self.kw..(pos + 1) * self.kw].copy_from_slice(k);
+        self.v[pos * self.vw..(pos + 1) * self.vw].copy_from_slice(v);
+        Ok(())
+    }
+    /// Keys of positions `[0, n)`.
+    pub fn keys(&self, n: usize) -> &[f32] {
+        &self.k[..n * self.kw]
+    }
+    pub fn values(&self, n: usize) -> &[f32] {
+        &self.v[..n * self.vw]
+    }
+}
+
+/// One row per position.
+pub struct Rows {
+    width: usize,
+    data: Vec<f32>,
+}
+
+impl Rows {
+    pub fn write(&mut self, pos: usize, row: &[f32]) -> Result<(), String> {
+        let n_ctx = self.data.len() / self.width.max(1);
+        if pos >= n_ctx {
+            return Err(full(pos, n_ctx));
+        }
+        self.data[pos * self.width..(pos + 1) * self.width].copy_from_slice(row);
+        Ok(())
+    }
+    /// Rows of positions `[0, n)`.
+    pub fn rows(&self, n: usize) -> &[f32] {
+        &self.data[..n * self.width]
+    }
+}
+
+/// A recurrent state and how many tokens it has absorbed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recurrent {
+    pub value: Vec<f32>,
+    pub pos: usize,
+}
+
+pub enum Slot {
+    Kv(LayerKv),
+    Rows(Rows),
+    Recurrent(Recurrent),
+}
+
+/// What a rollback needs: the position and every recurrent state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub n_past: usize,
+    recurrent: Vec<(usize, Recurrent)>,
+}
+
+pub struct SeqState {
+    n_ctx: usize,
+    slots: Vec<Option<Slot>>,
+}
+
+impl SeqState {
+    /// Every state of `plan` for a context of `n_ctx` positions; kinds this
+    /// host does not know get no slot (the model refuses them at open).
+    pub fn new(plan: &ModelPlan, n_ctx: usize) -> SeqState {
+        let slots = plan
+            .states
+            .iter()
+            .map(|s| match (s.kind, s.dims.as_slice()) {
+                (STATE_KV, [h, dk, dv, _]) => {
+                    let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
+                    Some(Slot::Kv(LayerKv { kw, vw, k: vec![0.0; kw * n_ctx], v: vec![0.0; vw * n_ctx] }))
+                }
+                (STATE_ROWS, [w]) => Some(Slot::Rows(Rows { width: *w as usize, data: vec![0.0; *w as usize * n_ctx] })),
+                (STATE_RECURRENT, d) => Some(Slot::Recurrent(Recurrent { value: vec![0.0; d.iter().product::<u64>() as usize], pos: 0 })),
+                _ => None,
+            })
+            .collect();
+        SeqState { n_ctx, slots }
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| match s {
+                Slot::Kv(l) => 4 * (l.k.len() + l.v.len()),
+                Slot::Rows(r) => 4 * r.data.len(),
+                Slot::Recurrent(r) => 4 * r.value.len(),
+            })
+            .sum()
+    }
+
+    pub fn layer(&self, state: usize) -> Result<&LayerKv, String> {
+        match self.slots.get(state) {
+            Some(Some(Slot::Kv(l))) => Ok(l),
+            _ => Err(format!("state {state} is not a KV cache")),
+        }
+    }
+
+    /// The KV state, checking the row widths the op uses against the plan.
+    pub fn layer_mut(&mut self, state: usize, kw: usize, vw: usize) -> Result<&mut LayerKv, String> {
+        let l = match self.slots.get_mut(state) {
+            Some(Some(Slot::Kv(l))) => l,
+            _ => return Err(format!("state {state} is not a KV cache")),
+        };
+        if l.kw != kw || l.vw != vw {
+            return Err(format!("KV state {state}: attention uses k/v widths {kw}/{vw}, the plan declared {}/{}", l.kw, l.vw));
+        }
+        Ok(l)
+    }
+
+    pub fn rows_mut(&mut self, state: usize) -> Result<&mut Rows, String> {
+        match self.slots.get_mut(state) {
+            Some(Some(Slot::Rows(r))) => Ok(r),
+            _ => Err(format!("state {state} is not a rows state")),
+        }
+    }
+
+    pub fn recurrent_mut(&mut self, state: usize) -> Result<&mut Recurrent, String> {
+        match self.slots.get_mut(state) {
+            Some(Some(Slot::Recurrent(r))) => Ok(r),
+            _ => Err(format!("state {state} is not a recurrent state")),
+        }
+    }
+
+    fn has_recurrent(&self) -> bool {
+        self.slots.iter().any(|s| matches!(s, Some(Slot::Recurrent(_))))
+    }
+
+    /// How many of `n_past` cached positions can stay when only the first
+    /// `keep` are wanted: `keep` itself, unless a recurrent state would have
+    /// to go back (it cannot without a snapshot): then 0, a restart.
+    pub fn keepable(&self, keep: usize, n_past: usize) -> usize {
+        if keep >= n_past || !self.has_recurrent() {
+            keep.min(n_past)
+        } else {
+            0
+        }
+    }
+
+    /// The state after `n_past` positions, for [`SeqState::restore`]
+    /// (speculative decoding: try tokens, go back).
+    pub fn snapshot(&self, n_past: usize) -> Snapshot {
+        let recurrent = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Some(Slot::Recurrent(r)) => Some((i, r.clone())),
+                _ => None,
+            })
+            .collect();
+        Snapshot { n_past, recurrent }
+    }
+
+    /// Go back to `snap`; returns its position. Rows past it are overwritten
+    /// by the tokens that follow.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<usize, String> {
+        for (i, r) in &snap.recurrent {
+            *self.recurrent_mut(*i)? = r.clone();
+        }
+        Ok(snap.n_past)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pulsar_plugin_api::StateSpec;
+
+    fn plan(states: Vec<StateSpec>) -> ModelPlan {
+        ModelPlan { states: states.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn every_kind_gets_its_slot_and_bytes() {
+        let p = plan(vec![StateSpec::kv(0, 2, 4, 3, 0), StateSpec::rows(0, 5), StateSpec::recurrent(1, &[2, 3])]);
+        let mut s = SeqState::new(&p, 8);
+        assert_eq!(s.bytes(), 4 * (8 * 8 + 8 * 6) + 4 * 8 * 5 + 4 * 6);
+        assert!(s.layer_mut(0, 8, 6).is_ok());
+        assert!(s.layer_mut(0, 8, 5).is_err());
+        assert!(s.rows_mut(1).is_ok() && s.rows_mut(0).is_err());
+        assert!(s.recurrent_mut(2).is_ok() && s.recurrent_mut(1).is_err());
+        let e = s.rows_mut(1).unwrap().write(8, &[0.0; 5]).unwrap_err();
+        assert!(e.contains("--ctx"), "{e}");
+    }
+
+    #[test]
+    fn a_snapshot_restores_recurrent_states_and_truncation_respects_them() {
+        let p = plan(vec![StateSpec::kv(0, 1, 2, 2, 0), StateSpec::recurrent(0, &[3])]);
+        let mut s = SeqState::new(&p, 16);
+        s.recurrent_mut(1).unwrap().value = vec![1.0, 2.0, 3.0];
+        s.recurrent_mut(1).unwrap().pos = 4;
+        let snap = s.snapshot(4);
+        s.recurrent_mut(1).unwrap().value = vec![9.0; 3];
+        s.recurrent_mut(1).unwrap().pos = 7;
+        assert_eq!(s.restore(&snap), Ok(4));
+        assert_eq!(s.recurrent_mut(1).unwrap(), &Recurrent { value: vec![1.0, 2.0, 3.0], pos: 4 });
+        // A recurrent state cannot go back without a snapshot; KV alone can.
+        assert_eq!(s.keepable(2, 4), 0);
+        assert_eq!(s.keepable(4, 4), 4);
+        let kv_only = SeqState::new(&plan(vec![StateSpec::kv(0, 1, 2, 2, 0)]), 16);
+        assert_eq!(kv_only.keepable(2, 4), 2);
+        assert_eq!(kv_only.keepable(9, 4), 4);
+    }
+}

@@ -1,0 +1,190 @@
+//! Lowering a step graph onto the CUDA step's ops.
+//!
+//! The CUDA step executes 2-D `[rows, cols]` values with fused kernels
+//! (router + top-k + experts in one op, norms, ropes, attention over its
+//! cache). The graph's N-D values map onto them: a reshape that keeps the
+//! step's rows first is the same buffer; per-head norms and ropes take the
+//! head size from the value's last dim; the routing in front of an
+//! `experts` op runs inside the fused MoE op ([`crate::graph::moe`]). Ops
+//! this backend has no kernel for are refused when the engine is created,
+//! naming the op, before any step runs.
+
+use pulsar_plugin_api::graph::{Act, Binary, Dim, Op, RopeMode, Unary};
+use pulsar_plugin_api::{Val, Wt};
+
+use crate::graph::{MoeSpec, StepPlan};
+
+pub(super) type R<T> = Result<T, String>;
+
+/// Rotary embedding on `[n_tok, n_head * head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub head_dim: u32,
+    pub n_rot: u32,
+    pub base: f32,
+    pub linear_factor: f32,
+    pub mode: RopeMode,
+}
+
+/// Attention over a KV state (`layer` is the state's index). q is
+/// `[n_tok, n_head*head_dim_k]`, k `[n_tok, n_kv_head*head_dim_k]`, v
+/// `[n_tok, n_kv_head*head_dim_v]`; k and v are appended first. Causal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnSpec {
+    pub layer: u32,
+    pub n_head: u32,
+    pub n_kv_head: u32,
+    pub head_dim_k: u32,
+    pub head_dim_v: u32,
+    pub scale: f32,
+    pub window: u32,
+    pub softcap: f32,
+}
+
+/// The ops of the CUDA step, on its 2-D values.
+pub(super) trait Exec {
+    fn embed(&mut self, table: Wt, scale: f32) -> R<Val>;
+    fn linear(&mut self, w: Wt, x: Val) -> R<Val>;
+    /// RMS norm over groups of `group` columns, times the weight if given.
+    fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32) -> R<Val>;
+    fn add(&mut self, a: Val, b: Val) -> R<Val>;
+    fn mul(&mut self, a: Val, b: Val) -> R<Val>;
+    fn scale(&mut self, x: Val, s: f32) -> R<Val>;
+    fn act(&mut self, x: Val, act: Act) -> R<Val>;
+    fn glu(&mut self, gate: Val, up: Val, act: Act) -> R<Val>;
+    fn rope(&mut self, x: Val, spec: RopeSpec) -> R<Val>;
+    fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> R<Val>;
+    fn moe(&mut self, x: Val, spec: MoeSpec) -> R<Val>;
+    fn output_rows(&mut self, x: Val) -> R<Val>;
+}
+
+/// How one node runs on the CUDA step.
+#[derive(Clone, Debug, PartialEq)]
+enum Lowered {
+    /// A source the fused ops read directly (the step's tokens).
+    Tokens,
+    /// The same buffer as its input.
+    Alias,
+    /// Folded into the fused MoE op at a later node.
+    Folded,
+    /// One CUDA op.
+    Run,
+    /// The fused MoE op with this routing.
+    Moe(MoeSpec),
+}
+
+/// What each node of a plan lowers to, or the first node the CUDA step
+/// cannot run.
+pub(super) struct Lowering {
+    nodes: Vec<Lowered>,
+}
+
+fn fixed(d: &Dim) -> Option<u64> {
+    d.fixed()
+}
+
+impl Lowering {
+    pub fn new(plan: &StepPlan) -> R<Lowering> {
+        let mut nodes = vec![Lowered::Run; plan.len()];
+        for m in &plan.moe {
+            for &r in &m.routing {
+                nodes[r] = Lowered::Folded;
+            }
+            nodes[m.experts] = Lowered::Moe(m.spec);
+        }
+        for i in 0..plan.len() {
+            if nodes[i] != Lowered::Run {
+                continue;
+            }
+            let ins = &plan.inputs[i];
+            let shape_in = |k: usize| &plan.shapes[ins[k] as usize];
+            let refuse = |why: &str| {
+                let (label, layer) = &plan.labels[i];
+                let at = if *layer >= 0 { format!(" at layer {layer}") } else { String::new() };
+                let label = if label.is_empty() { String::new() } else { format!(" {label:?}") };
+                Err(format!("node {i} ({}{at}{label}): {why} on the CUDA backend yet (run with --device cpu)", plan.ops[i].name()))
+            };
+            nodes[i] = match &plan.ops[i] {
+                Op::Tokens => Lowered::Tokens,
+                Op::Embed { .. } if nodes[ins[0] as usize] == Lowered::Tokens => Lowered::Run,
+                Op::Embed { .. } => return refuse("embedding rows by computed ids has no kernel"),
+                Op::Reshape(dims) if dims.first() == Some(&Dim::T) && shape_in(0).dims.first() == Some(&Dim::T) => Lowered::Alias,
+                Op::Reshape(_) => return refuse("a reshape that moves the step's rows has no kernel"),
+                Op::Linear(_) | Op::OutputRows | Op::Glu(_) | Op::Scale(_) => Lowered::Run,
+                Op::RmsNorm { .. } if plan.shapes[i].dims.first() == Some(&Dim::T) || plan.shapes[i].dims.first() == Some(&Dim::O) => Lowered::Run,
+                Op::Rope(_) | Op::Attention(_) => Lowered::Run,
+                Op::Binary(Binary::Add | Binary::Mul) if shape_in(0) == shape_in(1) => Lowered::Run,
+                Op::Unary(Unary::Silu | Unary::Gelu | Unary::GeluTanh) => Lowered::Run,
+                Op::Experts(_) => return refuse("experts with this routing (only router -> softmax/sigmoid -> top-k -> [renormalise] -> [scale] is fused)"),
+                _ => return refuse("this op has no kernel"),
+            };
+            // Values the CUDA step reads must have fixed sizes past the rows.
+            if nodes[i] == Lowered::Run && plan.shapes[i].dims.iter().skip(1).any(|d| fixed(d).is_none()) {
+                return refuse("a value with a symbolic inner size has no kernel");
+            }
+        }
+        // A folded or tokens value read by a node that runs is a fused op's
+        // input that nothing produced.
+        for i in 0..plan.len() {
+            if matches!(nodes[i], Lowered::Run | Lowered::Alias) {
+                for &v in &plan.inputs[i] {
+                    if matches!(nodes[v as usize], Lowered::Folded) || (nodes[v as usize] == Lowered::Tokens && !matches!(plan.ops[i], Op::Embed { .. })) {
+                        return Err(format!("node {i} ({}): reads node {v}, which only a fused op can read, on the CUDA backend", plan.ops[i].name()));
+                    }
+                }
+            }
+        }
+        Ok(Lowering { nodes })
+    }
+
+    /// Run `plan` on `exec`; returns the output's CUDA value.
+    pub fn run(&self, plan: &StepPlan, exec: &mut dyn Exec) -> R<Val> {
+        let mut vals: Vec<Option<Val>> = vec![None; plan.len()];
+        for i in 0..plan.len() {
+            let ins = &plan.inputs[i];
+            let get = |k: usize| -> R<Val> { vals[ins[k] as usize].ok_or_else(|| format!("node {i}: input {k} has no CUDA value")) };
+            let shape = &plan.shapes[i];
+            let last = |s: &pulsar_plugin_api::graph::Shape| s.last().unwrap_or(0) as u32;
+            let v = match (&self.nodes[i], &plan.ops[i]) {
+                (Lowered::Tokens | Lowered::Folded, _) => None,
+                (Lowered::Alias, _) => Some(get(0)?),
+                (Lowered::Moe(spec), _) => Some(exec.moe(get(0)?, *spec)?),
+                (Lowered::Run, op) => Some(match op {
+                    Op::Embed { table, scale } => exec.embed(*table, *scale)?,
+                    Op::Linear(w) => exec.linear(*w, get(0)?)?,
+                    Op::OutputRows => exec.output_rows(get(0)?)?,
+                    Op::Glu(a) => exec.glu(get(0)?, get(1)?, *a)?,
+                    Op::Scale(s) => exec.scale(get(0)?, *s)?,
+                    Op::RmsNorm { weight, eps } => exec.rms_norm(get(0)?, *weight, *eps, last(shape))?,
+                    Op::Rope(r) => {
+                        let spec = RopeSpec { head_dim: last(shape), n_rot: r.n_rot, base: r.base, linear_factor: r.linear_factor, mode: r.mode };
+                        exec.rope(get(0)?, spec)?
+                    }
+                    Op::Attention(a) => {
+                        let (q, k, v) = (&plan.shapes[ins[0] as usize], &plan.shapes[ins[1] as usize], &plan.shapes[ins[2] as usize]);
+                        let d = |s: &pulsar_plugin_api::graph::Shape, i: usize| s.dims[i].fixed().unwrap_or(0) as u32;
+                        let spec = AttnSpec {
+                            layer: a.state,
+                            n_head: d(q, 1),
+                            n_kv_head: d(k, 1),
+                            head_dim_k: d(q, 2),
+                            head_dim_v: d(v, 2),
+                            scale: a.scale,
+                            window: a.window,
+                            softcap: a.softcap,
+                        };
+                        exec.attention(get(0)?, get(1)?, get(2)?, spec)?
+                    }
+                    Op::Binary(Binary::Add) => exec.add(get(0)?, get(1)?)?,
+                    Op::Binary(Binary::Mul) => exec.mul(get(0)?, get(1)?)?,
+                    Op::Unary(Unary::Silu) => exec.act(get(0)?, Act::Silu)?,
+                    Op::Unary(Unary::Gelu) => exec.act(get(0)?, Act::Gelu)?,
+                    Op::Unary(Unary::GeluTanh) => exec.act(get(0)?, Act::GeluTanh)?,
+                    other => return Err(format!("node {i} ({}) has no CUDA lowering", other.name())),
+                }),
+            };
+            vals[i] = v;
+        }
+        vals[plan.output as usize].ok_or_else(|| "the output has no CUDA value".to_string())
+    }
+}
