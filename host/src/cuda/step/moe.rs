@@ -1,0 +1,485 @@
+//! The fused MoE op on the CUDA step: router and top-k on the device, the
+//! selected experts resolved through the VRAM pool (resident, hot set,
+//! scratch uploads, zero-copy reads, the CPU lane), the expert FFNs, and the
+//! slot combine.
+
+use pulsar_cuda::{DeviceBuf, Gating as CGating, MoePairs, RouterSpec};
+
+use super::super::CudaModel;
+use super::{err, CudaStep, HEAD_GRANULE, R};
+use crate::cpu::act_of;
+use crate::graph::{Gating, MoeSpec};
+use pulsar_kernels::ActFormat;
+use pulsar_plugin_api::{Val, Wt};
+
+impl<'a> CudaStep<'a> {
+    pub(super) fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
+        let cm: &'a CudaModel = self.cm;
+        let dev = &cm.dev;
+        let stream = dev.compute().clone();
+        let (rows, d_model) = self.dims(x)?;
+        let (ne, k) = (spec.n_expert as usize, spec.top_k as usize);
+        // Router scores on the device, top-k there too.
+        let logits = self.linear_w(spec.router, x)?;
+        let mut ids = self.pools.i32.take(dev, rows * k).map_err(err)?;
+        let mut wts = self.pools.f32.take(dev, rows * k).map_err(err)?;
+        let rs = RouterSpec {
+            k,
+            gating: match spec.gating {
+                Gating::Softmax => CGating::Softmax,
+                Gating::Sigmoid => CGating::Sigmoid,
+            },
+            renormalize: spec.norm_topk,
+            scale: spec.weights_scale,
+        };
+        let n_pairs = rows * k;
+        let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
+        let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
+        let (gdw, _) = self.weight(spec.gate_exps)?;
+        let (ddw, _) = self.weight(spec.down_exps)?;
+        let (gate_ty, down_ty) = (gdw.ty, ddw.ty);
+        let ff = gdw.dims[1] as usize;
+        let fmt_of = |t: pulsar_gguf::GgmlType| ActFormat::for_weight(t).ok_or_else(|| format!("no CUDA expert kernel for {t}"));
+        let (gfmt, dfmt) = (fmt_of(gate_ty)?, fmt_of(down_ty)?);
+        // Float experts: f32 activations, one format for all three matrices.
+        let float = gfmt == ActFormat::F32;
+        if float != (dfmt == ActFormat::F32) || (float && gate_ty != down_ty) {
+            return Err(format!("moe layer {}: CUDA expert kernels need one float format or two quantized ones, not {gate_ty}/{down_ty}", spec.layer));
+        }
+        // Prefill chunks of quantized experts go expert by expert (each weight
+        // read once per tile of its tokens); decode goes pair by pair.
+        let grouped = rows > 1 && !float;
+        let resident: Option<[&DeviceBuf<u64>; 3]> = match widx.map(|i| cm.expert_tables.get(&i)) {
+            [Some(g), Some(u), Some(d)] => Some([g, u, d]),
+            _ => None,
+        };
+        let mut pbufs = Vec::with_capacity(3);
+        for _ in 0..3 {
+            pbufs.push(self.pools.u64.take(dev, n_pairs).map_err(err)?);
+        }
+        {
+            let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
+            match resident {
+                // Decode on resident experts: the router kernel gathers the
+                // pairs' pointers too (no host round trip, one kernel).
+                Some(tables) if !grouped => dev.route_gather(&stream, &rs, self.buf(logits)?, rows, ne, &mut ids, &mut wts, tables, [pg, pu, pd]),
+                _ => dev.route(&stream, &rs, self.buf(logits)?, None, rows, ne, &mut ids, &mut wts),
+            }
+            .map_err(err)?;
+        }
+        self.mark(Some(&|| "moe: expert placement".to_string()));
+        // Host copies, when the host takes part: routing ids, and each
+        // selected expert's (gate, up, down) device addresses.
+        let mut h_ids: Vec<i32> = Vec::new();
+        let mut host_ptrs: Vec<[u64; 3]> = Vec::new();
+        // Prefill with prefetch: the next layer's predicted experts, their
+        // weights and slab kinds, for the copies that wait for this layer's kernels.
+        let mut prefetch_rest: Option<(Vec<u32>, Vec<usize>, [pulsar_store::SlabKind; 3])> = None;
+        // The store's step (streamed experts through the host cache): alive
+        // until the uploads and the CPU lane have read its bytes.
+        let mut guard: Option<pulsar_store::StepGuard<'a>> = None;
+        // Cold experts the CPU lane computes this step, and the slab kinds.
+        let mut lane_experts: Vec<u32> = Vec::new();
+        let mut lane_x: Vec<f32> = Vec::new();
+        // (expert, rows): gate/up heads the CPU lane computes this step.
+        let mut lane_heads: Vec<(u32, usize)> = Vec::new();
+        let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
+        let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
+        match resident {
+            Some(_) => {
+                if grouped {
+                    h_ids = vec![0i32; n_pairs];
+                    ids.download(&stream, &mut h_ids).map_err(err)?;
+                    host_ptrs = (0..ne)
+                        .map(|e| -> R<[u64; 3]> {
+                            let mut p = [0u64; 3];
+                            for (ki, &i) in widx.iter().enumerate() {
+                                let (dw, mw) = (&cm.weights[i], &self.model.weights[i]);
+                                let slab = (mw.bytes / dw.dims.get(2).copied().unwrap_or(1).max(1)) as usize;
+                                p[ki] = dw.raw.as_ref().ok_or("resident expert without bytes")?.device_ptr_at(e * slab).map_err(err)?;
+                            }
+                            Ok(p)
+                        })
+                        .collect::<R<_>>()?;
+                }
+                // Else: everything is on the device, gathered by the router above.
+            }
+            None => {
+                let pool = cm.experts.as_ref().ok_or("experts are neither resident nor pooled")?;
+                // Decode: predict the next layer's experts with its router on
+                // this layer's input, so their cold slabs can be copied while
+                // this layer computes (the store path's guard cannot outlive
+                // the layer, so only the page-locked mapping prefetches).
+                let pays = pool.lock().unwrap_or_else(|e| e.into_inner()).prefetch_pays();
+                // Prefill predicts too (its whole next-layer set is copied
+                // while this layer computes); repetitive text routes a chunk to
+                // few experts, so "every expert" would waste the link.
+                let next_router = match (self.store, cm.prefetch && (rows > 1 || pays)) {
+                    (None, true) => self.model.weights.iter().position(|w| w.role == pulsar_plugin_api::Role::Router && w.layer == Some(spec.layer + 1)),
+                    _ => None,
+                };
+                let mut next = None;
+                if let Some(ri) = next_router {
+                    let nl = self.linear_w(Wt(ri as u32), x)?;
+                    let mut idn = self.pools.i32.take(dev, rows * k).map_err(err)?;
+                    let mut wn = self.pools.f32.take(dev, rows * k).map_err(err)?;
+                    dev.route(&stream, &rs, self.buf(nl)?, None, rows, ne, &mut idn, &mut wn).map_err(err)?;
+                    next = Some((idn, wn));
+                }
+                h_ids = vec![0i32; n_pairs];
+                // Decode with a lane: its input comes back with the routing ids.
+                let lane_may = rows == 1 && cm.lane.is_some() && !grouped;
+                if lane_may {
+                    pool.lock().unwrap_or_else(|e| e.into_inner()).stage_lane_input(dev, self.buf(x)?).map_err(err)?;
+                }
+                // Synchronises the stream: earlier layers' expert kernels are
+                // done, so their scratch and evicted slots may be reused.
+                let t_route = std::time::Instant::now();
+                ids.download(&stream, &mut h_ids).map_err(err)?;
+                let route_wait = t_route.elapsed().as_secs_f64();
+                let mut predicted: Vec<u32> = Vec::new();
+                if let Some((idn, wn)) = next {
+                    let mut h = vec![0i32; rows * k];
+                    let r = idn.download(&stream, &mut h);
+                    self.pools.i32.give(idn);
+                    self.pools.f32.give(wn);
+                    r.map_err(err)?;
+                    predicted = h.into_iter().filter(|&e| e >= 0 && (e as usize) < ne).map(|e| e as u32).collect();
+                    predicted.sort_unstable();
+                    predicted.dedup();
+                }
+                if let Some(&e) = h_ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
+                    return Err(format!("moe layer {}: router chose expert {e} of {ne}", spec.layer));
+                }
+                // The layer before's lane job is done (the stream waited for
+                // it before this sync): account it before this layer's plan.
+                self.join_lane()?;
+                let touched: Vec<u32> = h_ids.iter().map(|&e| e as u32).collect();
+                let mut experts = touched.clone();
+                experts.sort_unstable();
+                experts.dedup();
+                let mut kinds = [pulsar_store::SlabKind::Gate; 3];
+                for (ki, &i) in widx.iter().enumerate() {
+                    let w = &self.model.weights[i];
+                    kinds[ki] = crate::cpu::moe::slab_kind(&w.name).ok_or_else(|| format!("{}: not an expert tensor", w.name))?;
+                }
+                let model = self.model;
+                let req0 = super::super::LayerRequest { layer: spec.layer, kinds, experts: &experts, touched: &touched, zero_copy: &[], cpu: &[], heads: &[], decode: rows == 1 };
+                let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+                if self.store.is_none() && cm.prefetch {
+                    pool.enable_prefetch(k);
+                }
+                let plan = pool.plan_layer(&req0).map_err(err)?;
+                pool.stats.route_wait_seconds += route_wait;
+                // Who waited for whom in the layer before: steer the lane's share.
+                let (busy, chain) = pool.take_layer_outcome();
+                let copies = pool.take_copy_span().filter(|_| rows == 1);
+                if busy.is_some() || chain.is_some() || copies.is_some() {
+                    let mut cost = cm.cost.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some((bytes, secs)) = copies {
+                        cost.observe_link(bytes, secs);
+                    }
+                    if let Some(link_busy) = busy {
+                        cost.balance(link_busy);
+                    }
+                    if let Some(c) = chain {
+                        cost.observe_chain(c);
+                    }
+                }
+                use crate::cold::{ColdPath, ColdPolicy};
+                let policy = if cm.lane.is_none() && cm.cold == ColdPolicy::Force(ColdPath::Cpu) { ColdPolicy::Force(ColdPath::Upload) } else { cm.cold };
+                let lane_on = cm.lane.is_some() && matches!(policy, ColdPolicy::Auto | ColdPolicy::Force(ColdPath::Cpu));
+                let expert_bytes = |ws: &[usize]| -> u64 { ws.iter().map(|&i| self.model.weights[i].bytes / ne as u64).sum() };
+                // Bytes of `r` rows of this layer's gate (= up) slab.
+                let gate_row = pulsar_kernels::quant::row_bytes(gate_ty, d_model).unwrap_or(0);
+                let head_bytes = |r: usize| r * gate_row;
+                // A layer's head geometry (gate + up bytes of a row, ff, one
+                // slab's row bytes), if gate and up share one type.
+                let next_head = |ws: &[usize]| -> Option<(u64, usize, usize)> {
+                    // Gate and up fused in one slab: a head would need rows of both halves.
+                    if ws[0] == ws[1] {
+                        return None;
+                    }
+                    let (g, u) = (&self.model.weights[ws[0]], &self.model.weights[ws[1]]);
+                    let row = pulsar_kernels::quant::row_bytes(g.ty, *g.dims.first()? as usize).ok()?;
+                    (g.ty == u.ty && g.dims == u.dims).then_some((2 * row as u64, *g.dims.get(1)? as usize, row))
+                };
+                let as_cold = |experts: &[u32], bytes: u64| -> Vec<crate::cold::ColdExpert> {
+                    experts.iter().map(|&expert| crate::cold::ColdExpert { expert, bytes, ty: gate_ty, in_host_memory: true }).collect()
+                };
+                // Decode: split the cold experts between the link (upload or
+                // zero-copy) and the CPU lane by measured cost. Experts the
+                // last layer's prefetch left to the lane go there; the rest
+                // are split around them. Prefill uploads: its grouped
+                // products want the weights in VRAM.
+                // Experts whose gate/up heads the last layer's prefetch left
+                // to the lane (their other rows and down are on the device).
+                let heads: Vec<(u32, usize)> = if !grouped && !float && lane_on && policy == ColdPolicy::Auto && widx[0] != widx[1] { pool.heads_ready(spec.layer, kinds, &experts) } else { Vec::new() };
+                let head_experts: Vec<u32> = heads.iter().map(|h| h.0).collect();
+                let (mut zero_copy, mut cpu) = (Vec::new(), Vec::new());
+                if !grouped && !plan.cold.is_empty() {
+                    let reserved = pool.lane_reserved(spec.layer);
+                    let (kept, rest): (Vec<u32>, Vec<u32>) = plan.cold.iter().partition(|e| lane_on && reserved.binary_search(e).is_ok());
+                    let cost = cm.cost.lock().unwrap_or_else(|e| e.into_inner());
+                    let bytes = expert_bytes(&widx);
+                    let kept_cold = as_cold(&kept, bytes);
+                    let head_bytes: u64 = heads.iter().map(|&(_, r)| head_bytes(r) as u64 * 2).sum();
+                    let mut busy = crate::cold::Busy { link: 0.0, cpu: crate::cold::lane_seconds(&kept_cold, &vec![ColdPath::Cpu; kept.len()], &cost).1 };
+                    if head_bytes > 0 {
+                        busy.cpu += cost.cpu_fixed() + cost.seconds(ColdPath::Cpu, head_bytes, gate_ty);
+                    }
+                    let rest_cold = as_cold(&rest, bytes);
+                    let paths = crate::cold::split_busy(&rest_cold, &cost, policy, busy);
+                    cpu = kept;
+                    for (c, p) in rest_cold.iter().zip(paths) {
+                        match p {
+                            ColdPath::ZeroCopy => zero_copy.push(c.expert),
+                            ColdPath::Cpu if lane_on => cpu.push(c.expert),
+                            _ => {}
+                        }
+                    }
+                    zero_copy.sort_unstable();
+                    cpu.sort_unstable();
+                }
+                if !grouped && lane_on && cpu.is_empty() && heads.is_empty() {
+                    cm.cost.lock().unwrap_or_else(|e| e.into_inner()).relax();
+                }
+                // The lane reads this layer's input on the host; the stream
+                // is idle here (the routing ids just came back), so this
+                // copy costs no wait, and the lane can run beside the GPU.
+                let mut x_host = Vec::new();
+                if !cpu.is_empty() || !heads.is_empty() {
+                    x_host = pool.lane_input().to_vec();
+                    if !lane_may || x_host.len() != rows * d_model {
+                        x_host = vec![0f32; rows * d_model];
+                        self.buf(x)?.download(&stream, &mut x_host).map_err(err)?;
+                    }
+                }
+                // Heads start now, on the lane's driver, while the host copies and queues.
+                let heads_async = !heads.is_empty() && pool.async_lane();
+                if heads_async {
+                    // A copy: whole cold experts of this layer run on the lane after it (16 KB).
+                    self.submit_heads(&mut pool, spec, x_host.clone(), &h_ids, &heads, widx, ff)?;
+                }
+                let req = super::super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, heads: &head_experts, ..req0 };
+                let need = &plan.need;
+                match self.store.filter(|_| !need.is_empty()) {
+                    // Tier 3/4: what VRAM lacks comes through the host cache
+                    // (page-locked) over the disk; the guard keeps those bytes
+                    // alive until the copies and the CPU lane are done with them.
+                    Some(st) => {
+                        let sel: Vec<pulsar_store::Selection> =
+                            h_ids.iter().enumerate().map(|(p, &e)| pulsar_store::Selection { token: (p / k) as u32, slot: (p % k) as u32, expert: e as u32 }).collect();
+                        // Places first, then each slab's copy starts the moment
+                        // the store has its bytes (a host-cache hit at once, a
+                        // disk read as it completes), overlapping the rest.
+                        let plan = pool.assign_layer(dev, &req, None).map_err(err)?;
+                        let r = st.store.resolve_streaming(spec.layer, &sel, &|e| need.binary_search(&e).is_ok(), &mut |id, b| {
+                            pool.copy_slab(dev, &plan, id, b).map_err(|e| e.to_string())
+                        });
+                        if r.is_err() {
+                            // Nothing may still read host bytes the failed step released.
+                            let _ = pool.wait_copies();
+                        }
+                        let g = r.map_err(err)?;
+                        let g = guard.insert(g);
+                        if let Some(&(id, ..)) = plan.copies.iter().find(|c| g.slab(c.0).is_none()) {
+                            return Err(format!("{id}: not resolved by the store"));
+                        }
+                        pool.finish_fill(dev, plan).map_err(err)?;
+                    }
+                    None => {
+                        pool.fill_layer(dev, &req, &|ki, e| {
+                            let t = model.tensor(&model.weights[widx[ki]]);
+                            let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                            model.file.bytes(&range).map_err(err)
+                        })
+                        .map_err(err)?;
+                        let nw: Option<Vec<usize>> = kinds.iter().map(|&kd| cm.slab_index.get(&(spec.layer + 1, kd)).copied()).collect();
+                        if let (false, Some(nw)) = (predicted.is_empty(), nw) {
+                            // Decode: the predicted cold experts the lane would
+                            // finish before the link are left to it (they then
+                            // never cross the link); the link copies the rest.
+                            let mut lane_next = Vec::new();
+                            if rows == 1 && lane_on && pool.prefetch_enabled() {
+                                let next_cold = as_cold(&pool.cold_of(spec.layer + 1, kinds, &predicted), expert_bytes(&nw));
+                                let cost = cm.cost.lock().unwrap_or_else(|e| e.into_inner());
+                                lane_next = match policy {
+                                    // Forced: the lane takes them whole.
+                                    ColdPolicy::Force(_) => next_cold.iter().map(|c| (c.expert, super::super::pool::LaneShare::Whole)).collect(),
+                                    // Auto: the same head of each, sized so the
+                                    // lane and the link finish together.
+                                    ColdPolicy::Auto => match next_head(&nw) {
+                                        Some((gu_row, ff_next, row)) if !float => {
+                                            // Beside the host, the lane adds to no host work.
+                                            let serial = if pool.async_lane() { 0.0 } else { cost.chain_s };
+                                            let r = crate::cold::head_rows(&next_cold, gu_row, ff_next, HEAD_GRANULE, serial, &cost);
+                                            if r == 0 { Vec::new() } else { next_cold.iter().map(|c| (c.expert, super::super::pool::LaneShare::Head { rows: r, bytes: r * row })).collect() }
+                                        }
+                                        _ => Vec::new(),
+                                    },
+                                };
+                            }
+                            pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &lane_next, &|ki, e| {
+                                let t = model.tensor(&model.weights[nw[ki]]);
+                                let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                                model.file.bytes(&range).map_err(err)
+                            })
+                            .map_err(err)?;
+                            if grouped {
+                                prefetch_rest = Some((std::mem::take(&mut predicted), nw, kinds));
+                            }
+                        }
+                    }
+                }
+                lane_experts = cpu;
+                lane_heads = heads;
+                lane_x = x_host;
+                layer_kinds = kinds;
+                if grouped {
+                    let t = pool.host_tables();
+                    host_ptrs = (0..ne).map(|e| [t[0][e], t[1][e], t[2][e]]).collect();
+                } else {
+                    let table = pool.tables();
+                    dev.moe_gather_ptrs(&stream, &ids, [&table[0], &table[1], &table[2]], [pg, pu, pd]).map_err(err)?;
+                }
+            }
+        }
+        self.mark(Some(&|| format!("moe: experts {}", if grouped { "grouped" } else { "per pair" })));
+        let mut out = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
+        if float {
+            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
+            let r = dev.moe_ffn_float(&stream, gate_ty, &pairs, self.buf(x)?, d_model, ff, act_of(spec.act), &mut h, &mut out);
+            self.pools.f32.give(h);
+            r.map_err(err)?;
+            if !lane_experts.is_empty() {
+                self.run_lane(spec, &lane_x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
+            }
+        } else if grouped {
+            let xqi = self.quantized(x, gfmt)?;
+            // Pairs sorted by expert (stable: pair order within an expert).
+            let mut order: Vec<usize> = (0..n_pairs).collect();
+            order.sort_by_key(|&p| h_ids[p]);
+            let tok_of: Vec<i32> = order.iter().map(|&p| (p / k) as i32).collect();
+            let pair_of: Vec<i32> = order.iter().map(|&p| p as i32).collect();
+            let mut runs = Vec::new();
+            let mut i = 0;
+            while i < n_pairs {
+                let e = h_ids[order[i]] as usize;
+                let mut j = i;
+                while j < n_pairs && h_ids[order[j]] as usize == e {
+                    j += 1;
+                }
+                let p = host_ptrs.get(e).copied().ok_or_else(|| format!("moe layer {}: router chose expert {e} of {ne}", spec.layer))?;
+                if p.iter().all(|&a| a != 0) {
+                    runs.push(pulsar_cuda::ExpertRun { gate: p[0], up: p[1], down: p[2], start: i, len: j - i });
+                }
+                i = j;
+            }
+            let mut tb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
+            let mut pb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
+            tb.upload(&stream, &tok_of).map_err(err)?;
+            pb.upload(&stream, &pair_of).map_err(err)?;
+            let mut xs = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, n_pairs, d_model).map_err(err)?).map_err(err)?;
+            let mut hg = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hu = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
+            let mut outs = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
+            // Sized for the most runs a chunk can have (one per expert), so the pool
+            // hands back one buffer instead of allocating one per distinct run count.
+            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, ne.min(n_pairs))).map_err(err)?;
+            let mut scratch = pulsar_cuda::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
+            let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out);
+            self.pools.i32.give(tb);
+            self.pools.i32.give(pb);
+            self.pools.u64.give(items);
+            self.pools.u8.give(xs);
+            self.pools.u8.give(hq);
+            for b in [hg, hu, h, outs] {
+                self.pools.f32.give(b);
+            }
+            r.map_err(err)?;
+            if let (Some((predicted, nw, kinds)), Some(pool)) = (prefetch_rest.take(), &cm.experts) {
+                let model = self.model;
+                pool.lock().unwrap_or_else(|e| e.into_inner())
+                    .prefetch_rest(dev, spec.layer + 1, kinds, &predicted, &|ki, e| {
+                        let t = model.tensor(&model.weights[nw[ki]]);
+                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                        model.file.bytes(&range).map_err(err)
+                    })
+                    .map_err(err)?;
+            }
+        } else {
+            let xqi = self.quantized(x, gfmt)?;
+            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
+            let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
+            let pairs = MoePairs { gate: &pbufs[0], up: &pbufs[1], down: &pbufs[2], n_tok: rows, n_slot: k };
+            // Split experts: each pair's first device row of h; the lane
+            // fills the rows below while the GPU computes the rest.
+            let row_lo = if lane_heads.is_empty() {
+                None
+            } else {
+                let lo: Vec<i32> = h_ids.iter().map(|&e| lane_heads.iter().find(|h| h.0 as i32 == e).map_or(0, |h| h.1 as i32)).collect();
+                let mut b = self.pools.i32.take(dev, n_pairs).map_err(err)?;
+                let pool = cm.experts.as_ref().ok_or("heads without an expert pool")?;
+                pool.lock().unwrap_or_else(|e| e.into_inner()).stage_row_lo(dev, &lo, &mut b).map_err(err)?;
+                Some(b)
+            };
+            let mut lane_err = None;
+            let r = {
+                let (me, heads, xh, ids) = (&*self, &lane_heads, &lane_x, &h_ids);
+                let mut fill = |h: &mut DeviceBuf<f32>| -> Result<(), pulsar_cuda::CudaError> {
+                    if heads.is_empty() {
+                        return Ok(());
+                    }
+                    // A pending job here is this layer's (the layer before's
+                    // was joined at the routing sync): its copies go behind a
+                    // wait for its flag, and the host does not wait.
+                    if let (Some(p), Some(pool)) = (me.lane_pending.as_ref(), cm.experts.as_ref()) {
+                        return pool.lock().unwrap_or_else(|e| e.into_inner()).queue_lane_output(dev, p.seq, &p.segs, h).map_err(|e| {
+                            lane_err = Some(e.to_string());
+                            pulsar_cuda::CudaError::Shape { op: "moe_ffn", what: "the cpu lane's heads could not be queued".into() }
+                        });
+                    }
+                    me.lane_heads(spec, xh, ids, heads, widx, ff, h).map_err(|e| {
+                        lane_err = Some(e);
+                        pulsar_cuda::CudaError::Shape { op: "moe_ffn", what: "the cpu lane's heads failed".into() }
+                    })
+                };
+                dev.moe_ffn_split(&stream, gate_ty, down_ty, &pairs, row_lo.as_ref(), &self.qcache[xqi].2, d_model, ff, act_of(spec.act), &mut h, &mut hq, &mut out, &mut fill)
+            };
+            if let Some(b) = row_lo {
+                self.pools.i32.give(b);
+            }
+            self.pools.u8.give(hq);
+            self.pools.f32.give(h);
+            if let Some(e) = lane_err {
+                return Err(e);
+            }
+            r.map_err(err)?;
+            if !lane_experts.is_empty() {
+                // The GPU works on its experts meanwhile; the lane's rows land
+                // in `out` before the combine, which sums in slot order as ever.
+                self.run_lane(spec, &lane_x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
+            }
+        }
+        if let Some(g) = guard.take() {
+            if let Some(p) = &cm.experts {
+                p.lock().unwrap_or_else(|e| e.into_inner()).wait_copies().map_err(err)?;
+            }
+            drop(g);
+        }
+        // Weighted sum over slots, in slot order, as the CPU backend does.
+        self.mark(Some(&|| "moe: combine".to_string()));
+        let y = self.combine(&out, &wts, rows, k, d_model);
+        for b in pbufs {
+            self.pools.u64.give(b);
+        }
+        self.pools.i32.give(ids);
+        self.pools.f32.give(wts);
+        self.pools.f32.give(out);
+        y
+    }
+}
