@@ -421,7 +421,8 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     // Routing that gathers the pointers too, against route + moe_gather_ptrs
     // (one warp a token up to 256 experts, else the block router then the gather).
     for n_exp in [128usize, 300] {
-        t.push("route_gather == route + gather", "softmax renorm top-8", format!("5 tok x {n_exp} exp"), route_gather_case(dev, n_exp, next()));
+        t.push("route_gather == route + gather", "softmax renorm top-8", format!("5 tok x {n_exp} exp"), route_gather_case(dev, n_exp, false, next()));
+        t.push("route_gather == route + gather", "sigmoid bias renorm top-8", format!("5 tok x {n_exp} exp"), route_gather_case(dev, n_exp, true, next()));
     }
     t.push(
         "moe_combine",
@@ -432,10 +433,13 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
     t.rows
 }
 
-fn route_gather_case(dev: &CudaDevice, n_exp: usize, seed: u64) -> Result<Cmp, CudaError> {
+fn route_gather_case(dev: &CudaDevice, n_exp: usize, with_bias: bool, seed: u64) -> Result<Cmp, CudaError> {
     let (n_tok, k) = (5usize, 8usize);
-    let spec = RouterSpec { k, gating: Gating::Softmax, renormalize: true, scale: 1.0 };
+    let gating = if with_bias { Gating::Sigmoid } else { Gating::Softmax };
+    let spec = RouterSpec { k, gating, renormalize: true, scale: if with_bias { 2.5 } else { 1.0 } };
     let logits = dev.upload(&random_values(n_tok * n_exp, seed))?;
+    let bias = dev.upload(&random_values(n_exp, seed ^ 7))?;
+    let bias = with_bias.then_some(&bias);
     let tables: Vec<DeviceBuf<u64>> = (0..3u64)
         .map(|m| dev.upload(&(0..n_exp as u64).map(|e| if e % 7 == 3 { 0 } else { (m + 1) << 40 | e * 4096 }).collect::<Vec<u64>>()))
         .collect::<Result<_, _>>()?;
@@ -446,8 +450,8 @@ fn route_gather_case(dev: &CudaDevice, n_exp: usize, seed: u64) -> Result<Cmp, C
     let (mut ids_a, mut w_a) = (poisoned::<i32>(dev, n)?, poisoned::<f32>(dev, n)?);
     let (mut ids_b, mut w_b) = (poisoned::<i32>(dev, n)?, poisoned::<f32>(dev, n)?);
     let [f0, f1, f2] = fused else { unreachable!() };
-    dev.route_gather(dev.compute(), &spec, &logits, n_tok, n_exp, &mut ids_a, &mut w_a, tabs, [f0, f1, f2])?;
-    dev.route(dev.compute(), &spec, &logits, None, n_tok, n_exp, &mut ids_b, &mut w_b)?;
+    dev.route_gather(dev.compute(), &spec, &logits, bias, n_tok, n_exp, &mut ids_a, &mut w_a, tabs, [f0, f1, f2])?;
+    dev.route(dev.compute(), &spec, &logits, bias, n_tok, n_exp, &mut ids_b, &mut w_b)?;
     let [a0, a1, a2] = apart else { unreachable!() };
     dev.moe_gather_ptrs(dev.compute(), &ids_b, tabs, [a0, a1, a2])?;
     let mut diff = (dev.download(&ids_a)? != dev.download(&ids_b)?) as usize;

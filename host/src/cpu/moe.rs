@@ -97,8 +97,9 @@ pub(super) fn run_experts(step: &CpuStep<'_>, plan: &StepPlan, x: &Tensor, ids: 
     if rows == 1 {
         if let Some(next) = plan.moe_of_layer(spec.layer + 1) {
             let nw = step.weight(next.spec.router)?;
+            let bias = next.spec.bias.map(|b| step.weight_f32(b)).transpose()?;
             if let Ok(nl) = step.matmul(nw, step.model.data(nw), xd, n_embd) {
-                let (pred, _) = route(&nl.data, &next.spec);
+                let (pred, _) = route(&nl.data, &next.spec, bias.as_deref());
                 step.experts.prefetch(spec.layer + 1, &pred);
             }
         }

@@ -197,7 +197,7 @@ impl CudaModel {
                 .max()
                 .unwrap_or(0);
             let n_exp = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).filter_map(|w| w.dims.get(2)).copied().max().unwrap_or(1) as usize;
-            let n_moe_layers = model.weights.iter().filter(|w| w.role == Role::Router).count().max(1);
+            let n_moe_layers = model.weights.iter().filter(|w| w.role == Role::RoutedExpert).filter_map(|w| w.layer).collect::<std::collections::BTreeSet<_>>().len().max(1);
             // Scratch for one layer's cold slabs and the tables come out of the
             // budget too, and so do a prefill chunk's activations.
             let (chunk, reserve) = chunk_for_budget(budget - fixed, mem.activation_bytes_per_token);

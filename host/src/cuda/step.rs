@@ -265,8 +265,10 @@ impl<'m> CudaEngine<'m> {
         if let Some(p) = self.profile.as_mut() {
             p.steps[kind] += 1;
         }
+        let graph = if decode { &self.model.steps.decode } else { &self.model.steps.prefill };
         let mut step = CudaStep {
             model: self.model,
+            graph,
             cm: self.cm,
             store: self.store,
             kv: &mut self.kv,
@@ -293,8 +295,7 @@ impl<'m> CudaEngine<'m> {
             pending: Vec::new(),
             lane_pending: None,
         };
-        let plan = if decode { &self.model.steps.decode } else { &self.model.steps.prefill };
-        let r = self.lowering[kind].run(plan, &mut step);
+        let r = self.lowering[kind].run(graph, &mut step);
         let mut captured = None;
         let result = if capture {
             // End the capture whatever happened, then run what it recorded.
@@ -371,6 +372,8 @@ fn download_rows(stream: &std::sync::Arc<cudarc::driver::CudaStream>, buf: &Devi
 
 struct CudaStep<'a> {
     model: &'a Model,
+    /// The graph this step runs (the fused MoE op reads the next layer's routing in it).
+    graph: &'a crate::graph::StepPlan,
     cm: &'a CudaModel,
     store: Option<&'a StoreExperts>,
     kv: &'a mut CudaKv,

@@ -1,8 +1,9 @@
 //! The routing in front of each `experts` op, recognised in the graph.
 //!
 //! Routing is plugin code built from primitives. Where it has the common
-//! form `linear(router, x)` → softmax or sigmoid → `top_k` → `take_along`
-//! (→ divided by its sum) (→ scaled) feeding `experts(x, ids, weights)`,
+//! form `linear(router, x)` → softmax or sigmoid (→ plus a selection-only
+//! bias, `weight(b)`, for choosing) → `top_k` → `take_along` of the unbiased
+//! scores (→ divided by their sum) (→ scaled) feeding `experts(x, ids, weights)`,
 //! the backends run router, top-k and experts as one fused op (the CUDA
 //! kernels, the next layer's prefetch) and skip the primitives. Anything
 //! else runs as the primitives it is.
@@ -33,6 +34,9 @@ pub struct MoeSpec {
     pub n_expert: u32,
     pub top_k: u32,
     pub gating: Gating,
+    /// `[n_expert]` added to the scores for choosing only (the weights are
+    /// the unbiased scores of the chosen).
+    pub bias: Option<Wt>,
     /// Renormalise the selected weights to sum to 1.
     pub norm_topk: bool,
     /// Multiplier on the selected weights after normalisation.
@@ -52,15 +56,18 @@ pub struct MoeMatch {
 
 /// Routing of one row: selected experts and their weights, in selection
 /// order (the CPU twin of the fused op's router; the graph's primitives give
-/// the same bits).
-pub fn route(logits: &[f32], spec: &MoeSpec) -> (Vec<u32>, Vec<f32>) {
+/// the same bits). `bias` is the spec's selection bias, as values.
+pub fn route(logits: &[f32], spec: &MoeSpec, bias: Option<&[f32]>) -> (Vec<u32>, Vec<f32>) {
     let k = spec.top_k as usize;
     let mut p = logits.to_vec();
     match spec.gating {
         Gating::Softmax => ops::softmax_in_place(&mut p),
         Gating::Sigmoid => p.iter_mut().for_each(|v| *v = ops::math::sigmoid(*v)),
     }
-    let sel = ops::top_k(&p, k);
+    let sel = match bias {
+        Some(b) => ops::top_k(&p.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<f32>>(), k),
+        None => ops::top_k(&p, k),
+    };
     let mut w: Vec<f32> = sel.iter().map(|&e| p[e]).collect();
     // No renormalisation of an all-zero choice (the fused kernels' rule; the
     // primitives' division differs only there, where it gives NaN).
@@ -119,10 +126,32 @@ fn match_at(plan: &StepPlan, i: usize) -> Option<MoeMatch> {
     let [p, sel] = plan.inputs[take][..] else { return None };
     let (p, sel) = (p as usize, sel as usize);
     let Op::TopK { k } = plan.ops[sel] else { return None };
-    if sel != ids || plan.inputs[sel] != [p as u32] || !only(sel, 2) || !only(p, 2) {
+    if sel != ids || !only(sel, 2) {
         return None;
     }
     routing.extend([take, sel]);
+    // Chosen on the scores themselves, or on the scores plus a bias weight.
+    let choice = plan.inputs[sel][0] as usize;
+    let mut bias = None;
+    if choice == p {
+        if !only(p, 2) {
+            return None;
+        }
+    } else {
+        let Op::Binary(Binary::Add) = plan.ops[choice] else { return None };
+        let ins = &plan.inputs[choice];
+        let other = match (ins[0] as usize == p, ins[1] as usize == p) {
+            (true, false) => ins[1] as usize,
+            (false, true) => ins[0] as usize,
+            _ => return None,
+        };
+        let Op::Weight(b) = plan.ops[other] else { return None };
+        if !only(choice, 1) || !only(other, 1) || !only(p, 2) || plan.shapes[other].dims != plan.shapes[p].dims[1..] {
+            return None;
+        }
+        bias = Some(b);
+        routing.extend([choice, other]);
+    }
     let gating = match plan.ops[p] {
         Op::Softmax { axis: -1 | 1 } => Gating::Softmax,
         Op::Unary(Unary::Sigmoid) => Gating::Sigmoid,
@@ -149,9 +178,85 @@ fn match_at(plan: &StepPlan, i: usize) -> Option<MoeMatch> {
         n_expert,
         top_k: k,
         gating,
+        bias,
         norm_topk,
         weights_scale,
         act: e.act,
     };
     Some(MoeMatch { experts: i, spec, routing })
+}
+
+#[cfg(test)]
+mod tests {
+    use pulsar_plugin_api::graph::{check, Act, Experts, ShapeCx};
+    use pulsar_plugin_api::{Graph, StateSpec, StepKind, Val, Wt};
+
+    use super::super::StepPlan;
+    use super::*;
+
+    /// Weights: 0 embedding [8, 16], 1 router [8, 4], 2 bias [4], 3-5 experts.
+    fn weights() -> Vec<Vec<u64>> {
+        vec![vec![8, 16], vec![8, 4], vec![4], vec![8, 6, 4], vec![8, 6, 4], vec![6, 8, 4]]
+    }
+
+    /// Build a one-MoE-layer graph whose routing `route` writes, and find its matches.
+    fn matches(route: impl Fn(&mut Graph<'_>, Val) -> (Val, Val)) -> Vec<MoeMatch> {
+        let dims = weights();
+        let names: Vec<String> = (0..dims.len()).map(|i| format!("w{i}")).collect();
+        let states: Vec<StateSpec> = Vec::new();
+        let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
+        let mut g = Graph::new(StepKind::Decode, cx);
+        let ids = g.tokens().unwrap();
+        let x = g.embed(Wt(0), ids, 1.0).unwrap();
+        let (sel, w) = route(&mut g, x);
+        let spec = Experts { layer: 0, gate: Wt(3), up: Wt(4), down: Wt(5), act: Act::Silu };
+        let y = g.experts(x, sel, w, spec).unwrap();
+        let sg = g.finish(y);
+        let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
+        let c = check(&sg, &cx).unwrap();
+        StepPlan::from_checked(StepKind::Decode, &sg, c).moe
+    }
+
+    #[test]
+    fn sigmoid_routing_with_a_selection_bias_is_fused() {
+        let m = matches(|g, x| {
+            let l = g.linear(Wt(1), x).unwrap();
+            let p = g.sigmoid(l).unwrap();
+            let b = g.weight(Wt(2)).unwrap();
+            let c = g.add(p, b).unwrap();
+            let sel = g.top_k(c, 2).unwrap();
+            let w = g.take_along(p, sel).unwrap();
+            let s = g.sum(w, -1).unwrap();
+            let w = g.div(w, s).unwrap();
+            (sel, g.scale(w, 2.5).unwrap())
+        });
+        assert_eq!(m.len(), 1);
+        let s = m[0].spec;
+        assert_eq!((s.gating, s.bias, s.norm_topk, s.weights_scale, s.top_k, s.n_expert), (Gating::Sigmoid, Some(Wt(2)), true, 2.5, 2, 4));
+        assert_eq!(m[0].routing.len(), 9);
+    }
+
+    #[test]
+    fn routing_the_fused_op_cannot_express_runs_as_primitives() {
+        // Weights taken from the biased scores: not the fused op's rule.
+        let m = matches(|g, x| {
+            let l = g.linear(Wt(1), x).unwrap();
+            let p = g.sigmoid(l).unwrap();
+            let b = g.weight(Wt(2)).unwrap();
+            let c = g.add(p, b).unwrap();
+            let sel = g.top_k(c, 2).unwrap();
+            (sel, g.take_along(c, sel).unwrap())
+        });
+        assert!(m.is_empty());
+        // A routing value read elsewhere too (the scores feed a second op).
+        let m = matches(|g, x| {
+            let l = g.linear(Wt(1), x).unwrap();
+            let p = g.softmax(l, -1).unwrap();
+            let sel = g.top_k(p, 2).unwrap();
+            let w = g.take_along(p, sel).unwrap();
+            let _extra = g.exp(p).unwrap();
+            (sel, w)
+        });
+        assert!(m.is_empty());
+    }
 }

@@ -32,6 +32,7 @@ impl CudaDevice {
         stream: &CudaStream,
         spec: &RouterSpec,
         logits: &DeviceBuf<f32>,
+        bias: Option<&DeviceBuf<f32>>,
         n_tok: usize,
         n_exp: usize,
         ids: &mut DeviceBuf<i32>,
@@ -39,7 +40,7 @@ impl CudaDevice {
         tables: [&DeviceBuf<u64>; 3],
         ptrs: [&mut DeviceBuf<u64>; 3],
     ) -> Result<(), CudaError> {
-        self.route_with(stream, true, spec, logits, None, n_tok, n_exp, ids, weights, Some((tables, ptrs)))
+        self.route_with(stream, true, spec, logits, bias, n_tok, n_exp, ids, weights, Some((tables, ptrs)))
     }
 
     /// [`CudaDevice::route`] with the kernel chosen: `warp` runs one warp a

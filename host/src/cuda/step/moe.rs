@@ -12,7 +12,21 @@ use crate::graph::{Gating, MoeSpec};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Val, Wt};
 
+fn cgating(g: Gating) -> CGating {
+    match g {
+        Gating::Softmax => CGating::Softmax,
+        Gating::Sigmoid => CGating::Sigmoid,
+    }
+}
+
 impl<'a> CudaStep<'a> {
+    /// A selection bias as its device vector.
+    fn bias_values(&self, w: Option<Wt>) -> R<Option<&'a DeviceBuf<f32>>> {
+        let Some(w) = w else { return Ok(None) };
+        let (dw, mw) = self.weight(w)?;
+        dw.f32.as_ref().map(Some).ok_or_else(|| format!("{} is not a vector", mw.name))
+    }
+
     pub(super) fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
         let cm: &'a CudaModel = self.cm;
         let dev = &cm.dev;
@@ -23,15 +37,8 @@ impl<'a> CudaStep<'a> {
         let logits = self.linear_w(spec.router, x)?;
         let mut ids = self.pools.i32.take(dev, rows * k).map_err(err)?;
         let mut wts = self.pools.f32.take(dev, rows * k).map_err(err)?;
-        let rs = RouterSpec {
-            k,
-            gating: match spec.gating {
-                Gating::Softmax => CGating::Softmax,
-                Gating::Sigmoid => CGating::Sigmoid,
-            },
-            renormalize: spec.norm_topk,
-            scale: spec.weights_scale,
-        };
+        let rs = RouterSpec { k, gating: cgating(spec.gating), renormalize: spec.norm_topk, scale: spec.weights_scale };
+        let bias = self.bias_values(spec.bias)?;
         let n_pairs = rows * k;
         let ws = [spec.gate_exps, spec.up_exps, spec.down_exps];
         let widx = [self.weight_index(ws[0])?, self.weight_index(ws[1])?, self.weight_index(ws[2])?];
@@ -62,8 +69,8 @@ impl<'a> CudaStep<'a> {
             match resident {
                 // Decode on resident experts: the router kernel gathers the
                 // pairs' pointers too (no host round trip, one kernel).
-                Some(tables) if !grouped => dev.route_gather(&stream, &rs, self.buf(logits)?, rows, ne, &mut ids, &mut wts, tables, [pg, pu, pd]),
-                _ => dev.route(&stream, &rs, self.buf(logits)?, None, rows, ne, &mut ids, &mut wts),
+                Some(tables) if !grouped => dev.route_gather(&stream, &rs, self.buf(logits)?, bias, rows, ne, &mut ids, &mut wts, tables, [pg, pu, pd]),
+                _ => dev.route(&stream, &rs, self.buf(logits)?, bias, rows, ne, &mut ids, &mut wts),
             }
             .map_err(err)?;
         }
@@ -114,16 +121,19 @@ impl<'a> CudaStep<'a> {
                 // Prefill predicts too (its whole next-layer set is copied
                 // while this layer computes); repetitive text routes a chunk to
                 // few experts, so "every expert" would waste the link.
-                let next_router = match (self.store, cm.prefetch && (rows > 1 || pays)) {
-                    (None, true) => self.model.weights.iter().position(|w| w.role == pulsar_plugin_api::Role::Router && w.layer == Some(spec.layer + 1)),
+                // The next layer's routing, as its graph has it (same width
+                // of choice, else no prediction).
+                let next_spec = match (self.store, cm.prefetch && (rows > 1 || pays)) {
+                    (None, true) => self.graph.moe_of_layer(spec.layer + 1).map(|m| m.spec).filter(|n| n.top_k == spec.top_k && n.n_expert == spec.n_expert),
                     _ => None,
                 };
                 let mut next = None;
-                if let Some(ri) = next_router {
-                    let nl = self.linear_w(Wt(ri as u32), x)?;
+                if let Some(ns) = next_spec {
+                    let nl = self.linear_w(ns.router, x)?;
                     let mut idn = self.pools.i32.take(dev, rows * k).map_err(err)?;
                     let mut wn = self.pools.f32.take(dev, rows * k).map_err(err)?;
-                    dev.route(&stream, &rs, self.buf(nl)?, None, rows, ne, &mut idn, &mut wn).map_err(err)?;
+                    let nrs = RouterSpec { gating: cgating(ns.gating), renormalize: ns.norm_topk, scale: ns.weights_scale, ..rs };
+                    dev.route(&stream, &nrs, self.buf(nl)?, self.bias_values(ns.bias)?, rows, ne, &mut idn, &mut wn).map_err(err)?;
                     next = Some((idn, wn));
                 }
                 h_ids = vec![0i32; n_pairs];
