@@ -146,9 +146,9 @@ impl CudaModel {
         let fixed = mem.resident_bytes + kv_bytes;
         if fixed > budget {
             return Err(CudaBackendError::Other(format!(
-                "the resident weights and KV cache need {:.2} GiB, more than the VRAM budget of {:.2} GiB",
-                fixed as f64 / GIB,
-                budget as f64 / GIB
+                "the resident weights and KV cache need {}, more than the VRAM budget of {}",
+                size(fixed),
+                size(budget)
             )));
         }
         let stream_experts = mem.expert_bytes > budget - fixed;
@@ -366,6 +366,15 @@ fn pin_mapping(dev: &CudaDevice, model: &Model, expert_bytes: u64, pool: &mut Ex
 
 pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
+/// Bytes as GiB, or MiB / KiB when smaller (a tiny model's budget is not "0.00 GiB").
+fn size(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / GIB),
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{:.1} KiB", b as f64 / 1024.0),
+    }
+}
+
 /// The KV cache on the device: f32 rows, one key and one value buffer per
 /// KV state (by state index).
 pub struct CudaKv {
@@ -390,7 +399,14 @@ impl CudaKv {
 
 #[cfg(test)]
 mod chunk_tests {
-    use super::{chunk_for_budget, MAX_CHUNK};
+    use super::{chunk_for_budget, size, MAX_CHUNK};
+
+    #[test]
+    fn sizes_read_in_a_unit_that_shows_them() {
+        assert_eq!(size(3 << 30), "3.00 GiB");
+        assert_eq!(size(5 << 20), "5.00 MiB");
+        assert_eq!(size(150 * 1024), "150.0 KiB");
+    }
 
     #[test]
     fn the_prefill_chunk_shrinks_with_the_budget_and_is_reserved() {
