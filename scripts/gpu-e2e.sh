@@ -7,7 +7,7 @@
 #
 # STAGES (default "selftest parity gemma budget bench"):
 #   selftest  every CUDA kernel against its CPU twin (scripts/gpu-check.sh)
-#   parity    gemma3/qwen3moe/hy_v3 fixtures: CUDA vs CPU teacher-forced logits and
+#   parity    gemma3/qwen3moe/hy_v3/minimax-m2 fixtures: CUDA vs CPU teacher-forced logits and
 #             greedy tokens, decode consistency on CUDA
 #   gemma     gemma-3-270m Q4_K_M ($GEMMA, default $WORK/gemma.gguf): CUDA vs CPU
 #             teacher-forced logits, greedy tokens, decode consistency, bench
@@ -57,7 +57,7 @@ if has parity; then
   say "## parity: CUDA vs CPU (teacher forcing, top-5 logits)"
   say "| fixture | positions | top-1 agree | max abs diff | rel to max |"
   say "|---|---|---|---|---|"
-  for arch in qwen3moe gemma3 hy_v3; do
+  for arch in qwen3moe gemma3 hy_v3 minimax-m2; do
     for v in f32 q8_0; do
       m="$ROOT/fixtures/parity/$arch/model-$v.gguf"
       toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")

@@ -118,6 +118,26 @@ fn fixture(arch: &str) -> Option<Fixture> {
     Some(Fixture { tokens, logits, vocab: shape[1] })
 }
 
+/// Every family with a plugin lowers onto the CUDA backend (checked without
+/// a GPU: the graph analysis alone), with each routed-expert op's routing in
+/// the fused form, so none of them falls back to refusing on a GPU machine.
+#[test]
+fn every_family_with_a_plugin_lowers_onto_cuda_with_fused_routing() {
+    let mut seen = 0;
+    for &arch in FAMILIES {
+        let Some((name, module)) = plugin(arch) else { continue };
+        let path = fixtures().join(arch).join("model-q8_0.gguf");
+        let model = Model::from_file(GgufFile::open(&path).unwrap(), &name, module).unwrap();
+        pulsar_host::cuda::lowers(&model).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        for plan in [&model.steps.decode, &model.steps.prefill] {
+            let experts = plan.ops.iter().filter(|o| o.name() == "experts").count();
+            assert_eq!(plan.moe.len(), experts, "{arch}: every experts op's routing is fused");
+        }
+        seen += 1;
+    }
+    assert!(seen >= 4, "only {seen} families have plugins");
+}
+
 #[test]
 fn parity_table_for_every_family() {
     let mut table = vec!["family      variant  max-rel-err  median-rel   argmax   status".to_string()];

@@ -127,6 +127,13 @@ pub struct LoadOptions {
     pub no_pdl: bool,
 }
 
+/// Whether the CUDA backend can run `model`'s step graphs: the lowering of
+/// both, or the first node it has no kernel for. Needs no GPU.
+pub fn lowers(model: &Model) -> Result<(), String> {
+    lower::Lowering::new(&model.steps.decode)?;
+    lower::Lowering::new(&model.steps.prefill).map(|_| ())
+}
+
 /// Free device memory minus a reserve for activations, KV and the driver.
 pub fn default_vram_budget(dev: &CudaDevice) -> Result<u64, CudaBackendError> {
     let (free, _total) = dev.memory()?;
