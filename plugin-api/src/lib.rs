@@ -17,7 +17,7 @@ pub mod sdk;
 pub mod testing;
 
 pub use abi::*;
-pub use graph::{Act, Attention, Binary, Dim, Experts, Reduce, Rope, RopeMode, Unary};
+pub use graph::{Act, Attention, Binary, Dim, Experts, Reduce, Rope, RopeMode, Unary, Yarn};
 pub use sdk::{FamilyPlugin, Graph, OpenCx, PluginError};
 
 /// The plugin-api version this crate is (and a plugin was built against).

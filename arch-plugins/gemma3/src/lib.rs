@@ -154,6 +154,7 @@ impl FamilyPlugin for Gemma3 {
                 base: if global { c.rope_base_global } else { c.rope_base_local },
                 linear_factor: if global { c.rope_scale_global } else { 1.0 },
                 mode: RopeMode::Neox,
+                yarn: None,
             };
             let h = g.rms_norm(x, Some(w.attn_norm), c.eps)?;
             let q = g.linear(w.wq, h)?;

@@ -150,7 +150,7 @@ impl FamilyPlugin for MiniMaxM2 {
 
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError> {
         let c = &self.cfg;
-        let rope = Rope { n_rot: c.n_rot, base: c.rope_base, linear_factor: 1.0, mode: RopeMode::Neox };
+        let rope = Rope::new(c.n_rot, c.rope_base, RopeMode::Neox);
         let ids = g.tokens()?;
         let mut x = g.embed(self.tok_embd, ids, 1.0)?;
         for (il, w) in self.layers.iter().enumerate() {

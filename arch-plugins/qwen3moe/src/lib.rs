@@ -133,7 +133,7 @@ impl FamilyPlugin for Qwen3Moe {
 
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError> {
         let c = &self.cfg;
-        let rope = Rope { n_rot: c.head_dim, base: c.rope_base, linear_factor: 1.0, mode: RopeMode::Neox };
+        let rope = Rope::new(c.head_dim, c.rope_base, RopeMode::Neox);
         let ids = g.tokens()?;
         let mut x = g.embed(self.tok_embd, ids, 1.0)?;
         for (il, w) in self.layers.iter().enumerate() {

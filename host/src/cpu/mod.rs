@@ -394,7 +394,13 @@ impl<'a> CpuStep<'a> {
         let hd = *want.last().ok_or("rope of a scalar")?;
         let p = RopeParams { head_dim: hd, n_rot: r.n_rot as usize, base: r.base, linear_factor: r.linear_factor, kind };
         let mut d = x.clone().into_f32()?;
-        ops::rope_rows(&mut d, cols, self.positions, p);
+        match r.yarn {
+            None => ops::rope_rows(&mut d, cols, self.positions, p),
+            Some(y) => {
+                let f = ops::yarn_inv_freq(r.base, p.n_rot, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow);
+                ops::rope_rows_with(&mut d, cols, self.positions, p, &f)
+            }
+        }
         Ok(Tensor::f32(want.to_vec(), d))
     }
 

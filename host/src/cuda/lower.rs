@@ -112,6 +112,7 @@ impl Lowering {
                 Op::Reshape(_) => return refuse("a reshape that moves the step's rows has no kernel"),
                 Op::Linear(_) | Op::OutputRows | Op::Glu(_) | Op::Scale(_) => Lowered::Run,
                 Op::RmsNorm { .. } if plan.shapes[i].dims.first() == Some(&Dim::T) || plan.shapes[i].dims.first() == Some(&Dim::O) => Lowered::Run,
+                Op::Rope(r) if r.yarn.is_some() => return refuse("a YaRN rope has no kernel"),
                 Op::Rope(_) | Op::Attention(_) => Lowered::Run,
                 Op::Binary(Binary::Add | Binary::Mul) if shape_in(0) == shape_in(1) => Lowered::Run,
                 Op::Unary(Unary::Silu | Unary::Gelu | Unary::GeluTanh) => Lowered::Run,

@@ -6,7 +6,7 @@
 pub mod op;
 pub mod shape;
 
-pub use op::{infer, Act, Attention, Binary, Experts, Op, Reduce, Rope, RopeMode, ShapeCx, Unary};
+pub use op::{infer, Act, Attention, Binary, Experts, Op, Reduce, Rope, RopeMode, ShapeCx, Unary, Yarn};
 pub use shape::{broadcast, DType, Dim, Shape, Sizes};
 
 use crate::abi::StepGraph;

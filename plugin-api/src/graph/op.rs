@@ -76,6 +76,30 @@ pub struct Rope {
     /// Linear position scaling: positions are divided by it (1 = none).
     pub linear_factor: f32,
     pub mode: RopeMode,
+    /// YaRN frequency blending (None: plain frequencies). Appended to the
+    /// float attributes, so a graph without it decodes as before.
+    pub yarn: Option<Yarn>,
+}
+
+impl Rope {
+    /// Plain frequencies, no position scaling (add `linear_factor` / `yarn`
+    /// with struct update syntax: `Rope { yarn: Some(y), ..Rope::new(..) }`).
+    pub fn new(n_rot: u32, base: f32, mode: RopeMode) -> Rope {
+        Rope { n_rot, base, linear_factor: 1.0, mode, yarn: None }
+    }
+}
+
+/// YaRN (ggml's `rope_yarn` with the magnitude left at 1): pair `i`'s
+/// frequency `f` becomes `f / factor · (1 - r) + f · r`, with the ramp
+/// `r = 1 - clamp((i - low) / max(0.001, high - low), 0, 1)` between the
+/// correction dims of `beta_fast` (low, floored) and `beta_slow` (high,
+/// ceiled) for `orig_ctx` trained positions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    pub factor: f32,
+    pub orig_ctx: f32,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
 }
 
 /// Causal attention over a KV state: q `[T, H, Dk]`, k `[T, Hkv, Dk]`, v
@@ -305,7 +329,13 @@ impl Op {
             Op::Cumsum { axis } => (code::CUMSUM, vec![*axis], vec![]),
             Op::Matmul => (code::MATMUL, vec![], vec![]),
             Op::RmsNorm { weight, eps } => (code::RMS_NORM, vec![weight.map_or(-1, |w| w.0 as i64)], vec![*eps]),
-            Op::Rope(r) => (code::ROPE, vec![r.n_rot as i64, index_of(&ROPE_MODES, &r.mode)], vec![r.base, r.linear_factor]),
+            Op::Rope(r) => {
+                let mut f = vec![r.base, r.linear_factor];
+                if let Some(y) = r.yarn {
+                    f.extend([y.factor, y.orig_ctx, y.beta_fast, y.beta_slow]);
+                }
+                (code::ROPE, vec![r.n_rot as i64, index_of(&ROPE_MODES, &r.mode)], f)
+            }
             Op::Glu(a) => (code::GLU, vec![index_of(&ACTS, a)], vec![]),
             Op::Attention(a) => (code::ATTENTION, vec![a.state as i64, a.window as i64], vec![a.scale, a.softcap]),
             Op::Experts(e) => (
@@ -357,6 +387,10 @@ impl Op {
                 mode: from_table(&ROPE_MODES, int(1)?, "rope mode")?,
                 base: float(0)?,
                 linear_factor: float(1)?,
+                yarn: match floats.len() {
+                    2 => None,
+                    _ => Some(Yarn { factor: float(2)?, orig_ctx: float(3)?, beta_fast: float(4)?, beta_slow: float(5)? }),
+                },
             }),
             code::GLU => Op::Glu(from_table(&ACTS, int(0)?, "activation")?),
             code::ATTENTION => Op::Attention(Attention {
@@ -614,6 +648,12 @@ pub fn infer(op: &Op, ins: &[&Shape], cx: &ShapeCx<'_>) -> Result<Shape, String>
             if r.n_rot as u64 > hd || r.n_rot % 2 != 0 || r.n_rot == 0 {
                 return Err(format!("n_rot {} does not fit head_dim {hd}", r.n_rot));
             }
+            if let Some(y) = r.yarn {
+                let ok = [y.factor, y.orig_ctx, y.beta_fast, y.beta_slow].iter().all(|v| v.is_finite() && *v > 0.0);
+                if !ok || r.linear_factor != 1.0 {
+                    return Err(format!("YaRN {y:?} needs positive finite attributes and no linear factor"));
+                }
+            }
             Ok(x.clone())
         }
         Op::Glu(_) => {
@@ -723,7 +763,14 @@ mod tests {
             Op::Matmul,
             Op::RmsNorm { weight: None, eps: 1e-6 },
             Op::RmsNorm { weight: Some(Wt(2)), eps: 1e-5 },
-            Op::Rope(Rope { n_rot: 64, base: 1e6, linear_factor: 8.0, mode: RopeMode::Interleaved }),
+            Op::Rope(Rope { n_rot: 64, base: 1e6, linear_factor: 8.0, mode: RopeMode::Interleaved, yarn: None }),
+            Op::Rope(Rope {
+                n_rot: 16,
+                base: 1e4,
+                linear_factor: 1.0,
+                mode: RopeMode::Interleaved,
+                yarn: Some(Yarn { factor: 40.0, orig_ctx: 4096.0, beta_fast: 32.0, beta_slow: 1.0 }),
+            }),
             Op::Glu(Act::GeluTanh),
             Op::Attention(Attention { state: 4, scale: 0.1, window: 512, softcap: 50.0 }),
             Op::Experts(Experts { layer: 3, gate: Wt(10), up: Wt(11), down: Wt(12), act: Act::Silu }),
@@ -747,6 +794,10 @@ mod tests {
         assert!(e.contains("999") && e.contains("newer host"), "{e}");
         let e = Op::decode(code::ROPE, &[64], &[1e4, 1.0]).unwrap_err();
         assert!(e.contains("attribute 1"), "{e}");
+        // A rope recorded before YaRN existed (two floats) decodes without it.
+        let old = Op::decode(code::ROPE, &[64, 0], &[1e4, 1.0]).unwrap();
+        assert!(matches!(old, Op::Rope(Rope { yarn: None, .. })));
+        assert!(Op::decode(code::ROPE, &[64, 0], &[1e4, 1.0, 40.0]).is_err());
         assert!(Op::decode(code::UNARY, &[99], &[]).unwrap_err().contains("unary"));
         assert!(Op::decode(code::LINEAR, &[-4], &[]).is_err());
     }
