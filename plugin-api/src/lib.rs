@@ -6,12 +6,14 @@
 //!   shared by the SDK and the host);
 //! - [`sdk`]: what a family author uses: [`sdk::FamilyPlugin`], the
 //!   [`sdk::Graph`] builder and [`export_plugin!`];
+//! - [`blocks`]: blocks many families share (the top-k router, gated FFNs);
 //! - [`testing`]: an in-process fake host for plugin tests.
 //!
 //! The crate version is the ABI version; see `docs/plugin-api.md`.
 
 #[allow(non_local_definitions)] // abi_stable 0.11's sabi_trait expansion
 pub mod abi;
+pub mod blocks;
 pub mod graph;
 pub mod sdk;
 pub mod testing;

@@ -21,15 +21,10 @@
 //! for its YaRN rope and grouped routing and refuses it at load (the fused
 //! `attention_mla` and the grouped router are the next steps).
 
+use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
 use pulsar_plugin_api::{
     Act, Attention, ChatSpec, Dim, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt, Yarn,
 };
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Gating {
-    Softmax,
-    Sigmoid,
-}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -49,7 +44,7 @@ pub struct Config {
     pub n_group_used: u32,
     pub n_ff_exp: u32,
     pub n_shared: u32,
-    pub gating: Gating,
+    pub gating: Scores,
     pub weights_norm: bool,
     pub weights_scale: f32,
     pub eps: f32,
@@ -94,8 +89,8 @@ impl Config {
         }
         // llama.cpp: no key means softmax (DeepSeek-V2).
         let gating = match cx.opt_u32(&cx.key("expert_gating_func"))? {
-            None | Some(1) => Gating::Softmax,
-            Some(2) => Gating::Sigmoid,
+            None | Some(1) => Scores::Softmax,
+            Some(2) => Scores::Sigmoid,
             Some(g) => return Err(bad("expert_gating_func", format!("gating {g} (1 softmax, 2 sigmoid)"))),
         };
         let weights_norm = match cx.meta(&cx.key("expert_weights_norm")) {
@@ -156,12 +151,6 @@ impl Config {
     }
 }
 
-struct Swiglu {
-    gate: Wt,
-    up: Wt,
-    down: Wt,
-}
-
 enum Query {
     /// q_lora: `attn_q_a`, its norm, `attn_q_b`.
     Lora { a: Wt, norm: Wt, b: Wt },
@@ -174,11 +163,11 @@ struct Moe {
     gate_exps: Wt,
     up_exps: Wt,
     down_exps: Wt,
-    shared: Option<Swiglu>,
+    shared: Option<Ffn>,
 }
 
-enum Ffn {
-    Dense(Swiglu),
+enum Mlp {
+    Dense(Ffn),
     Moe(Moe),
 }
 
@@ -191,7 +180,7 @@ struct Layer {
     v_b: Wt,
     wo: Wt,
     ffn_norm: Wt,
-    ffn: Ffn,
+    ffn: Mlp,
     kv: u32,
 }
 
@@ -237,11 +226,11 @@ impl FamilyPlugin for Deepseek2 {
             let ffn_norm = w("ffn_norm.weight", Role::Norm, &[e])?;
             let ffn = if l < c.n_dense {
                 let ff = c.n_ff as u64;
-                Ffn::Dense(Swiglu { gate: w("ffn_gate.weight", Role::Dense, &[e, ff])?, up: w("ffn_up.weight", Role::Dense, &[e, ff])?, down: w("ffn_down.weight", Role::Dense, &[ff, e])? })
+                Mlp::Dense(Ffn { gate: w("ffn_gate.weight", Role::Dense, &[e, ff])?, up: w("ffn_up.weight", Role::Dense, &[e, ff])?, down: w("ffn_down.weight", Role::Dense, &[ff, e])? })
             } else {
                 let shared = if c.n_shared > 0 {
                     let s = ffx * c.n_shared as u64;
-                    Some(Swiglu {
+                    Some(Ffn {
                         gate: w("ffn_gate_shexp.weight", Role::SharedExpert, &[e, s])?,
                         up: w("ffn_up_shexp.weight", Role::SharedExpert, &[e, s])?,
                         down: w("ffn_down_shexp.weight", Role::SharedExpert, &[s, e])?,
@@ -249,7 +238,7 @@ impl FamilyPlugin for Deepseek2 {
                 } else {
                     None
                 };
-                Ffn::Moe(Moe {
+                Mlp::Moe(Moe {
                     router: w("ffn_gate_inp.weight", Role::Router, &[e, nx])?,
                     bias: if has_bias { Some(w("exp_probs_b.bias", Role::Router, &[nx])?) } else { None },
                     gate_exps: w("ffn_gate_exps.weight", Role::RoutedExpert, &[e, ffx, nx])?,
@@ -279,13 +268,13 @@ impl FamilyPlugin for Deepseek2 {
             x = g.add(x, a)?;
             let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
             let f = match &w.ffn {
-                Ffn::Dense(d) => swiglu(g, d, h)?,
-                Ffn::Moe(m) => {
+                Mlp::Dense(d) => d.swiglu(g, h)?,
+                Mlp::Moe(m) => {
                     let routed = self.routed(g, m, l, h)?;
                     let routed = g.name(routed, "ffn_moe_out", Some(l));
                     match &m.shared {
                         Some(s) => {
-                            let shared = swiglu(g, s, h)?;
+                            let shared = s.swiglu(g, h)?;
                             g.add(routed, shared)?
                         }
                         None => routed,
@@ -354,30 +343,9 @@ impl Deepseek2 {
     /// unbiased scores renormalised and scaled.
     fn routed(&self, g: &mut Graph<'_>, m: &Moe, layer: u32, h: Val) -> Result<Val, PluginError> {
         let c = &self.cfg;
-        let logits = g.linear(m.router, h)?;
-        let p = match c.gating {
-            Gating::Sigmoid => g.sigmoid(logits)?,
-            Gating::Softmax => g.softmax(logits, -1)?,
-        };
-        let mut s = match m.bias {
-            Some(b) => {
-                let b = g.weight(b)?;
-                g.add(p, b)?
-            }
-            None => p,
-        };
-        if c.n_group > 1 && c.n_group_used < c.n_group {
-            s = group_limit(g, s, c.n_expert, c.n_group, c.n_group_used)?;
-        }
-        let sel = g.top_k(s, c.n_expert_used)?;
-        let mut sw = g.take_along(p, sel)?;
-        if c.weights_norm {
-            let total = g.sum(sw, -1)?;
-            sw = g.div(sw, total)?;
-        }
-        if c.weights_scale != 1.0 {
-            sw = g.scale(sw, c.weights_scale)?;
-        }
+        let router = Router { weight: m.router, scores: c.gating, bias: m.bias, top_k: c.n_expert_used, renormalize: c.weights_norm, scale: c.weights_scale };
+        let grouped = c.n_group > 1 && c.n_group_used < c.n_group;
+        let (sel, sw) = router.route_limited(g, h, |g, s| if grouped { group_limit(g, s, c.n_expert, c.n_group, c.n_group_used) } else { Ok(s) })?;
         let spec = Experts { layer, gate: m.gate_exps, up: m.up_exps, down: m.down_exps, act: Act::Silu };
         g.experts(h, sel, sw, spec)
     }
@@ -404,13 +372,6 @@ fn group_limit(g: &mut Graph<'_>, s: Val, n_expert: u32, n_group: u32, used: u32
     let pen = g.reshape(pen, &[Dim::T, Dim::N(ng), Dim::N(1)])?;
     let gs = g.add(gs, pen)?;
     g.reshape(gs, &[Dim::T, Dim::N(n_expert as u64)])
-}
-
-fn swiglu(g: &mut Graph<'_>, w: &Swiglu, h: Val) -> Result<Val, PluginError> {
-    let gate = g.linear(w.gate, h)?;
-    let up = g.linear(w.up, h)?;
-    let a = g.glu(gate, up, Act::Silu)?;
-    g.linear(w.down, a)
 }
 
 pulsar_plugin_api::export_plugin! {

@@ -11,6 +11,7 @@
 //! layers only), GELU-tanh GLU, sandwich norms (pre and post of both blocks),
 //! per-head q/k RMS norms, embeddings scaled by sqrt(n_embd).
 
+use pulsar_plugin_api::blocks::Ffn;
 use pulsar_plugin_api::{Act, Attention, ChatSpec, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt};
 
 /// The configuration, parsed once.
@@ -93,9 +94,7 @@ struct Layer {
     k_norm: Wt,
     post_attn_norm: Wt,
     ffn_norm: Wt,
-    gate: Wt,
-    up: Wt,
-    down: Wt,
+    ffn: Ffn,
     post_ffn_norm: Wt,
     /// The layer's KV state.
     kv: u32,
@@ -131,9 +130,7 @@ impl FamilyPlugin for Gemma3 {
                 k_norm: w("attn_k_norm", Role::Norm, &[hd])?,
                 post_attn_norm: w("post_attention_norm", Role::Norm, &[e])?,
                 ffn_norm: w("ffn_norm", Role::Norm, &[e])?,
-                gate: w("ffn_gate", Role::Dense, &[e, ff])?,
-                up: w("ffn_up", Role::Dense, &[e, ff])?,
-                down: w("ffn_down", Role::Dense, &[ff, e])?,
+                ffn: Ffn { gate: w("ffn_gate", Role::Dense, &[e, ff])?, up: w("ffn_up", Role::Dense, &[e, ff])?, down: w("ffn_down", Role::Dense, &[ff, e])? },
                 post_ffn_norm: w("post_ffw_norm", Role::Norm, &[e])?,
                 kv: cx.kv_cache(l, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, if cfg.is_global(l) { 0 } else { cfg.window }),
             });
@@ -175,10 +172,7 @@ impl FamilyPlugin for Gemma3 {
             let a = g.name(a, "attn_out", Some(l));
             x = g.add(x, a)?;
             let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
-            let gate = g.linear(w.gate, h)?;
-            let up = g.linear(w.up, h)?;
-            let f = g.glu(gate, up, Act::GeluTanh)?;
-            let f = g.linear(w.down, f)?;
+            let f = w.ffn.glu(g, h, Act::GeluTanh)?;
             let f = g.rms_norm(f, Some(w.post_ffn_norm), c.eps)?;
             let f = g.name(f, "ffn_out", Some(l));
             x = g.add(x, f)?;

@@ -14,16 +14,10 @@
 //! without `tokenizer.chat_template` has no chat fallback here: Hy3's
 //! published template is not bundled.
 
+use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
 use pulsar_plugin_api::{
     Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt,
 };
-
-/// How router scores are made from the router's logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Gating {
-    Softmax,
-    Sigmoid,
-}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -37,7 +31,7 @@ pub struct Config {
     pub n_expert_used: u32,
     pub n_ff_exp: u32,
     pub n_ff_shexp: u32,
-    pub gating: Gating,
+    pub gating: Scores,
     pub weights_norm: bool,
     pub weights_scale: f32,
     pub eps: f32,
@@ -62,8 +56,8 @@ impl Config {
             return Err(PluginError::BadValue { key: cx.key("expert_used_count"), why: format!("{n_expert_used} experts used of {n_expert}") });
         }
         let gating = match cx.opt_u32(&cx.key("expert_gating_func"))? {
-            Some(2) => Gating::Sigmoid,
-            Some(1) => Gating::Softmax,
+            Some(2) => Scores::Sigmoid,
+            Some(1) => Scores::Softmax,
             None => return Err(PluginError::MissingKey(cx.key("expert_gating_func"))),
             Some(g) => return Err(PluginError::BadValue { key: cx.key("expert_gating_func"), why: format!("gating {g} (1 softmax, 2 sigmoid)") }),
         };
@@ -97,24 +91,17 @@ impl Config {
     }
 }
 
-/// A SwiGLU block: gate, up, down.
-struct Swiglu {
-    gate: Wt,
-    up: Wt,
-    down: Wt,
-}
-
 struct Moe {
     router: Wt,
     bias: Wt,
     gate_exps: Wt,
     up_exps: Wt,
     down_exps: Wt,
-    shared: Swiglu,
+    shared: Ffn,
 }
 
-enum Ffn {
-    Dense(Swiglu),
+enum Mlp {
+    Dense(Ffn),
     Moe(Moe),
 }
 
@@ -127,7 +114,7 @@ struct Layer {
     q_norm: Wt,
     k_norm: Wt,
     ffn_norm: Wt,
-    ffn: Ffn,
+    ffn: Mlp,
     kv: u32,
 }
 
@@ -165,20 +152,20 @@ impl FamilyPlugin for HyV3 {
             let k_norm = w("attn_k_norm.weight", Role::Norm, &[hd])?;
             let ffn_norm = w("ffn_norm.weight", Role::Norm, &[e])?;
             let ffn = if moe_layer {
-                Ffn::Moe(Moe {
+                Mlp::Moe(Moe {
                     router: w("ffn_gate_inp.weight", Role::Router, &[e, nx])?,
                     bias: w("exp_probs_b", Role::Router, &[nx])?,
                     gate_exps: w("ffn_gate_exps.weight", Role::RoutedExpert, &[e, ffx, nx])?,
                     up_exps: w("ffn_up_exps.weight", Role::RoutedExpert, &[e, ffx, nx])?,
                     down_exps: w("ffn_down_exps.weight", Role::RoutedExpert, &[ffx, e, nx])?,
-                    shared: Swiglu {
+                    shared: Ffn {
                         gate: w("ffn_gate_shexp.weight", Role::SharedExpert, &[e, ffs])?,
                         up: w("ffn_up_shexp.weight", Role::SharedExpert, &[e, ffs])?,
                         down: w("ffn_down_shexp.weight", Role::SharedExpert, &[ffs, e])?,
                     },
                 })
             } else {
-                Ffn::Dense(Swiglu {
+                Mlp::Dense(Ffn {
                     gate: w("ffn_gate.weight", Role::Dense, &[e, ff])?,
                     up: w("ffn_up.weight", Role::Dense, &[e, ff])?,
                     down: w("ffn_down.weight", Role::Dense, &[ff, e])?,
@@ -187,7 +174,7 @@ impl FamilyPlugin for HyV3 {
             let kv = cx.kv_cache(l, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, 0);
             layers.push(Layer { attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm, ffn, kv });
         }
-        if !layers.iter().any(|l| matches!(l.ffn, Ffn::Moe(_))) {
+        if !layers.iter().any(|l| matches!(l.ffn, Mlp::Moe(_))) {
             return Err(PluginError::Unsupported("no layer has a router (`blk.N.ffn_gate_inp.weight`): not a MoE model".into()));
         }
         cx.set_dims(cfg.n_layers, cfg.n_embd, cfg.n_vocab, cfg.n_ctx_train);
@@ -220,11 +207,11 @@ impl FamilyPlugin for HyV3 {
             x = g.add(x, a)?;
             let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
             let f = match &w.ffn {
-                Ffn::Dense(d) => swiglu(g, d, h)?,
-                Ffn::Moe(m) => {
+                Mlp::Dense(d) => d.swiglu(g, h)?,
+                Mlp::Moe(m) => {
                     let routed = self.routed(g, m, l, h)?;
                     let routed = g.name(routed, "ffn_moe_out", Some(l));
-                    let shared = swiglu(g, &m.shared, h)?;
+                    let shared = m.shared.swiglu(g, h)?;
                     g.add(routed, shared)?
                 }
             };
@@ -248,32 +235,11 @@ impl HyV3 {
     /// chosen unbiased scores (renormalised, scaled) as the experts' weights.
     fn routed(&self, g: &mut Graph<'_>, m: &Moe, layer: u32, h: Val) -> Result<Val, PluginError> {
         let c = &self.cfg;
-        let logits = g.linear(m.router, h)?;
-        let scores = match c.gating {
-            Gating::Sigmoid => g.sigmoid(logits)?,
-            Gating::Softmax => g.softmax(logits, -1)?,
-        };
-        let bias = g.weight(m.bias)?;
-        let choice = g.add(scores, bias)?;
-        let sel = g.top_k(choice, c.n_expert_used)?;
-        let mut sw = g.take_along(scores, sel)?;
-        if c.weights_norm {
-            let total = g.sum(sw, -1)?;
-            sw = g.div(sw, total)?;
-        }
-        if c.weights_scale != 1.0 {
-            sw = g.scale(sw, c.weights_scale)?;
-        }
+        let router = Router { weight: m.router, scores: c.gating, bias: Some(m.bias), top_k: c.n_expert_used, renormalize: c.weights_norm, scale: c.weights_scale };
+        let (sel, sw) = router.route(g, h)?;
         let spec = Experts { layer, gate: m.gate_exps, up: m.up_exps, down: m.down_exps, act: Act::Silu };
         g.experts(h, sel, sw, spec)
     }
-}
-
-fn swiglu(g: &mut Graph<'_>, w: &Swiglu, h: Val) -> Result<Val, PluginError> {
-    let gate = g.linear(w.gate, h)?;
-    let up = g.linear(w.up, h)?;
-    let a = g.glu(gate, up, Act::Silu)?;
-    g.linear(w.down, a)
 }
 
 pulsar_plugin_api::export_plugin! {

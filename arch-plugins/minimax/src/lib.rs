@@ -15,6 +15,7 @@
 //! (`minimax-m3`: swiglu_oai experts, block-sparse attention) is not served
 //! yet: its ops are listed in `docs/family-graphs.md`.
 
+use pulsar_plugin_api::blocks::{Router, Scores};
 use pulsar_plugin_api::{Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -175,19 +176,8 @@ impl FamilyPlugin for MiniMaxM2 {
             x = g.add(x, a)?;
             let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
             // Sigmoid scores; the bias only chooses.
-            let logits = g.linear(w.router, h)?;
-            let scores = g.sigmoid(logits)?;
-            let bias = g.weight(w.bias)?;
-            let choice = g.add(scores, bias)?;
-            let sel = g.top_k(choice, c.n_expert_used)?;
-            let mut sw = g.take_along(scores, sel)?;
-            if c.weights_norm {
-                let total = g.sum(sw, -1)?;
-                sw = g.div(sw, total)?;
-            }
-            if c.weights_scale != 1.0 {
-                sw = g.scale(sw, c.weights_scale)?;
-            }
+            let router = Router { weight: w.router, scores: Scores::Sigmoid, bias: Some(w.bias), top_k: c.n_expert_used, renormalize: c.weights_norm, scale: c.weights_scale };
+            let (sel, sw) = router.route(g, h)?;
             let spec = Experts { layer: l, gate: w.gate_exps, up: w.up_exps, down: w.down_exps, act: Act::Silu };
             let f = g.experts(h, sel, sw, spec)?;
             let f = g.name(f, "ffn_moe_out", Some(l));
@@ -214,7 +204,7 @@ pulsar_plugin_api::export_plugin! {
 mod tests {
     use super::*;
     use pulsar_plugin_api::testing::{count_ops, FakeModel};
-    use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
+use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
 
     fn model() -> FakeModel {
         let (e, hd, nh, nkv, ff, nx, v) = (16u64, 8u64, 4u64, 2u64, 12u64, 8u64, 40u64);

@@ -10,6 +10,7 @@
 //! `mlp_only_layers`) cannot be expressed in GGUF and are refused by shape
 //! checks on the expert tensors.
 
+use pulsar_plugin_api::blocks::{Router, Scores};
 use pulsar_plugin_api::{
     Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers,
     Val, Wt,
@@ -157,12 +158,8 @@ impl FamilyPlugin for Qwen3Moe {
             x = g.add(x, a)?;
             let h = g.rms_norm(x, Some(w.ffn_norm), c.eps)?;
             // Softmax router, top-k, the selected weights renormalised.
-            let scores = g.linear(w.router, h)?;
-            let p = g.softmax(scores, -1)?;
-            let sel = g.top_k(p, c.n_expert_used)?;
-            let sw = g.take_along(p, sel)?;
-            let total = g.sum(sw, -1)?;
-            let sw = g.div(sw, total)?;
+            let router = Router { weight: w.router, scores: Scores::Softmax, bias: None, top_k: c.n_expert_used, renormalize: true, scale: 1.0 };
+            let (sel, sw) = router.route(g, h)?;
             let spec = Experts { layer: l, gate: w.gate_exps, up: w.up_exps, down: w.down_exps, act: Act::Silu };
             let f = g.experts(h, sel, sw, spec)?;
             let f = g.name(f, "ffn_moe_out", Some(l));
@@ -196,7 +193,7 @@ pulsar_plugin_api::export_plugin! {
 mod tests {
     use super::*;
     use pulsar_plugin_api::testing::{count_ops, FakeModel};
-    use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
+use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
 
     fn model() -> FakeModel {
         let (e, hd, nh, nkv, ff, nx, v) = (16u64, 8u64, 4u64, 2u64, 12u64, 8u64, 40u64);
