@@ -20,10 +20,11 @@ pub enum Family {
     Embed,
     Attention,
     Moe,
+    Prim,
 }
 
 impl Family {
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::GemvQuant,
         Family::GemvFloat,
         Family::NormRope,
@@ -31,6 +32,7 @@ impl Family {
         Family::Embed,
         Family::Attention,
         Family::Moe,
+        Family::Prim,
     ];
 
     pub(crate) fn index(self) -> usize {
@@ -47,6 +49,7 @@ impl Family {
             Family::Embed => "embed.cu",
             Family::Attention => "attention.cu",
             Family::Moe => "moe.cu",
+            Family::Prim => "prim.cu",
         }
     }
 
@@ -60,6 +63,7 @@ impl Family {
             Family::Embed => cuda_src!("common.cuh", "quant_units.cuh", "embed.cu"),
             Family::Attention => cuda_src!("common.cuh", "attention.cu"),
             Family::Moe => cuda_src!("common.cuh", "quant_units.cuh", "decode_dot.cuh", "moe.cu"),
+            Family::Prim => cuda_src!("common.cuh", "prim.cu"),
         }
     }
 
@@ -73,8 +77,48 @@ impl Family {
             Family::Embed => EMBED,
             Family::Attention => ATTENTION,
             Family::Moe => MOE,
+            Family::Prim => PRIM,
         }
     }
+}
+
+/// The step graph's primitives (prim.cu), indexed by [`Prim`].
+const PRIM: &[&str] = &[
+    "prim_copy",
+    "prim_unary",
+    "prim_binary",
+    "prim_softmax",
+    "prim_reduce",
+    "prim_cumsum",
+    "prim_topk",
+    "prim_take_along",
+    "prim_gather",
+    "prim_matmul",
+    "prim_mask",
+    "prim_ids",
+    "prim_scan",
+    "prim_rows_write",
+    "prim_rope_freq",
+];
+
+/// Entries of [`Family::Prim`], in the order of its table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Prim {
+    Copy,
+    Unary,
+    Binary,
+    Softmax,
+    Reduce,
+    Cumsum,
+    TopK,
+    TakeAlong,
+    Gather,
+    Matmul,
+    Mask,
+    Ids,
+    Scan,
+    RowsWrite,
+    RopeFreq,
 }
 
 /// The weight formats with dp4a kernels, in the order of the entry tables below.

@@ -24,6 +24,6 @@ pub mod ops;
 
 pub use ops::{
     act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, AttnKernel, Gating, GemmKernel, KvElem,
-    ExpertRun, GemvPart, GroupedScratch, MoePairs, NormRopePart, RouterSpec,
+    ExpertRun, GemvPart, GroupedScratch, MoePairs, NormRopePart, PrimShape, RouterSpec, PRIM_RANK,
 };
 pub mod selftest;

@@ -27,6 +27,9 @@ macro_rules! params {
 
 // The router and expert-FFN ops (a second `impl CudaDevice`).
 mod moe;
+// The step graph's primitives (a third `impl CudaDevice`).
+mod prim;
+pub use prim::{lanes, strides, PrimShape, PRIM_RANK};
 
 const GEMV_ROWS_PER_BLOCK: usize = 4; // FG_WARPS / MOE_WARPS of the float kernels
 const GEMM_TOKENS: usize = 8; // FG_TT

@@ -1,0 +1,311 @@
+// The step graph's primitive ops on N-D row-major values (plugin_api::graph::Op).
+// Twins: host/src/cpu/prim.rs (and the CPU step's mask, scan, rope). Every
+// output element is computed with the CPU's operations in the CPU's order
+// (explicit _rn intrinsics, so nothing is contracted into an FMA), so the
+// results are the CPU's bits; the exceptions are the functions that call a
+// libm on the CPU (log, softplus, erf GELU), which the Ops harness checks
+// with a tolerance. Values are 4-byte words: f32, or i32 ids.
+
+#define PRIM_RANK 8
+
+// An N-D index space (row-major over dims) and where each element lies in
+// two operands (a, b): offset + sum of index * stride. Mirrors PrimShape in
+// host/cuda/src/ops/prim.rs.
+struct PrimShape {
+    long long n;
+    int rank;
+    int pad;
+    long long dims[PRIM_RANK];
+    long long st_a[PRIM_RANK];
+    long long st_b[PRIM_RANK];
+    long long off_a;
+    long long off_b;
+};
+
+__device__ __forceinline__ void prim_offsets(const PrimShape& s, long long i, long long* oa, long long* ob) {
+    long long a = s.off_a, b = s.off_b;
+    for (int d = s.rank - 1; d >= 0; d--) {
+        long long n = s.dims[d];
+        long long j = i % n;
+        i /= n;
+        a += j * s.st_a[d];
+        b += j * s.st_b[d];
+    }
+    *oa = a;
+    *ob = b;
+}
+
+#define PRIM_LOOP(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+
+// dst[b(i)] = src[a(i)]: permute, slice, concat parts, contiguous copies.
+extern "C" __global__ void prim_copy(const u32* src, u32* dst, PrimShape s) {
+    pdl_begin();
+    PRIM_LOOP(i, s.n) {
+        long long a, b;
+        prim_offsets(s, i, &a, &b);
+        dst[b] = src[a];
+    }
+}
+
+// Exact GELU, x Phi(x), with the CPU's f64 erf (Numerical Recipes erfc fit);
+// its exp is the device's, so the last bit may differ from the CPU's libm.
+__device__ __forceinline__ float prim_gelu_erf(float xf) {
+    double x = (double)xf;
+    double z = x / 1.4142135623730951;
+    double az = fabs(z);
+    double t = 1.0 / (1.0 + 0.5 * az);
+    double y = t * exp(-z * z - 1.26551223 +
+                       t * (1.00002368 +
+                            t * (0.37409196 +
+                                 t * (0.09678418 +
+                                      t * (-0.18628806 +
+                                           t * (0.27886807 +
+                                                t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))));
+    double erf = z >= 0.0 ? 1.0 - y : y - 1.0;
+    return (float)(0.5 * x * (1.0 + erf));
+}
+
+// op: plugin_api::graph::Unary in declaration order (0 neg .. 14 gelu_tanh),
+// then 15 scale (x * p0) and 16 clamp (min(max(x, p0), p1)).
+__device__ __forceinline__ float prim_unary_f(int op, float x, float p0, float p1) {
+    switch (op) {
+        case 0: return -x;
+        case 1: return exp_c(x);
+        case 2: return logf(x);
+        case 3: return __fsqrt_rn(x);
+        case 4: return __fdiv_rn(1.0f, __fsqrt_rn(x));
+        case 5: return __fdiv_rn(1.0f, x);
+        case 6: return __fmul_rn(x, x);
+        case 7: return fabsf(x);
+        case 8: return sigmoid_c(x);
+        case 9: return x > 20.0f ? x : logf(__fadd_rn(1.0f, exp_c(x)));
+        case 10: return tanh_c(x);
+        case 11: return x > 0.0f ? x : 0.0f;
+        case 12: return silu_f(x);
+        case 13: return prim_gelu_erf(x);
+        case 14: return gelu_tanh_f(x);
+        case 15: return __fmul_rn(x, p0);
+        default: return fminf(fmaxf(x, p0), p1);
+    }
+}
+
+extern "C" __global__ void prim_unary(const float* x, float* y, long long n, int op, float p0, float p1) {
+    pdl_begin();
+    PRIM_LOOP(i, n) y[i] = prim_unary_f(op, x[i], p0, p1);
+}
+
+// y[i] = f(a[a(i)], b[b(i)]) (broadcast through zero strides); op:
+// plugin_api::graph::Binary in declaration order (add sub mul div max min).
+extern "C" __global__ void prim_binary(const float* a, const float* b, float* y, PrimShape s, int op) {
+    pdl_begin();
+    PRIM_LOOP(i, s.n) {
+        long long ia, ib;
+        prim_offsets(s, i, &ia, &ib);
+        float u = a[ia], v = b[ib];
+        float r;
+        switch (op) {
+            case 0: r = __fadd_rn(u, v); break;
+            case 1: r = __fsub_rn(u, v); break;
+            case 2: r = __fmul_rn(u, v); break;
+            case 3: r = __fdiv_rn(u, v); break;
+            case 4: r = fmaxf(u, v); break;
+            default: r = fminf(u, v); break;
+        }
+        y[i] = r;
+    }
+}
+
+// The lanes along one axis: `outer` x `inner` lanes of n entries, entry j of
+// lane (o, i) at (o * n + j) * inner + i. One thread a lane, in index order.
+#define PRIM_LANE(lane, outer, inner, base, n)          \
+    long long lane = (long long)blockIdx.x * blockDim.x + threadIdx.x; \
+    if (lane >= (outer) * (inner)) return;                \
+    long long base = (lane / (inner)) * (n) * (inner) + lane % (inner);
+
+// Softmax along the axis. Twin: ops::softmax_in_place.
+extern "C" __global__ void prim_softmax(const float* x, float* y, long long outer, int n, long long inner) {
+    pdl_begin();
+    PRIM_LANE(lane, outer, inner, base, n)
+    float m = NEG_INF;
+    for (int j = 0; j < n; j++) m = fmaxf(m, x[base + j * inner]);
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) {
+        float v = exp_c(__fsub_rn(x[base + j * inner], m));
+        y[base + j * inner] = v;
+        sum = __fadd_rn(sum, v);
+    }
+    float inv = __fdiv_rn(1.0f, sum);
+    for (int j = 0; j < n; j++) y[base + j * inner] = __fmul_rn(y[base + j * inner], inv);
+}
+
+// Sum (0), mean (1) or max (2) along the axis into y[lane]. `reverse` sums
+// from the last entry: a deliberately wrong order, only for the Ops
+// harness's negative control (its bits must differ from the CPU's).
+extern "C" __global__ void prim_reduce(const float* x, float* y, long long outer, int n, long long inner, int kind,
+                                       int reverse) {
+    pdl_begin();
+    PRIM_LANE(lane, outer, inner, base, n)
+    float acc = kind == 2 ? NEG_INF : 0.0f;
+    for (int jj = 0; jj < n; jj++) {
+        int j = reverse ? n - 1 - jj : jj;
+        float v = x[base + j * inner];
+        acc = kind == 2 ? fmaxf(acc, v) : __fadd_rn(acc, v);
+    }
+    if (kind == 1) acc = __fdiv_rn(acc, (float)n);
+    y[lane] = acc;
+}
+
+extern "C" __global__ void prim_cumsum(const float* x, float* y, long long outer, int n, long long inner) {
+    pdl_begin();
+    PRIM_LANE(lane, outer, inner, base, n)
+    float s = 0.0f;
+    for (int j = 0; j < n; j++) {
+        s = __fadd_rn(s, x[base + j * inner]);
+        y[base + j * inner] = s;
+    }
+}
+
+// Indices of the k largest of each row of n, largest first, ties to the
+// lower index (ops::top_k's stable descending order): pass j takes the
+// largest entry that comes after pass j-1's in that order. One thread a row.
+extern "C" __global__ void prim_topk(const float* x, int* ids, long long rows, int n, int k) {
+    pdl_begin();
+    long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* row = x + r * n;
+    float pv = 0.0f;
+    int pi = -1;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        float bv = 0.0f;
+        for (int i = 0; i < n; i++) {
+            float v = row[i];
+            if (pi >= 0 && !(v < pv || (v == pv && i > pi))) continue;
+            if (best < 0 || v > bv) {
+                best = i;
+                bv = v;
+            }
+        }
+        ids[r * k + j] = best;
+        pv = bv;
+        pi = best;
+    }
+}
+
+// y[r, j] = x[r, ids[r, j]] over rows of n (x) and k (ids); an id out of
+// range gives a NaN (the CPU refuses it).
+extern "C" __global__ void prim_take_along(const u32* x, const int* ids, u32* y, long long rows, int n, int k) {
+    pdl_begin();
+    PRIM_LOOP(i, rows * k) {
+        long long r = i / k;
+        int id = ids[i];
+        y[i] = (id >= 0 && id < n) ? x[r * n + id] : 0x7fc00000u;
+    }
+}
+
+// y[i, :] = x[ids[i], :] (rows of width words).
+extern "C" __global__ void prim_gather(const u32* x, const int* ids, u32* y, long long n_ids, long long rows,
+                                       long long width) {
+    pdl_begin();
+    PRIM_LOOP(i, n_ids * width) {
+        long long r = i / width, c = i % width;
+        int id = ids[r];
+        y[i] = (id >= 0 && id < rows) ? x[id * width + c] : 0x7fc00000u;
+    }
+}
+
+// [.., m, k] x [.., k, n]: s spans the batch (st_a / st_b in elements, zero
+// where broadcast); each output sums k in order. One thread an output.
+extern "C" __global__ void prim_matmul(const float* a, const float* b, float* y, PrimShape s, int m, int k, int n) {
+    pdl_begin();
+    long long mn = (long long)m * n;
+    PRIM_LOOP(i, s.n * mn) {
+        long long oa, ob;
+        prim_offsets(s, i / mn, &oa, &ob);
+        long long rem = i % mn;
+        long long r = rem / n, c = rem % n;
+        const float* ar = a + oa + r * k;
+        const float* bc = b + ob + c;
+        float acc = 0.0f;
+        for (int t = 0; t < k; t++) acc = __fadd_rn(acc, __fmul_rn(ar[t], bc[(long long)t * n]));
+        y[i] = acc;
+    }
+}
+
+// [T, C]: 0 where query t (at positions[t]) sees key j, -inf elsewhere.
+extern "C" __global__ void prim_mask(const u32* positions, float* y, int n_tok, int c, int window) {
+    pdl_begin();
+    PRIM_LOOP(i, (long long)n_tok * c) {
+        int t = (int)(i / c), j = (int)(i % c);
+        long long p = positions[t];
+        bool see = j <= p && (window == 0 || (long long)j + window > p);
+        y[i] = see ? 0.0f : NEG_INF;
+    }
+}
+
+// The step's positions (or tokens) as i32 values.
+extern "C" __global__ void prim_ids(const u32* src, int* y, int n) {
+    pdl_begin();
+    PRIM_LOOP(i, n) y[i] = (int)src[i];
+}
+
+// S_t = a_t * S_{t-1} + b_t for each of w state entries over the step's n
+// rows; from zero when the step starts at position 0. Writes every S_t and
+// keeps the last. One thread a state entry.
+extern "C" __global__ void prim_scan(const float* a, const float* b, float* state, float* y, const u32* positions,
+                                     int n, long long w) {
+    pdl_begin();
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= w) return;
+    float s = positions[0] == 0 ? 0.0f : state[e];
+    for (int t = 0; t < n; t++) {
+        long long i = (long long)t * w + e;
+        s = __fadd_rn(__fmul_rn(a[i], s), b[i]);
+        y[i] = s;
+    }
+    state[e] = s;
+}
+
+// Rows of a rows state: cache[positions[t]] = x[t] (rows of w words).
+extern "C" __global__ void prim_rows_write(const u32* x, u32* cache, const u32* positions, int n, long long w,
+                                           long long cap) {
+    pdl_begin();
+    PRIM_LOOP(i, (long long)n * w) {
+        long long t = i / w, c = i % w;
+        long long p = positions[t];
+        if (p < cap) cache[p * w + c] = x[i];
+    }
+}
+
+// Rope with the pairs' inverse frequencies given (YaRN's, computed on the
+// host by the CPU's formula). Same slots and operations as `rope`.
+extern "C" __global__ void prim_rope_freq(const float* x, float* y, int width, const u32* positions, int n_rows,
+                                          int head_dim, int n_rot, const float* inv_freq, float linear_factor,
+                                          int kind) {
+    pdl_begin();
+    int half = n_rot / 2;
+    int per = half + head_dim - n_rot;
+    int heads = width / head_dim;
+    long long total = (long long)n_rows * heads * per;
+    PRIM_LOOP(tid, total) {
+        int i = (int)(tid % per);
+        long long rh = tid / per;
+        int h = (int)(rh % heads);
+        long long r = rh / heads;
+        long long off = r * width + (long long)h * head_dim;
+        if (i >= half) {
+            long long d = off + n_rot + (i - half);
+            y[d] = x[d];
+            continue;
+        }
+        float t = __fdiv_rn((float)positions[r], linear_factor);
+        float c, s;
+        rope_cos_sin_c(__fmul_rn(t, inv_freq[i]), &c, &s);
+        long long ia = off + (kind == 0 ? i : 2 * i);
+        long long ib = off + (kind == 0 ? i + half : 2 * i + 1);
+        float x0 = x[ia], x1 = x[ib];
+        y[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        y[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    }
+}
