@@ -10,9 +10,9 @@ mod state;
 pub mod moe;
 pub mod prim;
 
-use pulsar_kernels::ops::{self, Activation, AttnParams, RopeKind, RopeParams};
+use pulsar_kernels::ops::{self, Activation, AttnParams};
 use pulsar_kernels::{Activations, Kernels, WeightMatrix};
-use pulsar_plugin_api::graph::{Act, Attention, Dim, Op, Rope, RopeMode, Sizes};
+use pulsar_plugin_api::graph::{Act, Attention, Dim, Op, Sizes};
 use pulsar_plugin_api::Wt;
 use rayon::ThreadPool;
 
@@ -203,11 +203,12 @@ impl<'a> CpuStep<'a> {
     }
 
     fn eval(&mut self, plan: &StepPlan, node: usize, op: &Op, ins: &[&Tensor], want: &[usize]) -> R<Tensor> {
-        let axis = |a: i64| plan.shapes[plan.inputs[node][0] as usize].axis(a);
+        let weight = |w: Wt| self.weight_f32(w);
+        let cx = prim::PrimCx { tokens: self.tokens, positions: self.positions, weight: &weight };
+        if let Some(r) = prim::eval(op, ins, want, &cx) {
+            return r;
+        }
         Ok(match op {
-            Op::Tokens => Tensor::i32(want.to_vec(), self.tokens.iter().map(|&t| t as i32).collect()),
-            Op::Positions => Tensor::i32(want.to_vec(), self.positions.iter().map(|&p| p as i32).collect()),
-            Op::Weight(w) => Tensor::f32(want.to_vec(), self.weight_f32(*w)?),
             Op::Embed { table, scale } => self.embed(*table, *scale, ins[0], want)?,
             Op::Linear(w) => {
                 let wt = self.weight(*w)?;
@@ -215,40 +216,6 @@ impl<'a> CpuStep<'a> {
                 Tensor::f32(want.to_vec(), y.data)
             }
             Op::OutputRows => self.output_rows(ins[0], want)?,
-            Op::Reshape(_) => ins[0].reshaped(want.to_vec())?,
-            Op::Permute(p) => prim::permute(ins[0], p)?,
-            Op::Concat { axis: a } => prim::concat(ins, axis(*a)?)?,
-            Op::Slice { axis: a, start, len } => prim::slice(ins[0], axis(*a)?, *start as usize, *len as usize)?,
-            Op::Unary(f) => {
-                let f = prim::unary_fn(*f);
-                Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| f(v)).collect())
-            }
-            Op::Scale(s) => Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| v * s).collect()),
-            Op::Clamp { lo, hi } => Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| v.max(*lo).min(*hi)).collect()),
-            Op::Binary(f) => prim::binary(ins[0], ins[1], want, prim::binary_fn(*f))?,
-            Op::Softmax { axis: a } => prim::softmax(ins[0].clone(), axis(*a)?)?,
-            Op::Reduce { kind, axis: a } => prim::reduce(ins[0], *kind, axis(*a)?)?,
-            Op::TopK { k } => prim::top_k(ins[0], *k as usize)?,
-            Op::TakeAlong => prim::take_along(ins[0], ins[1])?,
-            Op::Gather => prim::gather(ins[0], ins[1])?,
-            Op::Cumsum { axis: a } => prim::cumsum(ins[0].clone(), axis(*a)?)?,
-            Op::Matmul => prim::matmul(ins[0], ins[1], want)?,
-            Op::RmsNorm { weight, eps } => {
-                let w = weight.map(|w| self.weight_f32(w)).transpose()?;
-                let g = *want.last().ok_or("rms_norm of a scalar")?;
-                let mut d = ins[0].clone().into_f32()?;
-                ops::rms_norm_rows(&mut d, g, w.as_deref(), *eps);
-                Tensor::f32(want.to_vec(), d)
-            }
-            Op::Rope(r) => self.rope(ins[0], r, want)?,
-            Op::Glu(a) => {
-                let a = act_of(*a);
-                prim::binary(ins[0], ins[1], want, match a {
-                    Activation::Silu => |g, u| ops::silu(g) * u,
-                    Activation::GeluTanh => |g, u| ops::gelu_tanh(g) * u,
-                    Activation::Gelu => |g, u| ops::gelu(g) * u,
-                })?
-            }
             Op::Attention(a) => {
                 let d = self.attention(ins[0], ins[1], ins[2], a, &plan.shapes[plan.inputs[node][0] as usize])?;
                 Tensor::f32(want.to_vec(), d)
@@ -258,8 +225,8 @@ impl<'a> CpuStep<'a> {
                 Tensor::f32(want.to_vec(), y.data)
             }
             Op::StateRows { state } => Tensor::f32(want.to_vec(), self.state_rows(*state as usize, ins[0], want[0])?),
-            Op::Mask { window } => Tensor::f32(want.to_vec(), self.mask(*window as usize, want[1])),
             Op::Scan { state } => Tensor::f32(want.to_vec(), self.scan(*state as usize, ins[0], ins[1])?),
+            other => return Err(format!("{} has no CPU implementation", other.name())),
         })
     }
 
@@ -273,20 +240,6 @@ impl<'a> CpuStep<'a> {
             rows.write(self.positions[i] as usize, &d[i * w..(i + 1) * w])?;
         }
         Ok(rows.rows(c).to_vec())
-    }
-
-    /// Query row i (at position p) sees key j iff j <= p and, with a window,
-    /// j > p - window (attention's rule).
-    fn mask(&self, window: usize, c: usize) -> Vec<f32> {
-        let mut m = vec![f32::NEG_INFINITY; self.positions.len() * c];
-        for (i, &p) in self.positions.iter().enumerate() {
-            let p = p as usize;
-            let lo = if window == 0 { 0 } else { (p + 1).saturating_sub(window) };
-            for j in lo..=p.min(c.saturating_sub(1)) {
-                m[i * c + j] = 0.0;
-            }
-        }
-        m
     }
 
     /// `S_t = a_t * S_{t-1} + b_t` per sequence run, from the sequence's
@@ -303,13 +256,9 @@ impl<'a> CpuStep<'a> {
             } else if r.pos != first {
                 return Err(format!("recurrent state {state} holds {} tokens but the step starts at position {first} (restore a snapshot)", r.pos));
             }
-            for i in start..end {
-                let row = i * w..(i + 1) * w;
-                for ((s, &x), &y) in r.value.iter_mut().zip(&da[row.clone()]).zip(&db[row.clone()]) {
-                    *s = x * *s + y;
-                }
-                out[row].copy_from_slice(&r.value);
-            }
+            let rows = start * w..end * w;
+            let ys = prim::scan_rows(&mut r.value, &da[rows.clone()], &db[rows.clone()]);
+            out[rows].copy_from_slice(&ys);
             r.pos = self.positions[end - 1] as usize + 1;
         }
         Ok(out)
@@ -380,28 +329,6 @@ impl<'a> CpuStep<'a> {
             data.extend_from_slice(&d[(end - 1) * cols..end * cols]);
         }
         Ok(Tensor::f32(want.to_vec(), data))
-    }
-
-    fn rope(&self, x: &Tensor, r: &Rope, want: &[usize]) -> R<Tensor> {
-        let (rows, cols) = x.rows_cols();
-        if rows != self.positions.len() {
-            return Err(format!("{rows} rows for {} positions", self.positions.len()));
-        }
-        let kind = match r.mode {
-            RopeMode::Neox => RopeKind::Neox,
-            RopeMode::Interleaved => RopeKind::Interleaved,
-        };
-        let hd = *want.last().ok_or("rope of a scalar")?;
-        let p = RopeParams { head_dim: hd, n_rot: r.n_rot as usize, base: r.base, linear_factor: r.linear_factor, kind };
-        let mut d = x.clone().into_f32()?;
-        match r.yarn {
-            None => ops::rope_rows(&mut d, cols, self.positions, p),
-            Some(y) => {
-                let f = ops::yarn_inv_freq(r.base, p.n_rot, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow);
-                ops::rope_rows_with(&mut d, cols, self.positions, p, &f)
-            }
-        }
-        Ok(Tensor::f32(want.to_vec(), d))
     }
 
     /// Attention over the KV state `a.state` (q `[T, H, Dk]`); k and v are

@@ -5,8 +5,9 @@
 
 use std::sync::Arc;
 
-use pulsar_kernels::ops::{self, math};
-use pulsar_plugin_api::graph::{Binary, Reduce, Unary};
+use pulsar_kernels::ops::{self, math, Activation, RopeKind, RopeParams};
+use pulsar_plugin_api::graph::{Binary, Op, Reduce, Rope, RopeMode, Unary};
+use pulsar_plugin_api::Wt;
 
 type R<T> = Result<T, String>;
 
@@ -346,6 +347,131 @@ pub fn matmul(a: &Tensor, b: &Tensor, out_dims: &[usize]) -> R<Tensor> {
         }
     });
     Ok(Tensor::f32(out_dims.to_vec(), out))
+}
+
+/// What a primitive reads from its step besides its inputs.
+pub struct PrimCx<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    /// A resident weight's f32 values (`weight` ops, norm weights).
+    pub weight: &'a dyn Fn(Wt) -> R<Vec<f32>>,
+}
+
+/// `a` as an index into `rank` axes (negative: from the end).
+pub fn axis(a: i64, rank: usize) -> R<usize> {
+    let r = rank as i64;
+    let i = if a < 0 { a + r } else { a };
+    if i < 0 || i >= r {
+        return Err(format!("axis {a} is outside a rank-{r} value"));
+    }
+    Ok(i as usize)
+}
+
+/// The ops that read only their inputs, the step's tokens and positions and
+/// resident weights, giving a value of dims `want`; `None` for the ops that
+/// need more of the step (linear products, attention, experts, states,
+/// embedding, output rows). The CPU step runs these through here, and the
+/// Ops harness checks every backend's against them.
+pub fn eval(op: &Op, ins: &[&Tensor], want: &[usize], cx: &PrimCx<'_>) -> Option<R<Tensor>> {
+    let rank = || ins.first().map_or(0, |t| t.dims.len());
+    let ax = |a: i64| axis(a, rank());
+    let r = (|| -> R<Tensor> {
+        Ok(match op {
+            Op::Tokens => Tensor::i32(want.to_vec(), cx.tokens.iter().map(|&t| t as i32).collect()),
+            Op::Positions => Tensor::i32(want.to_vec(), cx.positions.iter().map(|&p| p as i32).collect()),
+            Op::Weight(w) => Tensor::f32(want.to_vec(), (cx.weight)(*w)?),
+            Op::Reshape(_) => ins[0].reshaped(want.to_vec())?,
+            Op::Permute(p) => permute(ins[0], p)?,
+            Op::Concat { axis: a } => concat(ins, ax(*a)?)?,
+            Op::Slice { axis: a, start, len } => slice(ins[0], ax(*a)?, *start as usize, *len as usize)?,
+            Op::Unary(f) => {
+                let f = unary_fn(*f);
+                Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| f(v)).collect())
+            }
+            Op::Scale(s) => Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| v * s).collect()),
+            Op::Clamp { lo, hi } => Tensor::f32(want.to_vec(), ins[0].f()?.iter().map(|&v| v.max(*lo).min(*hi)).collect()),
+            Op::Binary(f) => binary(ins[0], ins[1], want, binary_fn(*f))?,
+            Op::Softmax { axis: a } => softmax(ins[0].clone(), ax(*a)?)?,
+            Op::Reduce { kind, axis: a } => reduce(ins[0], *kind, ax(*a)?)?,
+            Op::TopK { k } => top_k(ins[0], *k as usize)?,
+            Op::TakeAlong => take_along(ins[0], ins[1])?,
+            Op::Gather => gather(ins[0], ins[1])?,
+            Op::Cumsum { axis: a } => cumsum(ins[0].clone(), ax(*a)?)?,
+            Op::Matmul => matmul(ins[0], ins[1], want)?,
+            Op::Mask { window } => Tensor::f32(want.to_vec(), mask(cx.positions, *window as usize, want[1])),
+            Op::RmsNorm { weight, eps } => {
+                let w = weight.map(|w| (cx.weight)(w)).transpose()?;
+                let g = *want.last().ok_or("rms_norm of a scalar")?;
+                let mut d = ins[0].clone().into_f32()?;
+                ops::rms_norm_rows(&mut d, g, w.as_deref(), *eps);
+                Tensor::f32(want.to_vec(), d)
+            }
+            Op::Rope(r) => rope(ins[0], r, want, cx.positions)?,
+            Op::Glu(a) => binary(ins[0], ins[1], want, match super::act_of(*a) {
+                Activation::Silu => |g, u| ops::silu(g) * u,
+                Activation::GeluTanh => |g, u| ops::gelu_tanh(g) * u,
+                Activation::Gelu => |g, u| ops::gelu(g) * u,
+            })?,
+            _ => return Err(String::new()),
+        })
+    })();
+    match r {
+        Err(e) if e.is_empty() => None,
+        r => Some(r),
+    }
+}
+
+/// Query row i (at position p) sees key j iff j <= p and, with a window,
+/// j > p - window (attention's rule).
+pub fn mask(positions: &[u32], window: usize, c: usize) -> Vec<f32> {
+    let mut m = vec![f32::NEG_INFINITY; positions.len() * c];
+    for (i, &p) in positions.iter().enumerate() {
+        let p = p as usize;
+        let lo = if window == 0 { 0 } else { (p + 1).saturating_sub(window) };
+        for j in lo..=p.min(c.saturating_sub(1)) {
+            m[i * c + j] = 0.0;
+        }
+    }
+    m
+}
+
+/// Rotary embedding of rows at `positions` (YaRN frequencies when `r` has them).
+pub fn rope(x: &Tensor, r: &Rope, want: &[usize], positions: &[u32]) -> R<Tensor> {
+    let (rows, cols) = x.rows_cols();
+    if rows != positions.len() {
+        return Err(format!("{rows} rows for {} positions", positions.len()));
+    }
+    let kind = match r.mode {
+        RopeMode::Neox => RopeKind::Neox,
+        RopeMode::Interleaved => RopeKind::Interleaved,
+    };
+    let hd = *want.last().ok_or("rope of a scalar")?;
+    let p = RopeParams { head_dim: hd, n_rot: r.n_rot as usize, base: r.base, linear_factor: r.linear_factor, kind };
+    let mut d = x.clone().into_f32()?;
+    match r.yarn {
+        None => ops::rope_rows(&mut d, cols, positions, p),
+        Some(_) => ops::rope_rows_with(&mut d, cols, positions, p, &rope_freq(r).expect("a YaRN rope")),
+    }
+    Ok(Tensor::f32(want.to_vec(), d))
+}
+
+/// A YaRN rope's inverse frequencies (None: plain frequencies).
+pub fn rope_freq(r: &Rope) -> Option<Vec<f32>> {
+    r.yarn.map(|y| ops::yarn_inv_freq(r.base, r.n_rot as usize, y.factor, y.orig_ctx, y.beta_fast, y.beta_slow))
+}
+
+/// `S = a_t * S + b_t` along the rows of `a`, `b` (each row `s.len()`
+/// entries): every `S_t`, `s` left at the last.
+pub fn scan_rows(s: &mut [f32], a: &[f32], b: &[f32]) -> Vec<f32> {
+    let w = s.len().max(1);
+    let mut out = Vec::with_capacity(a.len());
+    for (ra, rb) in a.chunks(w).zip(b.chunks(w)) {
+        for ((s, &x), &y) in s.iter_mut().zip(ra).zip(rb) {
+            *s = x * *s + y;
+        }
+        out.extend_from_slice(s);
+    }
+    out
 }
 
 #[cfg(test)]
