@@ -13,6 +13,7 @@ pub mod experts;
 pub mod graph;
 pub mod model;
 pub mod npy;
+pub mod opcheck;
 pub mod sample;
 pub mod server;
 pub mod session;

@@ -45,6 +45,8 @@ enum Cmd {
     Hotlist(cli::hotlist::Args),
     /// Serve a model over an OpenAI-compatible HTTP API, with a web chat page.
     Serve(Box<cli::serve::Args>),
+    /// Check every CUDA primitive against the CPU on random shapes (needs a GPU).
+    Opcheck(cli::opcheck::Args),
 }
 
 fn main() -> ExitCode {
@@ -84,6 +86,7 @@ fn main() -> ExitCode {
             Cmd::Bench(a) => cli::bench::main(&ctx, *a),
             Cmd::Hotlist(a) => cli::hotlist::main(&ctx, a),
             Cmd::Serve(a) => cli::serve::main(ctx, *a),
+            Cmd::Opcheck(a) => cli::opcheck::main(&ctx, a),
         }
     })();
     match result {

@@ -370,3 +370,30 @@ fn prefill_and_decode_agree_and_a_snapshot_rolls_the_state_back() {
     let e = b.forward(&[1], false).unwrap_err().to_string();
     assert!(e.contains("recurrent state") && e.contains("restore a snapshot"), "{e}");
 }
+
+/// On a machine with a GPU (else it says so and passes: CI has none; the GPU
+/// machine runs this binary), the same family through the CUDA backend: its
+/// rows state, scan and custom router on the device equal the CPU's logits
+/// bit for bit, prefill and decode alike.
+#[test]
+fn on_a_gpu_the_test_family_equals_the_cpu_bit_for_bit() {
+    let Ok(dev) = pulsar_cuda::CudaDevice::open(0) else {
+        eprintln!("no CUDA device: the CUDA half of the test family's check is skipped");
+        return;
+    };
+    let f = fixture();
+    pulsar_host::cuda::lowers(&f.model).expect("the test family lowers onto CUDA");
+    let opts = pulsar_host::cuda::LoadOptions { kv_bytes: pulsar_host::cuda::CudaKv::bytes_for(&f.model, 32), lane_threads: Some(0), ..Default::default() };
+    let cm = pulsar_host::cuda::CudaModel::load(dev, &f.model, &opts).unwrap();
+    let mut cpu = Engine::new(&f.model, &f.cpu, &MappedExperts, 32);
+    let want = cpu.forward(&TOKENS, true).unwrap();
+    let mut gpu = pulsar_host::cuda::CudaEngine::new(&f.model, &cm, 32).unwrap();
+    let got = gpu.forward(&TOKENS, true).unwrap();
+    assert_eq!(got, want, "prefill: CUDA logits differ from the CPU's");
+    // Token by token: the recurrent state and the latent cache carry over.
+    let mut dec = pulsar_host::cuda::CudaEngine::new(&f.model, &cm, 32).unwrap();
+    for (t, &tok) in TOKENS.iter().enumerate() {
+        let row = dec.forward(&[tok], false).unwrap().remove(0);
+        assert_eq!(row, want[t], "decode position {t}: CUDA logits differ from the CPU prefill's");
+    }
+}

@@ -4,6 +4,7 @@ pub mod archs;
 pub mod bench;
 pub mod hotlist;
 pub mod inspect;
+pub mod opcheck;
 pub mod run;
 pub mod serve;
 pub mod synth;

@@ -1,15 +1,18 @@
 //! Lowering a step graph onto the CUDA step's ops.
 //!
-//! The CUDA step executes 2-D `[rows, cols]` values with fused kernels
-//! (router + top-k + experts in one op, norms, ropes, attention over its
-//! cache). The graph's N-D values map onto them: a reshape that keeps the
-//! step's rows first is the same buffer; per-head norms and ropes take the
-//! head size from the value's last dim; the routing in front of an
-//! `experts` op runs inside the fused MoE op ([`crate::graph::moe`]). Ops
+//! The CUDA step executes the common ops as 2-D `[rows, cols]` values with
+//! fused kernels (router + top-k + experts in one op, norms, ropes,
+//! attention over its cache). The graph's N-D values map onto them: a
+//! reshape that keeps the first axis is the same buffer; per-head norms and
+//! ropes take the head size from the value's last dim; the routing in front
+//! of an `experts` op runs inside the fused MoE op ([`crate::graph::moe`]).
+//! Every other op runs as a primitive ([`super::prim`]) on its N-D dims,
+//! resolved for the step; an `experts` op whose routing has another form
+//! runs the same expert path on the ids and weights the graph computed. Ops
 //! this backend has no kernel for are refused when the engine is created,
 //! naming the op, before any step runs.
 
-use pulsar_plugin_api::graph::{Act, Binary, Dim, Op, RopeMode, Unary};
+use pulsar_plugin_api::graph::{Act, Binary, Dim, Experts, Op, RopeMode, Sizes};
 use pulsar_plugin_api::{Val, Wt};
 
 use crate::graph::{MoeSpec, StepPlan};
@@ -50,8 +53,13 @@ pub(super) trait Exec {
     fn add(&mut self, a: Val, b: Val) -> R<Val>;
     fn mul(&mut self, a: Val, b: Val) -> R<Val>;
     fn scale(&mut self, x: Val, s: f32) -> R<Val>;
-    fn act(&mut self, x: Val, act: Act) -> R<Val>;
     fn glu(&mut self, gate: Val, up: Val, act: Act) -> R<Val>;
+    /// Any other op, on N-D values (`ins` with dims `in_dims`, giving `want`).
+    fn prim(&mut self, op: &Op, ins: &[Val], in_dims: &[Vec<usize>], want: &[usize]) -> R<Val>;
+    /// The selected experts for ids and weights the graph computed.
+    fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32) -> R<Val>;
+    /// What the shape symbols stand for in this step.
+    fn sizes(&self) -> Sizes;
     fn rope(&mut self, x: Val, spec: RopeSpec) -> R<Val>;
     fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> R<Val>;
     fn moe(&mut self, x: Val, spec: MoeSpec) -> R<Val>;
@@ -67,25 +75,34 @@ enum Lowered {
     Alias,
     /// Folded into the fused MoE op at a later node.
     Folded,
-    /// One CUDA op.
+    /// One CUDA op of the 2-D face.
     Run,
+    /// A primitive on N-D values.
+    Prim,
     /// The fused MoE op with this routing.
     Moe(MoeSpec),
+    /// The experts on routing the graph computed.
+    Experts,
 }
 
 /// What each node of a plan lowers to, or the first node the CUDA step
 /// cannot run.
 pub(super) struct Lowering {
     nodes: Vec<Lowered>,
-}
-
-fn fixed(d: &Dim) -> Option<u64> {
-    d.fixed()
+    /// No value's size depends on the cache length, so a decode step may be
+    /// captured once and replayed as a CUDA graph.
+    pub capturable: bool,
 }
 
 impl Lowering {
     pub fn new(plan: &StepPlan) -> R<Lowering> {
         let mut nodes = vec![Lowered::Run; plan.len()];
+        let mut readers: Vec<Vec<usize>> = vec![Vec::new(); plan.len()];
+        for (i, ins) in plan.inputs.iter().enumerate() {
+            for &v in ins {
+                readers[v as usize].push(i);
+            }
+        }
         for m in &plan.moe {
             for &r in &m.routing {
                 nodes[r] = Lowered::Folded;
@@ -105,29 +122,24 @@ impl Lowering {
                 Err(format!("node {i} ({}{at}{label}): {why} on the CUDA backend yet (run with --device cpu)", plan.ops[i].name()))
             };
             nodes[i] = match &plan.ops[i] {
-                Op::Tokens => Lowered::Tokens,
-                Op::Embed { .. } if nodes[ins[0] as usize] == Lowered::Tokens => Lowered::Run,
+                // The embedding reads the step's tokens itself; another reader gets them as a value.
+                Op::Tokens if readers[i].iter().all(|&r| matches!(plan.ops[r], Op::Embed { .. })) => Lowered::Tokens,
+                Op::Embed { .. } if matches!(plan.ops[ins[0] as usize], Op::Tokens) => Lowered::Run,
                 Op::Embed { .. } => return refuse("embedding rows by computed ids has no kernel"),
-                Op::Reshape(dims) if dims.first() == Some(&Dim::T) && shape_in(0).dims.first() == Some(&Dim::T) => Lowered::Alias,
-                Op::Reshape(_) => return refuse("a reshape that moves the step's rows has no kernel"),
-                Op::Linear(_) | Op::OutputRows | Op::Glu(_) | Op::Scale(_) => Lowered::Run,
-                Op::RmsNorm { .. } if plan.shapes[i].dims.first() == Some(&Dim::T) || plan.shapes[i].dims.first() == Some(&Dim::O) => Lowered::Run,
-                Op::Rope(r) if r.yarn.is_some() => return refuse("a YaRN rope has no kernel"),
-                Op::Rope(_) | Op::Attention(_) => Lowered::Run,
+                Op::Reshape(_) if plan.shapes[i].dims.first() == shape_in(0).dims.first() => Lowered::Alias,
+                Op::Linear(_) | Op::OutputRows | Op::Glu(_) | Op::Scale(_) | Op::RmsNorm { .. } | Op::Attention(_) => Lowered::Run,
+                Op::Rope(r) if r.yarn.is_none() => Lowered::Run,
                 Op::Binary(Binary::Add | Binary::Mul) if shape_in(0) == shape_in(1) => Lowered::Run,
-                Op::Unary(Unary::Silu | Unary::Gelu | Unary::GeluTanh) => Lowered::Run,
-                Op::Experts(_) => return refuse("experts with this routing (only router -> softmax/sigmoid -> top-k -> [renormalise] -> [scale] is fused)"),
+                Op::Experts(_) => Lowered::Experts,
+                Op::Weight(_) | Op::StateRows { .. } | Op::Scan { .. } => Lowered::Prim,
+                op if super::prim::runs(op) => Lowered::Prim,
                 _ => return refuse("this op has no kernel"),
             };
-            // Values the CUDA step reads must have fixed sizes past the rows.
-            if nodes[i] == Lowered::Run && plan.shapes[i].dims.iter().skip(1).any(|d| fixed(d).is_none()) {
-                return refuse("a value with a symbolic inner size has no kernel");
-            }
         }
         // A folded or tokens value read by a node that runs is a fused op's
         // input that nothing produced.
         for i in 0..plan.len() {
-            if matches!(nodes[i], Lowered::Run | Lowered::Alias) {
+            if matches!(nodes[i], Lowered::Run | Lowered::Alias | Lowered::Prim | Lowered::Experts) {
                 for &v in &plan.inputs[i] {
                     if matches!(nodes[v as usize], Lowered::Folded) || (nodes[v as usize] == Lowered::Tokens && !matches!(plan.ops[i], Op::Embed { .. })) {
                         return Err(format!("node {i} ({}): reads node {v}, which only a fused op can read, on the CUDA backend", plan.ops[i].name()));
@@ -135,12 +147,14 @@ impl Lowering {
                 }
             }
         }
-        Ok(Lowering { nodes })
+        let capturable = plan.shapes.iter().all(|s| !s.dims.contains(&Dim::C));
+        Ok(Lowering { nodes, capturable })
     }
 
     /// Run `plan` on `exec`; returns the output's CUDA value.
     pub fn run(&self, plan: &StepPlan, exec: &mut dyn Exec) -> R<Val> {
         let mut vals: Vec<Option<Val>> = vec![None; plan.len()];
+        let sizes = exec.sizes();
         for i in 0..plan.len() {
             let ins = &plan.inputs[i];
             let get = |k: usize| -> R<Val> { vals[ins[k] as usize].ok_or_else(|| format!("node {i}: input {k} has no CUDA value")) };
@@ -150,6 +164,16 @@ impl Lowering {
                 (Lowered::Tokens | Lowered::Folded, _) => None,
                 (Lowered::Alias, _) => Some(get(0)?),
                 (Lowered::Moe(spec), _) => Some(exec.moe(get(0)?, *spec)?),
+                (Lowered::Experts, Op::Experts(e)) => {
+                    let k = plan.shapes[ins[1] as usize].last().unwrap_or(0) as u32;
+                    Some(exec.experts(get(0)?, get(1)?, get(2)?, e, k)?)
+                }
+                (Lowered::Experts, _) => unreachable!("only experts ops lower to the experts path"),
+                (Lowered::Prim, op) => {
+                    let vs = (0..ins.len()).map(get).collect::<R<Vec<Val>>>()?;
+                    let dims: Vec<Vec<usize>> = ins.iter().map(|&v| plan.shapes[v as usize].at(&sizes)).collect();
+                    Some(exec.prim(op, &vs, &dims, &shape.at(&sizes))?)
+                }
                 (Lowered::Run, op) => Some(match op {
                     Op::Embed { table, scale } => exec.embed(*table, *scale)?,
                     Op::Linear(w) => exec.linear(*w, get(0)?)?,
@@ -178,9 +202,6 @@ impl Lowering {
                     }
                     Op::Binary(Binary::Add) => exec.add(get(0)?, get(1)?)?,
                     Op::Binary(Binary::Mul) => exec.mul(get(0)?, get(1)?)?,
-                    Op::Unary(Unary::Silu) => exec.act(get(0)?, Act::Silu)?,
-                    Op::Unary(Unary::Gelu) => exec.act(get(0)?, Act::Gelu)?,
-                    Op::Unary(Unary::GeluTanh) => exec.act(get(0)?, Act::GeluTanh)?,
                     other => return Err(format!("node {i} ({}) has no CUDA lowering", other.name())),
                 }),
             };

@@ -16,7 +16,9 @@
 mod fuse;
 mod lower;
 mod measure;
+pub mod opcheck;
 mod pinned;
+pub mod prim;
 pub(crate) mod pool;
 mod profile;
 pub mod roles;
@@ -27,6 +29,7 @@ use std::sync::Mutex;
 
 use pulsar_cuda::{CudaDevice, DeviceBuf};
 use pulsar_gguf::GgmlType;
+use pulsar_plugin_api::graph::{Op, Rope};
 use pulsar_plugin_api::Role;
 
 use crate::model::Model;
@@ -50,7 +53,8 @@ pub struct DevWeight {
     pub dims: Vec<u64>,
     /// Raw bytes (None for streamed routed experts).
     pub raw: Option<DeviceBuf<u8>>,
-    /// Dequantized f32 values for small vectors (norm weights).
+    /// Dequantized f32 values for vectors (norm weights) and the weights a
+    /// graph reads as values.
     pub f32: Option<DeviceBuf<f32>>,
 }
 
@@ -58,6 +62,8 @@ pub struct DevWeight {
 pub struct CudaModel {
     pub dev: CudaDevice,
     pub weights: Vec<DevWeight>,
+    /// Each YaRN rope of the graphs with its inverse frequencies.
+    pub rope_freq: Vec<(Rope, DeviceBuf<f32>)>,
     /// Per-expert device addresses of each resident routed-expert weight
     /// (by weight index), for the on-device pointer gather.
     pub expert_tables: HashMap<usize, DeviceBuf<u64>>,
@@ -163,7 +169,10 @@ impl CudaModel {
         let stream = dev.compute().clone();
         let mut weights = Vec::with_capacity(model.weights.len());
         let mut resident = 0u64;
-        for w in &model.weights {
+        // Weights the graphs read as values are kept as f32 too.
+        let as_values: std::collections::HashSet<u32> =
+            [&model.steps.decode, &model.steps.prefill].iter().flat_map(|p| p.ops.iter()).filter_map(|op| if let Op::Weight(w) = op { Some(w.0) } else { None }).collect();
+        for (wi, w) in model.weights.iter().enumerate() {
             let expert = w.role == Role::RoutedExpert;
             let raw = if expert && stream_experts {
                 None
@@ -174,14 +183,26 @@ impl CudaModel {
                 resident += bytes.len() as u64;
                 Some(b)
             };
-            let f32 = if w.dims.len() == 1 {
-                let mut v = vec![0f32; w.dims[0] as usize];
+            let f32 = if w.dims.len() == 1 || as_values.contains(&(wi as u32)) {
+                let mut v = vec![0f32; w.dims.iter().product::<u64>() as usize];
                 pulsar_kernels::dequantize(w.ty, model.data(w), &mut v).map_err(|e| CudaBackendError::Other(format!("{}: {e}", w.name)))?;
+                if w.dims.len() > 1 {
+                    resident += 4 * v.len() as u64;
+                }
                 Some(dev.upload(&v)?)
             } else {
                 None
             };
             weights.push(DevWeight { ty: w.ty, dims: w.dims.clone(), raw, f32 });
+        }
+        // The YaRN ropes' frequency tables, by the CPU's formula.
+        let mut rope_freq: Vec<(Rope, DeviceBuf<f32>)> = Vec::new();
+        for op in [&model.steps.decode, &model.steps.prefill].iter().flat_map(|p| p.ops.iter()) {
+            if let Op::Rope(r) = op {
+                if let (Some(f), false) = (crate::cpu::prim::rope_freq(r), rope_freq.iter().any(|(q, _)| q == r)) {
+                    rope_freq.push((*r, dev.upload(&f)?));
+                }
+            }
         }
         let mut expert_tables = HashMap::new();
         if !stream_experts {
@@ -240,7 +261,7 @@ impl CudaModel {
         };
         let graphs = experts.is_none() && !opts.no_graphs;
         dev.set_programmatic_launch(!opts.no_pdl);
-        Ok(CudaModel { dev, weights, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident, max_chunk, activation_reserve, graphs })
+        Ok(CudaModel { dev, weights, rope_freq, expert_tables, experts, slab_index, prefetch: !opts.no_prefetch, cold: opts.cold, lane, cost: Mutex::new(cost), resident_bytes: resident, max_chunk, activation_reserve, graphs })
     }
 
     /// Let the VRAM pool copy asynchronously from the store's page-locked host cache.
@@ -387,6 +408,10 @@ fn size(b: u64) -> String {
 pub struct CudaKv {
     pub n_ctx: usize,
     pub layers: HashMap<usize, (usize, usize, DeviceBuf<f32>, DeviceBuf<f32>)>,
+    /// Rows states (latent caches): width and `n_ctx` rows.
+    pub rows: HashMap<usize, (usize, DeviceBuf<f32>)>,
+    /// Recurrent states (one sequence's).
+    pub recurrent: HashMap<usize, DeviceBuf<f32>>,
 }
 
 impl CudaKv {
@@ -396,7 +421,20 @@ impl CudaKv {
             let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
             layers.insert(i, (kw, vw, dev.alloc::<f32>(kw * n_ctx)?, dev.alloc::<f32>(vw * n_ctx)?));
         }
-        Ok(CudaKv { n_ctx, layers })
+        let (mut rows, mut recurrent) = (HashMap::new(), HashMap::new());
+        for (i, s) in model.plan.states.iter().enumerate() {
+            let n: usize = s.dims.iter().product::<u64>() as usize;
+            match s.kind {
+                pulsar_plugin_api::STATE_ROWS => {
+                    rows.insert(i, (n, dev.alloc::<f32>(n * n_ctx)?));
+                }
+                pulsar_plugin_api::STATE_RECURRENT => {
+                    recurrent.insert(i, dev.alloc::<f32>(n)?);
+                }
+                _ => {}
+            }
+        }
+        Ok(CudaKv { n_ctx, layers, rows, recurrent })
     }
 
     pub fn bytes_for(model: &Model, n_ctx: usize) -> u64 {

@@ -21,6 +21,7 @@ use crate::model::Model;
 mod lane;
 mod moe;
 mod ops;
+mod prims;
 
 type R<T> = Result<T, String>;
 
@@ -32,11 +33,38 @@ fn err<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
 
-struct DVal {
-    /// None once released (its last use in the step's recorded plan is past).
-    buf: Option<DeviceBuf<f32>>,
+/// Where a step value's words are.
+enum Store<'a> {
+    /// A buffer of the step's pools.
+    Own(DeviceBuf<f32>),
+    /// A resident buffer of the model (a `weight` op's f32 values).
+    Borrowed(&'a DeviceBuf<f32>),
+    /// Released (its last use in the step's recorded plan is past).
+    Gone,
+}
+
+struct DVal<'a> {
+    store: Store<'a>,
     rows: usize,
     cols: usize,
+}
+
+impl<'a> DVal<'a> {
+    fn buf(&self) -> Option<&DeviceBuf<f32>> {
+        match &self.store {
+            Store::Own(b) => Some(b),
+            Store::Borrowed(b) => Some(b),
+            Store::Gone => None,
+        }
+    }
+
+    /// Release the value: its buffer when the step owns it.
+    fn take(&mut self) -> Option<DeviceBuf<f32>> {
+        match std::mem::replace(&mut self.store, Store::Gone) {
+            Store::Own(b) => Some(b),
+            _ => None,
+        }
+    }
 }
 
 /// Which values a step's ops read, so the next step of the same kind can give
@@ -181,8 +209,11 @@ impl<'m> CudaEngine<'m> {
         self.history.clear();
     }
 
+    /// Keep the first `n` positions; a recurrent state cannot go back, so a
+    /// family with one restarts at 0 (as the CPU engine does).
     pub fn truncate(&mut self, n: usize) {
-        self.n_past = self.n_past.min(n);
+        let back = n < self.n_past;
+        self.n_past = if back && !self.kv.recurrent.is_empty() { 0 } else { self.n_past.min(n) };
         self.history.truncate(self.n_past);
     }
 
@@ -238,7 +269,7 @@ impl<'m> CudaEngine<'m> {
         let kind = usize::from(!decode);
         // A decode after one that set the plan may run as a graph: replayed
         // when one was captured for this split bucket, else captured now.
-        let split_ctx = (decode && self.graphs && self.profile.is_none() && self.release_early && !self.live[0].ops.is_empty())
+        let split_ctx = (decode && self.graphs && self.lowering[0].capturable && self.profile.is_none() && self.release_early && !self.live[0].ops.is_empty())
             .then(|| attention_graph_ctx(positions[0] as usize + 1, self.kv.n_ctx));
         let (mut own_pos, mut own_tok) = (None, None);
         if decode {
@@ -387,7 +418,7 @@ struct CudaStep<'a> {
     /// this context length (not the step's) so the graph serves later tokens.
     split_ctx: Option<usize>,
     all_rows: bool,
-    vals: Vec<DVal>,
+    vals: Vec<DVal<'a>>,
     /// Quantized activations made this step, by (value, format).
     qcache: Vec<(Val, ActFormat, DeviceBuf<u8>)>,
     /// The last step of this kind's value lifetimes (None: release nothing early).
@@ -428,8 +459,8 @@ impl Drop for CudaStep<'_> {
 
 impl<'a> CudaStep<'a> {
     fn finish(&mut self) {
-        for v in self.vals.drain(..) {
-            if let Some(b) = v.buf {
+        for mut v in self.vals.drain(..) {
+            if let Some(b) = v.take() {
                 self.pools.f32.give(b);
             }
         }
@@ -452,7 +483,7 @@ impl<'a> CudaStep<'a> {
     /// Value `v`'s buffer, taken out of the step (it is not given back to the pools).
     fn take_output(&mut self, v: Val) -> R<(DeviceBuf<f32>, usize, usize)> {
         let d = self.vals.get_mut(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))?;
-        let buf = d.buf.take().ok_or_else(|| format!("value {} was released before the end of the step", v.0))?;
+        let buf = d.take().ok_or_else(|| format!("value {} was released before the end of the step (or is a weight)", v.0))?;
         Ok((buf, d.rows, d.cols))
     }
 
@@ -460,14 +491,14 @@ impl<'a> CudaStep<'a> {
         self.get(v).map(|d| (d.rows, d.cols))
     }
 
-    fn get(&self, v: Val) -> R<&DVal> {
+    fn get(&self, v: Val) -> R<&DVal<'a>> {
         self.vals.get(v.0 as usize).ok_or_else(|| format!("unknown value {}", v.0))
     }
 
     /// The device buffer of value `v` (an error, never a stale read, if it
     /// was released).
     fn buf(&self, v: Val) -> R<&DeviceBuf<f32>> {
-        self.get(v)?.buf.as_ref().ok_or_else(|| {
+        self.get(v)?.buf().ok_or_else(|| {
             self.released_early.set(true);
             format!("value {} was released before this read (the op sequence changed between steps)", v.0)
         })
@@ -503,7 +534,7 @@ impl<'a> CudaStep<'a> {
         while self.freed_to < done.min(plan.frees.len()) {
             for &v in &plan.frees[self.freed_to] {
                 let Some(d) = self.vals.get_mut(v as usize) else { continue };
-                if let Some(b) = d.buf.take() {
+                if let Some(b) = d.take() {
                     self.pools.f32.give(b);
                 }
                 while let Some(i) = self.qcache.iter().position(|(x, _, _)| x.0 == v) {
@@ -532,7 +563,7 @@ impl<'a> CudaStep<'a> {
     }
 
     fn push(&mut self, buf: DeviceBuf<f32>, rows: usize, cols: usize) -> R<Val> {
-        self.vals.push(DVal { buf: Some(buf), rows, cols });
+        self.vals.push(DVal { store: Store::Own(buf), rows, cols });
         Ok(Val(self.vals.len() as u32 - 1))
     }
 

@@ -27,14 +27,20 @@ impl<'a> CudaStep<'a> {
         dw.f32.as_ref().map(Some).ok_or_else(|| format!("{} is not a vector", mw.name))
     }
 
-    pub(super) fn do_moe(&mut self, x: Val, spec: &MoeSpec) -> R<Val> {
+    /// The MoE op on `x`: routed by `spec`'s router on the device, or, with
+    /// `given`, by the ids (i32) and weights the graph computed (then the
+    /// spec's router, gating, bias and scale are not read).
+    pub(super) fn do_moe(&mut self, x: Val, spec: &MoeSpec, given: Option<(Val, Val)>) -> R<Val> {
         let cm: &'a CudaModel = self.cm;
         let dev = &cm.dev;
         let stream = dev.compute().clone();
         let (rows, d_model) = self.dims(x)?;
         let (ne, k) = (spec.n_expert as usize, spec.top_k as usize);
         // Router scores on the device, top-k there too.
-        let logits = self.linear_w(spec.router, x)?;
+        let logits = match given {
+            None => Some(self.linear_w(spec.router, x)?),
+            Some(_) => None,
+        };
         let mut ids = self.pools.i32.take(dev, rows * k).map_err(err)?;
         let mut wts = self.pools.f32.take(dev, rows * k).map_err(err)?;
         let rs = RouterSpec { k, gating: cgating(spec.gating), renormalize: spec.norm_topk, scale: spec.weights_scale };
@@ -66,13 +72,28 @@ impl<'a> CudaStep<'a> {
         }
         {
             let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
-            match resident {
-                // Decode on resident experts: the router kernel gathers the
-                // pairs' pointers too (no host round trip, one kernel).
-                Some(tables) if !grouped => dev.route_gather(&stream, &rs, self.buf(logits)?, bias, rows, ne, &mut ids, &mut wts, tables, [pg, pu, pd]),
-                _ => dev.route(&stream, &rs, self.buf(logits)?, bias, rows, ne, &mut ids, &mut wts),
+            match (given, logits) {
+                (Some((gi, gw)), _) => {
+                    for (src, dst) in [(gi, ids.device_ptr()), (gw, wts.device_ptr())] {
+                        let (r, c) = self.dims(src)?;
+                        if r * c != n_pairs {
+                            return Err(format!("experts layer {}: {} routing values for {rows} rows of {k}", spec.layer, r * c));
+                        }
+                        self.copy_rows(dst, self.buf(src)?.device_ptr(), n_pairs * 4)?;
+                    }
+                    if let (Some(tables), false) = (resident, grouped) {
+                        dev.moe_gather_ptrs(&stream, &ids, tables, [pg, pu, pd]).map_err(err)?;
+                    }
+                }
+                (None, Some(logits)) => match resident {
+                    // Decode on resident experts: the router kernel gathers the
+                    // pairs' pointers too (no host round trip, one kernel).
+                    Some(tables) if !grouped => dev.route_gather(&stream, &rs, self.buf(logits)?, bias, rows, ne, &mut ids, &mut wts, tables, [pg, pu, pd]),
+                    _ => dev.route(&stream, &rs, self.buf(logits)?, bias, rows, ne, &mut ids, &mut wts),
+                }
+                .map_err(err)?,
+                (None, None) => unreachable!("the router ran when no routing was given"),
             }
-            .map_err(err)?;
         }
         self.mark(Some(&|| "moe: expert placement".to_string()));
         // Host copies, when the host takes part: routing ids, and each

@@ -6,7 +6,7 @@
 use pulsar_cuda::{attention_workspace_len, DeviceBuf};
 use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
-use pulsar_plugin_api::graph::{Act, RopeMode};
+use pulsar_plugin_api::graph::{Act, Experts, Op, RopeMode, Sizes};
 use pulsar_plugin_api::{Val, Wt};
 
 use super::super::fuse::{norm_rope_ahead, residual_add_ahead, Ahead, OpKey};
@@ -38,7 +38,7 @@ impl<'a> CudaStep<'a> {
         };
         let n = self.positions.len();
         let (rows, cols) = self.dims(x)?;
-        let k_live = self.vals.get(k as usize).filter(|d| d.buf.is_some()).map(|d| (d.rows, d.cols));
+        let k_live = self.vals.get(k as usize).filter(|d| d.buf().is_some()).map(|d| (d.rows, d.cols));
         let Some((k_rows, k_cols)) = k_live else { return Ok(None) };
         let hd = head_dim as usize;
         if group != hd || k_group as usize != hd || rows != n || k_rows != n || cols % hd != 0 || k_cols % hd != 0 {
@@ -60,7 +60,7 @@ impl<'a> CudaStep<'a> {
         let (mut kn, mut kr) = (self.new_val(k_rows, k_cols)?, self.new_val(k_rows, k_cols)?);
         {
             let stream = self.cm.dev.compute().clone();
-            let kx = self.vals[k as usize].buf.as_ref().expect("checked live");
+            let kx = self.vals[k as usize].buf().expect("checked live");
             let mut parts = [
                 pulsar_cuda::NormRopePart { x: self.buf(x)?, weight: wq, eps, width: cols, normed: &mut qn, roped: &mut qr },
                 pulsar_cuda::NormRopePart { x: kx, weight: wk, eps: f32::from_bits(k_eps), width: k_cols, normed: &mut kn, roped: &mut kr },
@@ -82,13 +82,13 @@ impl<'a> CudaStep<'a> {
         let mut y = self.new_val(rows, d_model)?;
         let at = self.trace.borrow().len() - 1;
         let other = residual_add_ahead(self.last, at)
-            .filter(|&(r, _)| self.vals.get(r as usize).is_some_and(|d| d.buf.is_some() && (d.rows, d.cols) == (rows, d_model)));
+            .filter(|&(r, _)| self.vals.get(r as usize).is_some_and(|d| d.buf().is_some() && (d.rows, d.cols) == (rows, d_model)));
         let Some((r, r_first)) = other else {
             self.cm.dev.moe_combine(&stream, out, wts, rows, k, &mut y).map_err(err)?;
             return self.push(y, rows, d_model);
         };
         let mut sum = self.new_val(rows, d_model)?;
-        let rb = self.vals[r as usize].buf.as_ref().expect("checked live");
+        let rb = self.vals[r as usize].buf().expect("checked live");
         self.cm.dev.moe_combine_add(&stream, out, wts, rows, k, rb, r_first, &mut y, &mut sum).map_err(err)?;
         let v = self.push(y, rows, d_model)?;
         let inputs = if r_first { vec![Some(r), Some(v.0)] } else { vec![Some(v.0), Some(r)] };
@@ -257,7 +257,7 @@ impl<'a> CudaStep<'a> {
         }
         {
             let stream = self.cm.dev.compute().clone();
-            let val = |x: Val| self.vals.get(x.0 as usize).and_then(|d| d.buf.as_ref());
+            let val = |x: Val| self.vals.get(x.0 as usize).and_then(|d| d.buf());
             let (kb, vb) = (val(k), val(v));
             let (Some(kb), Some(vb)) = (kb, vb) else {
                 self.released_early.set(true);
@@ -280,6 +280,22 @@ impl<'a> CudaStep<'a> {
 }
 
 impl Exec for CudaStep<'_> {
+    fn prim(&mut self, op: &Op, ins: &[Val], in_dims: &[Vec<usize>], want: &[usize]) -> R<Val> {
+        self.note(ins);
+        self.mark(Some(&|| op.name().to_string()));
+        let r = self.run_prim(op, ins, in_dims, want);
+        self.done(r)
+    }
+    fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32) -> R<Val> {
+        self.note(&[x, ids, weights]);
+        self.mark(Some(&|| "experts".to_string()));
+        let r = self.given_experts(x, ids, weights, e, top_k);
+        self.done(r)
+    }
+    fn sizes(&self) -> Sizes {
+        let t = self.positions.len();
+        Sizes { t, o: if self.all_rows { t } else { 1 }, c: self.positions.first().map_or(0, |&p| p as usize) + t }
+    }
     fn embed(&mut self, table: Wt, scale: f32) -> R<Val> {
         self.note(&[]);
         self.mark(Some(&|| "embed".to_string()));
@@ -369,22 +385,6 @@ impl Exec for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn act(&mut self, x: Val, act: Act) -> R<Val> {
-        // act(x) = glu(x, 1): the GLU kernel with a ones vector.
-        self.note(&[x]);
-        self.mark(Some(&|| "act".to_string()));
-        let r = (|| {
-            let (rows, cols) = self.dims(x)?;
-            let stream = self.cm.dev.compute().clone();
-            let mut ones = self.new_val(rows, cols)?;
-            ones.fill_words(&stream, 1f32.to_bits()).map_err(err)?;
-            let mut y = self.new_val(rows, cols)?;
-            self.cm.dev.glu(&stream, self.buf(x)?, &ones, &mut y, act_of(act)).map_err(err)?;
-            self.pools.f32.give(ones);
-            self.push(y, rows, cols)
-        })();
-        self.done(r)
-    }
     fn glu(&mut self, gate: Val, up: Val, act: Act) -> R<Val> {
         self.note(&[gate, up]);
         self.mark(Some(&|| "glu".to_string()));
@@ -441,7 +441,7 @@ impl Exec for CudaStep<'_> {
     fn moe(&mut self, x: Val, spec: MoeSpec) -> R<Val> {
         self.note(&[x]);
         self.mark(Some(&|| "moe: router, top-k".to_string()));
-        let r = self.do_moe(x, &spec);
+        let r = self.do_moe(x, &spec, None);
         self.done(r)
     }
     fn output_rows(&mut self, x: Val) -> R<Val> {
