@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Lay out stripped release binaries for the GPU machine in devbin/ (git-ignored):
-# pulsar-host, plugins/<name>/{plugin.toml, lib}, and the pulsar-cuda selftest.
+# pulsar-host, plugins/<name>/{plugin.toml, lib}, the pulsar-cuda selftest, and
+# the custom_family test binary when it was built
+# (cargo test --release -p pulsar-host --test custom_family --no-run).
 # Usage: scripts/devbin.sh [TARGET_DIR]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -16,4 +18,6 @@ for manifest in "$root"/arch-plugins/*/plugin.toml; do
   cp "$manifest" "$out/plugins/$name/"
   strip -o "$out/plugins/$name/$lib" "$t/$lib"
 done
+fam=$(ls -t "$t"/deps/custom_family-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+[ -n "$fam" ] && strip -o "$out/custom_family" "$fam"
 du -sh "$out"

@@ -5,10 +5,15 @@
 #
 #   scripts/gpu-e2e.sh BIN_DIR [OUT_DIR] [STAGES]
 #
-# STAGES (default "selftest parity gemma budget bench"):
+# STAGES (default "selftest opcheck family parity gemma budget bench"):
 #   selftest  every CUDA kernel against its CPU twin (scripts/gpu-check.sh)
-#   parity    gemma3/qwen3moe/hy_v3/minimax-m2 fixtures: CUDA vs CPU teacher-forced logits and
+#   opcheck   the Ops harness: every CUDA primitive against the CPU on random shapes
+#   family    the test-only family (rows state, scan, custom router) on CUDA vs the
+#             CPU (BIN_DIR/custom_family, the test binary, when present)
+#   parity    every family's fixtures: CUDA vs CPU teacher-forced logits and
 #             greedy tokens, decode consistency on CUDA
+#   stream    the deepseek2 / hy_v3 / minimax-m2 fixtures under a tiny --vram-budget,
+#             every cold path: the same greedy text as resident
 #   gemma     gemma-3-270m Q4_K_M ($GEMMA, default $WORK/gemma.gguf): CUDA vs CPU
 #             teacher-forced logits, greedy tokens, decode consistency, bench
 #   budget    a synthetic qwen3moe larger than --vram-budget: same tokens as unbudgeted
@@ -19,7 +24,7 @@
 set -uo pipefail
 B="$(cd "${1:?usage: scripts/gpu-e2e.sh BIN_DIR [OUT_DIR] [STAGES]}" && pwd)"
 O="${2:-${OUT:-/tmp/pulsar-gpu}}"
-STAGES="${3:-selftest parity gemma budget bench}"
+STAGES="${3:-selftest opcheck family parity gemma budget bench}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 mkdir -p "$O"
 H="$B/pulsar-host"
@@ -40,6 +45,22 @@ if has selftest; then
   say "selftest exit $?"
 fi
 
+if has opcheck; then
+  say "## opcheck: CUDA primitives vs the CPU"
+  "$H" opcheck --seeds 8 --out "$O/opcheck.md" > "$O/opcheck.out" 2>&1
+  say "opcheck exit $? ($(tail -1 "$O/opcheck.out"))"
+fi
+
+if has family; then
+  say "## the test-only family on CUDA"
+  if [ -x "$B/custom_family" ]; then
+    "$B/custom_family" --nocapture > "$O/family.out" 2>&1
+    say "custom_family exit $? ($(grep -E '^test result' "$O/family.out"))"
+  else
+    say "custom_family: not in $B"
+  fi
+fi
+
 compare() { # name cpu.jsonl cuda.jsonl
   python3 - "$@" <<'PY' | tee -a "$S"
 import json, sys
@@ -57,17 +78,42 @@ if has parity; then
   say "## parity: CUDA vs CPU (teacher forcing, top-5 logits)"
   say "| fixture | positions | top-1 agree | max abs diff | rel to max |"
   say "|---|---|---|---|---|"
-  for arch in qwen3moe gemma3 hy_v3 minimax-m2; do
+  for arch in qwen3moe gemma3 hy_v3 minimax-m2 deepseek2 deepseek2-kimi_k25; do
     for v in f32 q8_0; do
       m="$ROOT/fixtures/parity/$arch/model-$v.gguf"
       toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")
       "$H" run -m "$m" --tokens "$toks" --teacher-force --device cpu "${P[@]}" > "$WORK/cpu.jsonl" 2>>"$O/parity.log"
       "$H" run -m "$m" --tokens "$toks" --teacher-force --device cuda "${P[@]}" > "$WORK/cuda.jsonl" 2>>"$O/parity.log"
       compare "$arch $v" "$WORK/cpu.jsonl" "$WORK/cuda.jsonl"
-      a=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cpu "${P[@]}" 2>>"$O/parity.log" | od -An -tx1 | md5sum)
-      b=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cuda "${P[@]}" 2>>"$O/parity.log" | od -An -tx1 | md5sum)
-      [ "$a" = "$b" ] && say "greedy 24 tokens $arch $v: identical" || say "greedy 24 tokens $arch $v: DIFFERENT"
+      ga=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cpu "${P[@]}" 2>>"$O/parity.log" | od -An -tx1)
+      gb=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cuda "${P[@]}" 2>>"$O/parity.log" | od -An -tx1)
+      if [ -z "$ga" ]; then say "greedy 24 tokens $arch $v: FAILED (no output; parity.log says why)"
+      elif [ "$ga" = "$gb" ]; then say "greedy 24 tokens $arch $v: identical"; else say "greedy 24 tokens $arch $v: DIFFERENT"; fi
       "$H" run -m "$m" --tokens "$toks" --decode-consistency 32 --device cuda "${P[@]}" 2>>"$O/parity.log" | sed "s/^/$arch $v cuda /" | tee -a "$S"
+    done
+  done
+fi
+
+if has stream; then
+  say "## the new families' fixtures streamed under a tight --vram-budget (same text as resident?)"
+  for arch in deepseek2 hy_v3 minimax-m2; do
+    m="$ROOT/fixtures/parity/$arch/model-q8_0.gguf"
+    toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")
+    C=(--ctx 64 "${P[@]}")
+    ref=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cuda "${C[@]}" 2>>"$O/stream.log" | od -An -tx1 | md5sum)
+    # What the resident weights and KV need (from the refusal of a 1 KiB budget), then a little more.
+    need=$("$H" run -m "$m" --tokens "$toks" -n 1 --device cuda --vram-budget 0.000001 "${C[@]}" 2>&1 >/dev/null | python3 -c "
+import re,sys
+m=re.search(r'need ([0-9.]+) (KiB|MiB|GiB)', sys.stdin.read())
+print(float(m.group(1))*{'KiB':1/2**20,'MiB':1/2**10,'GiB':1}[m.group(2)] if m else 0)")
+    for extra in ${STREAM_EXTRA_KIB:-48 96 192}; do
+      b=$(python3 -c "print(f'{$need + $extra/2**20:.7f}')")
+      for cp in auto upload zerocopy cpu; do
+        rm -f "$m.warm"
+        out=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cuda --vram-budget "$b" --cold-path "$cp" --stats "${C[@]}" 2>"$WORK/err.txt" | od -An -tx1 | md5sum)
+        if grep -q "error" "$WORK/err.txt"; then v="FAILED"; elif [ "$out" = "$ref" ]; then v=same; else v=DIFFERENT; fi
+        say "$arch budget $b GiB (+$extra KiB) $cp: $v; $(grep -E 'vram expert pool|error' "$WORK/err.txt" | head -2 | tr '\n' ' ')"
+      done
     done
   done
 fi
