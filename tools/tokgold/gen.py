@@ -111,6 +111,20 @@ DEEPSEEK_V3_SPLITS = [
 ]
 
 
+# - kimi-k2: the tiktoken pat_str of Kimi K2's tokenization_kimi.py (one regex; tiktoken's
+#   findall and an isolated Split cut the same pieces, since its alternatives cover every char).
+KIMI_K2_SPLIT = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+
 def pre_configs():
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as HF
 
@@ -125,6 +139,7 @@ def pre_configs():
         "qwen35": {"splits": [HF["qwen35"]], "ignore_merges": False},
         "gpt-4o": {"splits": [HF["gpt-4o"]], "ignore_merges": False},
         "deepseek-v3": {"splits": DEEPSEEK_V3_SPLITS, "ignore_merges": False},
+        "kimi-k2": {"splits": [KIMI_K2_SPLIT], "ignore_merges": False},
     }
 
 

@@ -36,6 +36,15 @@ const DEEPSEEK_V3: &[&str] = &[
     ),
 ];
 
+/// Kimi K2's (`tokenization_kimi.py`'s tiktoken `pat_str`): Han runs alone, o200k-style cased
+/// words whose letter classes exclude Han (set intersection), digits by three.
+const KIMI_K2: &str = concat!(
+    r"[\p{Han}]+",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+);
+
 /// How one family of `tokenizer.ggml.pre` names tokenizes.
 struct Family {
     names: &'static [&'static str],
@@ -114,6 +123,12 @@ const FAMILIES: &[Family] = &[
         ignore_merges: false,
         add_bos: false,
     },
+    Family {
+        names: &["kimi-k2"],
+        regexes: &[KIMI_K2],
+        ignore_merges: false,
+        add_bos: false,
+    },
 ];
 
 /// Every `tokenizer.ggml.pre` value a `gpt2` vocabulary may carry here.
@@ -154,6 +169,7 @@ pub const SUPPORTED: &[&str] = &[
     "hunyuan-dense",
     "joyai-llm",
     "hy_v4",
+    "kimi-k2",
 ];
 
 /// A compiled pre-tokenizer.

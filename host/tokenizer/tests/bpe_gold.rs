@@ -28,6 +28,7 @@ fn ids_match_hugging_face_for_every_pre_tokenizer() {
         "qwen35",
         "gpt-4o",
         "deepseek-v3",
+        "kimi-k2",
     ] {
         assert!(
             pres.contains_key(required),
@@ -70,6 +71,7 @@ fn round_trip_and_streaming() {
         "qwen35",
         "gpt-4o",
         "deepseek-v3",
+        "kimi-k2",
     ] {
         let t = Tokenizer::new(bpe_spec(pre)).unwrap();
         for text in &texts {
