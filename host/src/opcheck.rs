@@ -453,6 +453,7 @@ mod tests {
         ("state_rows", None),
         ("mask", None),
         ("scan", None),
+        ("block_select", Some("none yet: CPU only, the CUDA lowering refuses it by name")),
     ];
 
     #[test]

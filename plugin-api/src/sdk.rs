@@ -472,6 +472,11 @@ impl<'a> Graph<'a> {
     pub fn mask(&mut self, window: u32) -> Result<Val, PluginError> {
         self.op(Op::Mask { window }, &[])
     }
+    /// Block-sparse key selection from per-key scores `[.., T, C]`: the
+    /// additive mask of the chosen blocks' keys (see [`Op::BlockSelect`]).
+    pub fn block_select(&mut self, scores: Val, block: u32, top_k: u32, local: u32) -> Result<Val, PluginError> {
+        self.op(Op::BlockSelect { block, top_k, local }, &[scores])
+    }
     /// `S_t = a_t * S_{t-1} + b_t` on a recurrent state; every `S_t`.
     pub fn scan(&mut self, state: u32, a: Val, b: Val) -> Result<Val, PluginError> {
         self.op(Op::Scan { state }, &[a, b])

@@ -317,6 +317,7 @@ fn act_code(a: Activation) -> Result<i32, CudaError> {
             "activation",
             "exact GELU has no CUDA kernel yet (use gelu_tanh)",
         )),
+        Activation::SwigluOai => Err(shape("activation", "swiglu_oai has no CUDA kernel yet")),
     }
 }
 

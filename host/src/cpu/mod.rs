@@ -84,6 +84,7 @@ pub(crate) fn act_of(a: Act) -> Activation {
         Act::Silu => Activation::Silu,
         Act::GeluTanh => Activation::GeluTanh,
         Act::Gelu => Activation::Gelu,
+        Act::SwigluOai => Activation::SwigluOai,
     }
 }
 

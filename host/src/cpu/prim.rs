@@ -408,10 +408,12 @@ pub fn eval(op: &Op, ins: &[&Tensor], want: &[usize], cx: &PrimCx<'_>) -> Option
             }
             Op::Rope(r) => rope(ins[0], r, want, cx.positions)?,
             Op::Glu(a) => binary(ins[0], ins[1], want, match super::act_of(*a) {
-                Activation::Silu => |g, u| ops::silu(g) * u,
-                Activation::GeluTanh => |g, u| ops::gelu_tanh(g) * u,
-                Activation::Gelu => |g, u| ops::gelu(g) * u,
+                Activation::Silu => |g, u| Activation::Silu.unit(g, u),
+                Activation::GeluTanh => |g, u| Activation::GeluTanh.unit(g, u),
+                Activation::Gelu => |g, u| Activation::Gelu.unit(g, u),
+                Activation::SwigluOai => |g, u| Activation::SwigluOai.unit(g, u),
             })?,
+            Op::BlockSelect { block, top_k, local } => block_select(ins[0], *block as usize, *top_k as usize, *local as usize, cx.positions)?,
             _ => return Err(String::new()),
         })
     })();
@@ -419,6 +421,39 @@ pub fn eval(op: &Op, ins: &[&Tensor], want: &[usize], cx: &PrimCx<'_>) -> Option
         Err(e) if e.is_empty() => None,
         r => Some(r),
     }
+}
+
+/// [`Op::BlockSelect`]: rows of C keys, the second-to-last axis the step's
+/// queries (row r's query is `r % T`).
+pub fn block_select(x: &Tensor, block: usize, top_k: usize, local: usize, positions: &[u32]) -> R<Tensor> {
+    let d = x.f()?;
+    let c = *x.dims.last().ok_or("block_select of a scalar")?;
+    let t = positions.len();
+    if x.dims.len() < 2 || x.dims[x.dims.len() - 2] != t {
+        return Err(format!("block_select: scores {:?} for {t} queries", x.dims));
+    }
+    let nb = c.div_ceil(block);
+    let mut out = vec![f32::NEG_INFINITY; d.len()];
+    let mut score = vec![0f32; nb];
+    for (r, row) in d.chunks(c.max(1)).enumerate() {
+        for (b, s) in score.iter_mut().enumerate() {
+            *s = row[b * block..((b + 1) * block).min(c)].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        }
+        // The query's own block and the local ones before it win first.
+        let qb = positions[r % t] as usize / block;
+        for l in 0..local {
+            if let Some(s) = score.get_mut(qb.saturating_sub(l)) {
+                *s = f32::INFINITY;
+            }
+        }
+        for b in ops::top_k(&score, top_k.min(nb)) {
+            if score[b] == f32::NEG_INFINITY {
+                continue;
+            }
+            out[r * c + b * block..(r * c + (b + 1) * block).min((r + 1) * c)].iter_mut().for_each(|v| *v = 0.0);
+        }
+    }
+    Ok(Tensor::f32(x.dims.clone(), out))
 }
 
 /// Query row i (at position p) sees key j iff j <= p and, with a window,
@@ -517,6 +552,26 @@ mod tests {
         assert_eq!(&rows.f().unwrap()[..3], &[0.9, 0.05, 0.05]);
         assert!(gather(&a, &Tensor::i32(vec![1], vec![2])).is_err());
         assert!(take_along(&a, &Tensor::i32(vec![2, 1], vec![3, 0])).is_err());
+    }
+
+    #[test]
+    fn block_select_keeps_the_local_and_best_blocks() {
+        // One query at position 9, 11 keys in blocks of 3 (the last one short):
+        // blocks 0..3 score 5, 1, 7 (a -inf key does not count), block 3 is the
+        // query's own (local) and in the future beyond key 9.
+        let ninf = f32::NEG_INFINITY;
+        let s = t(&[1, 11], &[5.0, 0.0, 0.0, 1.0, ninf, 0.5, 7.0, 2.0, 2.0, 0.1, ninf]);
+        let m = block_select(&s, 3, 2, 1, &[9]).unwrap();
+        let kept: Vec<bool> = m.f().unwrap().iter().map(|&v| v == 0.0).collect();
+        // Local block 3 (keys 9, 10) and the best other one, block 2 (keys 6..9).
+        assert_eq!(kept, [false, false, false, false, false, false, true, true, true, true, true]);
+        // Ties go to the lower block; a -inf block is never chosen, even with room.
+        let s = t(&[1, 6], &[1.0, 1.0, 1.0, 1.0, ninf, ninf]);
+        let m = block_select(&s, 2, 3, 0, &[1]).unwrap();
+        assert_eq!(m.f().unwrap(), &[0.0, 0.0, 0.0, 0.0, ninf, ninf]);
+        let m = block_select(&s, 2, 1, 0, &[1]).unwrap();
+        assert_eq!(m.f().unwrap(), &[0.0, 0.0, ninf, ninf, ninf, ninf]);
+        assert!(block_select(&s, 2, 1, 0, &[1, 2]).is_err(), "two queries for one row of scores");
     }
 
     #[test]

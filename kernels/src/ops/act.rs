@@ -1,17 +1,32 @@
-/// Activation functions of the FFNs.
+/// Activation functions of the FFNs' gated units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
     Silu,
     GeluTanh,
     Gelu,
+    /// GPT-OSS's clamped SwiGLU (also MiniMax M3's), alpha 1.702 and limit 7.
+    SwigluOai,
 }
 
+/// swiglu_oai's constants (llama.cpp fixes them; GGUF files carry no key).
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
 impl Activation {
-    pub fn apply(self, x: f32) -> f32 {
+    /// The gated unit: `act(gate) * up`, or swiglu_oai's
+    /// `(clamp(up, -7, 7) + 1) * (g * sigmoid(1.702 g))` with `g = min(gate, 7)`
+    /// (HF's order of operations).
+    pub fn unit(self, gate: f32, up: f32) -> f32 {
         match self {
-            Activation::Silu => silu(x),
-            Activation::GeluTanh => gelu_tanh(x),
-            Activation::Gelu => gelu(x),
+            Activation::Silu => silu(gate) * up,
+            Activation::GeluTanh => gelu_tanh(gate) * up,
+            Activation::Gelu => gelu(gate) * up,
+            Activation::SwigluOai => {
+                let g = gate.min(SWIGLU_OAI_LIMIT);
+                let u = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT);
+                let glu = g * super::math::sigmoid(g * SWIGLU_OAI_ALPHA);
+                (u + 1.0) * glu
+            }
         }
     }
 }
@@ -57,7 +72,7 @@ fn erf(x: f64) -> f64 {
 /// `out = act(gate) * up`, elementwise, in place into `gate`.
 pub fn glu_rows(gate: &mut [f32], up: &[f32], act: Activation) {
     assert_eq!(gate.len(), up.len(), "glu: gate and up lengths");
-    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = act.apply(*g) * u);
+    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = act.unit(*g, u));
 }
 
 #[cfg(test)]
@@ -71,6 +86,12 @@ mod tests {
         assert!((gelu(1.0) - 0.841_344_7).abs() < 1e-6);
         assert!((gelu(-2.0) - (-0.045_500_26)).abs() < 1e-6);
         assert_eq!(silu(0.0), 0.0);
+        // swiglu_oai: (clamp(u, ±7) + 1) · g σ(1.702 g), g = min(gate, 7).
+        let oai = |g: f32, u: f32| (u.clamp(-7.0, 7.0) + 1.0) * (g.min(7.0) / (1.0 + (-1.702 * g.min(7.0)).exp()));
+        for (g, u) in [(1.0, 0.5), (-2.0, 3.0), (9.0, -8.0), (0.0, 2.0), (7.5, 9.0)] {
+            assert!((Activation::SwigluOai.unit(g, u) - oai(g, u)).abs() < 1e-5, "({g}, {u})");
+        }
+        assert_eq!(Activation::Silu.unit(1.5, 2.0), silu(1.5) * 2.0);
         let mut g = vec![1.0, -1.0];
         glu_rows(&mut g, &[2.0, 3.0], Activation::Silu);
         assert!((g[0] - 2.0 * 0.731_058_6).abs() < 1e-6);

@@ -18,6 +18,10 @@ pub enum Act {
     GeluTanh,
     /// Exact (erf) GELU.
     Gelu,
+    /// GPT-OSS's clamped SwiGLU (MiniMax M3 too): the gated unit is
+    /// `(clamp(up, -7, 7) + 1) · (g · σ(1.702 g))` with `g = min(gate, 7)`.
+    /// Its constants are fixed, as llama.cpp fixes them (no GGUF key).
+    SwigluOai,
 }
 
 /// Elementwise functions of one value.
@@ -178,6 +182,14 @@ pub enum Op {
     Glu(Act),
     Attention(Attention),
     Experts(Experts),
+    /// Block-sparse key selection (MiniMax M3's indexer), from per-key scores
+    /// `[.., T, C]` (-inf where masked): keys in blocks of `block` (the last
+    /// one may be short), a block scored by its best key; per row, the
+    /// query's own block and the `local - 1` before it (at the step's
+    /// positions) always taken, then the best blocks up to `top_k` in all
+    /// (ties: the lower block), never a block whose score is -inf. Gives the
+    /// additive mask `[.., T, C]`: 0 on the chosen blocks' keys, -inf elsewhere.
+    BlockSelect { block: u32, top_k: u32, local: u32 },
     /// Append the step's rows `[T, W]` to a rows state (at the step's
     /// positions) and read the whole cache back: `[C, W]`.
     StateRows { state: u32 },
@@ -222,9 +234,10 @@ pub mod code {
     pub const STATE_ROWS: u32 = 50;
     pub const MASK: u32 = 51;
     pub const SCAN: u32 = 52;
+    pub const BLOCK_SELECT: u32 = 53;
 }
 
-const ACTS: [Act; 3] = [Act::Silu, Act::GeluTanh, Act::Gelu];
+const ACTS: [Act; 4] = [Act::Silu, Act::GeluTanh, Act::Gelu, Act::SwigluOai];
 const UNARIES: [Unary; 15] = [
     Unary::Neg,
     Unary::Exp,
@@ -302,6 +315,7 @@ impl Op {
             Op::StateRows { .. } => "state_rows",
             Op::Mask { .. } => "mask",
             Op::Scan { .. } => "scan",
+            Op::BlockSelect { .. } => "block_select",
         }
     }
 
@@ -346,6 +360,7 @@ impl Op {
             Op::StateRows { state } => (code::STATE_ROWS, vec![*state as i64], vec![]),
             Op::Mask { window } => (code::MASK, vec![*window as i64], vec![]),
             Op::Scan { state } => (code::SCAN, vec![*state as i64], vec![]),
+            Op::BlockSelect { block, top_k, local } => (code::BLOCK_SELECT, vec![*block as i64, *top_k as i64, *local as i64], vec![]),
         };
         Encoded { code, ints, floats }
     }
@@ -409,6 +424,11 @@ impl Op {
             code::STATE_ROWS => Op::StateRows { state: u32_of(int(0)?, "state")? },
             code::MASK => Op::Mask { window: u32_of(int(0)?, "mask window")? },
             code::SCAN => Op::Scan { state: u32_of(int(0)?, "state")? },
+            code::BLOCK_SELECT => Op::BlockSelect {
+                block: u32_of(int(0)?, "block_select block")?,
+                top_k: u32_of(int(1)?, "block_select top_k")?,
+                local: u32_of(int(2)?, "block_select local")?,
+            },
             other => return Err(format!("unknown opcode {other} (the plugin needs a newer host)")),
         })
     }
@@ -721,6 +741,17 @@ pub fn infer(op: &Op, ins: &[&Shape], cx: &ShapeCx<'_>) -> Result<Shape, String>
             Ok(Shape::f32(vec![Dim::C, Dim::N(w)]))
         }
         Op::Mask { .. } => Ok(Shape::f32(vec![Dim::T, Dim::C])),
+        Op::BlockSelect { block, top_k, local } => {
+            want_f32(ins[0], "block_select scores")?;
+            let r = ins[0].rank();
+            if r < 2 || ins[0].dims[r - 2] != Dim::T {
+                return Err(format!("block_select scores must be [.., T, keys], got {}", ins[0]));
+            }
+            if *block == 0 || *top_k == 0 || local > top_k {
+                return Err(format!("block_select: block {block}, top_k {top_k}, local {local} (need block, top_k >= 1 and local <= top_k)"));
+            }
+            Ok(ins[0].clone())
+        }
         Op::Scan { state } => {
             let st = cx.state(*state, STATE_RECURRENT, "recurrent state")?;
             let mut want = vec![Dim::T];
@@ -772,8 +803,11 @@ mod tests {
                 yarn: Some(Yarn { factor: 40.0, orig_ctx: 4096.0, beta_fast: 32.0, beta_slow: 1.0 }),
             }),
             Op::Glu(Act::GeluTanh),
+            Op::Glu(Act::SwigluOai),
             Op::Attention(Attention { state: 4, scale: 0.1, window: 512, softcap: 50.0 }),
             Op::Experts(Experts { layer: 3, gate: Wt(10), up: Wt(11), down: Wt(12), act: Act::Silu }),
+            Op::Experts(Experts { layer: 1, gate: Wt(10), up: Wt(11), down: Wt(12), act: Act::SwigluOai }),
+            Op::BlockSelect { block: 64, top_k: 16, local: 1 },
             Op::StateRows { state: 2 },
             Op::Mask { window: 16 },
             Op::Scan { state: 1 },
