@@ -443,8 +443,12 @@ use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
         m
     }
 
+    fn open_as(arch: &str, m: &FakeModel) -> Result<FamilyBox, String> {
+        (plugin_module().open())(arch.into(), m.view()).into_result().map_err(|e| e.into_string())
+    }
+
     fn open(m: &FakeModel) -> Result<FamilyBox, String> {
-        (plugin_module().open())("minimax-m2".into(), m.view()).into_result().map_err(|e| e.into_string())
+        open_as("minimax-m2", m)
     }
 
     #[test]
@@ -527,7 +531,7 @@ use pulsar_plugin_api::{Dim, FamilyBox, StepKind};
     }
 
     fn open_m3(m: &FakeModel) -> Result<FamilyBox, String> {
-        (plugin_module().open())("minimax-m3".into(), m.view()).into_result().map_err(|e| e.into_string())
+        open_as("minimax-m3", m)
     }
 
     #[test]
