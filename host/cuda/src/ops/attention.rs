@@ -1,0 +1,200 @@
+//! Attention: the KV-cache write and the decode / split / tiled prefill
+//! attention kernels (a fourth `impl CudaDevice`). Twin: `ops::attend_rows`.
+
+use super::*;
+
+impl CudaDevice {
+    /// Write a step's `k` (`[n, kw]`) and `v` (`[n, vw]`) rows into a layer's
+    /// cache (`n_ctx` rows) at the rows `positions` name, read on the device
+    /// so a captured decode graph stays right from token to token.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        stream: &CudaStream,
+        k: &DeviceBuf<f32>,
+        v: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        kw: usize,
+        vw: usize,
+        k_cache: &mut DeviceBuf<f32>,
+        v_cache: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_write";
+        let n = positions.len();
+        want(OP, "k", k.len(), n * kw)?;
+        want(OP, "v", v.len(), n * vw)?;
+        if kw == 0 || vw == 0 || k_cache.len() % kw != 0 || v_cache.len() / vw != k_cache.len() / kw {
+            return Err(shape(OP, format!("caches of {} and {} values for widths {kw} and {vw}", k_cache.len(), v_cache.len())));
+        }
+        if n > 65535 {
+            return Err(shape(OP, "more than 65535 rows"));
+        }
+        let n_ctx = to_i32(OP, "n_ctx", k_cache.len() / kw)?;
+        let (kwi, vwi) = (to_i32(OP, "kw", kw)?, to_i32(OP, "vw", vw)?);
+        let f = self.func(Family::Attention, 3)?;
+        let (kp, vp, pp, kcp, vcp) = (k.device_ptr(), v.device_ptr(), positions.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr());
+        let grid = ((kw + vw).div_ceil(256).min(64) as u32, n as u32, 1);
+        // SAFETY: (k, v, positions, kc, vc, kw, vw, n_ctx) as kv_write; sizes checked above.
+        unsafe { self.launch(f, grid, 256, 0, stream, &mut params![kp, vp, pp, kcp, vcp, kwi, vwi, n_ctx]) }
+    }
+
+    /// Causal attention of `positions.len()` queries over the first `n_ctx`
+    /// rows of a KV cache (f32, or f16 bits as `u16`), split over the keys.
+    /// `work` holds [`attention_workspace_len`] values. Twin: `ops::attend_rows`.
+    /// Prefill-sized steps take [`AttnKernel::Tiled`] where it applies.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention<K: KvElem>(
+        &self,
+        stream: &CudaStream,
+        p: &AttnParams,
+        q: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        k_cache: &DeviceBuf<K>,
+        v_cache: &DeviceBuf<K>,
+        n_ctx: usize,
+        work: &mut DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        let n_q = positions.len();
+        let rows = n_q.saturating_mul(p.n_head / p.n_kv_head.max(1));
+        let blocks = rows.div_ceil(ATT_PREFILL_ROWS).saturating_mul(p.n_kv_head).saturating_mul(attention_splits(p, n_ctx));
+        let tiled = n_q >= ATT_TILED_MIN_Q
+            && blocks >= ATT_TILED_MIN_BLOCKS
+            && self.attention_tiled_entry::<K>(p, n_q, [q.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr()])?.is_some();
+        let kernel = if tiled { AttnKernel::Tiled } else { AttnKernel::PerQuery };
+        self.attention_with(stream, kernel, p, q, positions, k_cache, v_cache, n_ctx, work, out)
+    }
+
+    /// Whether [`AttnKernel::Tiled`] takes these heads on this device
+    /// (given 16-byte aligned buffers, as [`CudaDevice::alloc`] makes them).
+    pub fn attention_tiled_available<K: KvElem>(&self, p: &AttnParams) -> Result<bool, CudaError> {
+        Ok(self.attention_tiled_entry::<K>(p, 1, [0; 3])?.is_some())
+    }
+
+    /// The attn_prefill entry and its dynamic shared memory for these
+    /// heads, or None where it does not apply (head dims, this device's
+    /// shared memory, rows past i32, pointers not 16-byte aligned).
+    fn attention_tiled_entry<K: KvElem>(&self, p: &AttnParams, n_q: usize, ptrs: [u64; 3]) -> Result<Option<(usize, u32)>, CudaError> {
+        let Some(i) = ATT_PREFILL_DIMS.iter().position(|&d| d == p.head_dim_k) else {
+            return Ok(None);
+        };
+        let index = ATT_PREFILL + 2 * i + K::ENTRY;
+        let smem = attn_prefill_smem(p.head_dim_k);
+        let fits = p.head_dim_v == p.head_dim_k
+            && n_q.checked_mul(p.n_head).is_some_and(|r| r <= i32::MAX as usize)
+            && ptrs.iter().all(|a| a % 16 == 0)
+            && self.func_smem(Family::Attention, index)? >= smem;
+        Ok(fits.then_some((index, smem)))
+    }
+
+    /// [`CudaDevice::attention`] with an explicit kernel for the partials;
+    /// [`AttnKernel::Tiled`] where it does not apply is an error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with<K: KvElem>(
+        &self,
+        stream: &CudaStream,
+        kernel: AttnKernel,
+        p: &AttnParams,
+        q: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        k_cache: &DeviceBuf<K>,
+        v_cache: &DeviceBuf<K>,
+        n_ctx: usize,
+        work: &mut DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attention";
+        if p.n_kv_head == 0 || p.n_head % p.n_kv_head != 0 || p.head_dim_k == 0 || p.head_dim_v == 0
+        {
+            return Err(shape(
+                OP,
+                format!("{} heads over {} kv heads", p.n_head, p.n_kv_head),
+            ));
+        }
+        if p.head_dim_k > 1024 {
+            return Err(shape(OP, format!("head_dim_k {} above 1024", p.head_dim_k)));
+        }
+        let n_q = positions.len();
+        want(OP, "q", q.len(), n_q * p.n_head * p.head_dim_k)?;
+        want(OP, "out", out.len(), n_q * p.n_head * p.head_dim_v)?;
+        if k_cache.len() < n_ctx * p.n_kv_head * p.head_dim_k
+            || v_cache.len() < n_ctx * p.n_kv_head * p.head_dim_v
+        {
+            return Err(shape(OP, format!("cache shorter than {n_ctx} rows")));
+        }
+        let n_split = attention_splits(p, n_ctx);
+        want(
+            OP,
+            "work",
+            work.len(),
+            attention_workspace_len(p, n_q, n_ctx),
+        )?;
+        if n_q > 65535 || p.n_head > 65535 || n_split > 65535 {
+            return Err(shape(OP, "grid too large"));
+        }
+        let (nq, nh, nkv) = (n_q as i32, p.n_head as i32, p.n_kv_head as i32);
+        let (dk, dv, nc) = (
+            p.head_dim_k as i32,
+            p.head_dim_v as i32,
+            to_i32(OP, "n_ctx", n_ctx)?,
+        );
+        let (scale, window, softcap) = (p.scale, to_i32(OP, "window", p.window)?, p.softcap);
+        let (chunk, ns) = (ATT_CHUNK as i32, n_split as i32);
+        let (qp, pp, kp, vp, wp, op) = (
+            q.device_ptr(),
+            positions.device_ptr(),
+            k_cache.device_ptr(),
+            v_cache.device_ptr(),
+            work.device_ptr(),
+            out.device_ptr(),
+        );
+        if kernel == AttnKernel::Tiled {
+            let Some((index, smem)) = self.attention_tiled_entry::<K>(p, n_q, [qp, kp, vp])? else {
+                return Err(shape(OP, format!("no tiled kernel for d_k {} d_v {} here", p.head_dim_k, p.head_dim_v)));
+            };
+            let f = self.func(Family::Attention, index)?;
+            let tiles = (n_q * (p.n_head / p.n_kv_head)).div_ceil(ATT_PREFILL_ROWS);
+            let grid = (tiles as u32, p.n_kv_head as u32, n_split as u32);
+            // SAFETY: parameters as AP_ENTRY; sizes checked above, rows within i32.
+            unsafe {
+                self.launch(
+                    f,
+                    grid,
+                    ATT_PREFILL_THREADS,
+                    smem,
+                    stream,
+                    &mut params![qp, pp, kp, vp, wp, nq, nh, nkv, nc, scale, window, softcap, ns],
+                )?;
+            }
+        } else {
+            let f = self.func(Family::Attention, K::ENTRY)?;
+            let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
+            let grid = (p.n_head as u32, n_q as u32, n_split as u32);
+            // SAFETY: parameters as ATT_ENTRY; sizes checked above.
+            unsafe {
+                self.launch(
+                    f,
+                    grid,
+                    ATT_THREADS,
+                    smem,
+                    stream,
+                    &mut params![
+                        qp, pp, kp, vp, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns
+                    ],
+                )?;
+            }
+        }
+        let f = self.func(Family::Attention, 2)?;
+        // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.
+        unsafe {
+            self.launch(
+                f,
+                (p.n_head as u32, n_q as u32, 1),
+                ATT_THREADS,
+                0,
+                stream,
+                &mut params![wp, op, nq, nh, dv, ns],
+            )
+        }
+    }
+}
