@@ -21,6 +21,9 @@
 #             --vram-budget 16 (cold and warm; upload and zero-copy cold paths),
 #             skew 0 and 1 ($BENCH_SKEWS, default "0 1")
 #   q4k       the same geometry with q4_K experts at 24 layers
+#   twins     each new family's synthetic twin at its real geometry, cut to $TWIN_LAYERS
+#             (default 8) layers of q2_K experts: resident and --vram-budget 16 (cold,
+#             warm) tg64 with the per-tier traffic; the file is deleted after each
 set -uo pipefail
 B="$(cd "${1:?usage: scripts/gpu-e2e.sh BIN_DIR [OUT_DIR] [STAGES]}" && pwd)"
 O="${2:-${OUT:-/tmp/pulsar-gpu}}"
@@ -115,6 +118,18 @@ print(float(m.group(1))*{'KiB':1/2**20,'MiB':1/2**10,'GiB':1}[m.group(2)] if m e
         say "$arch budget $b GiB (+$extra KiB) $cp: $v; $(grep -E 'vram expert pool|error' "$WORK/err.txt" | head -2 | tr '\n' ' ')"
       done
     done
+  done
+fi
+
+if has twins; then
+  say "## synthetic twins at real geometry (${TWIN_LAYERS:-8} layers, q2_K experts)"
+  for preset in deepseek-v3-671b kimi-k2-1t hy3-295b minimax-m2-230b; do
+    m="$WORK/$preset.gguf"
+    "$H" synth --preset "$preset" --layers "${TWIN_LAYERS:-8}" --expert-type q2_K -o "$m" > "$O/twin-$preset.log" 2>&1 || { say "$preset: synth failed"; continue; }
+    say "$preset: $(ls -la "$m" | awk '{printf "%.2f GiB", $5/2^30}')"
+    "$H" bench -m "$m" -p 128 -n 32 -r 2 --device cuda "${P[@]}" 2>>"$O/twin-$preset.log" | grep -E '^\| ' | tee -a "$S"
+    "$H" bench -m "$m" -p 0 -n 32 -r 2 --device cuda --vram-budget 16 "${P[@]}" 2>>"$O/twin-$preset.log" | grep -E '^\||floor|tier' | tee -a "$S"
+    rm -f "$m" "$m.warm"
   done
 fi
 

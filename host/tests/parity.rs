@@ -255,3 +255,86 @@ fn a_wrong_rope_base_fails_parity() {
         assert!(bad.max_rel > 1e-2, "{arch}: a wrong RoPE base went unnoticed ({})", bad.max_rel);
     }
 }
+
+/// The arch-prefixed keys of a file, and its tensor names by layer kind
+/// (`blk.N.` stripped) for the first dense and the first MoE layer.
+fn dialect(keys: Vec<String>, tensors: Vec<String>, arch: &str) -> (std::collections::BTreeSet<String>, [std::collections::BTreeSet<String>; 2]) {
+    let prefix = format!("{arch}.");
+    let keys = keys.into_iter().filter(|k| k.starts_with(&prefix)).collect();
+    let layer = |l: usize| -> std::collections::BTreeSet<String> {
+        let p = format!("blk.{l}.");
+        tensors.iter().filter_map(|t| t.strip_prefix(&p)).map(str::to_string).collect()
+    };
+    let kind = |moe: bool| (0..200).map(layer).find(|s| !s.is_empty() && s.contains("ffn_gate_inp.weight") == moe).unwrap_or_default();
+    (keys, [kind(false), kind(true)])
+}
+
+/// Each family's synthetic twin at its real geometry (`synth` presets) is
+/// written in its fixture's dialect (the same keys, the same tensor names in
+/// dense and MoE layers, checked against the converter's files), and opens
+/// in its plugin with graphs that check; no weight is written for this.
+#[test]
+fn real_geometry_synth_presets_are_the_fixtures_dialect_and_open_in_their_plugins() {
+    use pulsar_plugin_api::testing::FakeModel;
+    use pulsar_plugin_api::{MetaValue, StepKind};
+    let cases = [("deepseek-v3-671b", "deepseek2", "deepseek2"), ("kimi-k2-1t", "deepseek2", "deepseek2-kimi_k25"), ("hy3-295b", "hy_v3", "hy_v3"), ("minimax-m2-230b", "minimax-m2", "minimax-m2")];
+    let mut opened = 0;
+    for (preset, arch, fixture) in cases {
+        let s = pulsar_host::synth::preset(preset).unwrap();
+        assert_eq!(s.arch, arch);
+        let (kv, tensors) = pulsar_host::synth::header(&s).unwrap();
+        let f = GgufFile::open(&fixtures().join(fixture).join("model-f32.gguf")).unwrap();
+        let want = dialect(f.metadata().keys().map(str::to_string).collect(), f.tensors().iter().map(|t| t.name.clone()).collect(), arch);
+        let got = dialect(kv.iter().map(|(k, _)| k.clone()).collect(), tensors.iter().map(|t| t.0.clone()).collect(), arch);
+        // The converter's `vocab_size` is deepseek2's only; context keys may differ in value only.
+        assert_eq!(got.0, want.0, "{preset}: metadata keys differ from the fixture's");
+        assert_eq!(got.1, want.1, "{preset}: dense / MoE layer tensors differ from the fixture's");
+        let Some((_, module)) = plugin(arch) else { continue };
+        let mut m = FakeModel::new();
+        for (k, v) in &kv {
+            let mv = match v {
+                Value::U32(x) => MetaValue::U64(*x as u64),
+                Value::F32(x) => MetaValue::F64(*x as f64),
+                Value::Bool(b) => MetaValue::Bool(*b),
+                Value::String(x) => MetaValue::Str(x.as_str().into()),
+                _ => continue,
+            };
+            m = m.kv(k, mv);
+        }
+        for (name, dims, _) in &tensors {
+            m = m.t(name, dims);
+        }
+        let fam = (module.open())(arch.into(), m.view()).into_result().unwrap_or_else(|e| panic!("{preset}: {}", e.into_string()));
+        for kind in [StepKind::Decode, StepKind::Prefill] {
+            m.check_graph(&fam, kind).unwrap_or_else(|e| panic!("{preset} {kind:?}: {e}"));
+        }
+        opened += 1;
+    }
+    assert_eq!(opened, cases.len(), "every family's plugin is staged");
+}
+
+/// The small twins (`tiny-*` presets) write, load and run on the CPU: finite
+/// logits, and a prefill equal to token-by-token decode.
+#[test]
+fn tiny_synth_twins_run_on_the_cpu() {
+    let cpu = CpuBackend::new(2).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut seen = 0;
+    for preset in ["tiny-deepseek2", "tiny-kimi-k2", "tiny-hy3", "tiny-minimax-m2"] {
+        let s = pulsar_host::synth::preset(preset).unwrap();
+        let Some((name, module)) = plugin(&s.arch) else { continue };
+        seen += 1;
+        let path = dir.path().join(format!("{preset}.gguf"));
+        pulsar_host::synth::write(&s, &path, false).unwrap();
+        let model = Model::from_file(GgufFile::open(&path).unwrap(), &name, module).unwrap();
+        let toks = [72u32, 101, 108, 108, 111, 32, 119];
+        let mut a = Engine::new(&model, &cpu, &MappedExperts, 64);
+        let all = a.forward(&toks, true).unwrap();
+        assert!(all.iter().flatten().all(|v| v.is_finite()), "{preset}: non-finite logits");
+        let mut b = Engine::new(&model, &cpu, &MappedExperts, 64);
+        for (i, &t) in toks.iter().enumerate() {
+            assert_eq!(b.forward(&[t], false).unwrap()[0], all[i], "{preset}: decode position {i} differs from the prefill");
+        }
+    }
+    assert_eq!(seen, 4, "the deepseek2, hy_v3 and minimax plugins are staged");
+}

@@ -10,10 +10,12 @@ use crate::synth;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Family (only qwen3moe for now).
-    #[arg(long, default_value = "qwen3moe")]
-    pub arch: String,
-    /// Geometry: tiny, qwen3-30b-a3b, qwen3-235b-a22b.
+    /// Family: qwen3moe, deepseek2, hy_v3 or minimax-m2 (a check: the preset names it).
+    #[arg(long)]
+    pub arch: Option<String>,
+    /// Geometry of a real model: tiny, qwen3-30b-a3b, qwen3-235b-a22b (qwen3moe);
+    /// deepseek-v3-671b, kimi-k2-1t (deepseek2); hy3-295b (hy_v3); minimax-m2-230b
+    /// (minimax-m2); tiny-deepseek2, tiny-kimi-k2, tiny-hy3, tiny-minimax-m2 (small twins).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Keep only the first N layers (to fit a disk).
@@ -44,10 +46,15 @@ fn ty(name: &str) -> anyhow::Result<GgmlType> {
 }
 
 pub fn main(_ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
-    if a.arch != "qwen3moe" {
-        anyhow::bail!("synth supports --arch qwen3moe only (got `{}`)", a.arch);
-    }
     let mut s = synth::preset(&a.preset)?;
+    if let Some(arch) = &a.arch {
+        if !synth::FAMILIES.contains(&arch.as_str()) {
+            anyhow::bail!("synth writes {} (got --arch `{arch}`)", synth::FAMILIES.join(", "));
+        }
+        if *arch != s.arch {
+            anyhow::bail!("preset `{}` is a {} model, not {arch}", a.preset, s.arch);
+        }
+    }
     if let Some(l) = a.layers {
         if l == 0 || l > s.n_layers {
             anyhow::bail!("--layers must be in 1..={}", s.n_layers);

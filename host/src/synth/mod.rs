@@ -1,5 +1,8 @@
 //! Synthetic models: valid GGUFs of a real family's geometry with random,
 //! well-scaled weights, for benchmarks and for the built-in default model.
+//! Each family's file is written in the dialect of llama.cpp's converter
+//! (the keys and tensor names of the parity fixtures, `layout.rs`), so a
+//! real model's file and its synthetic twin differ only in values.
 //!
 //! Weights are uniform with the variance of a 1/sqrt(fan_in) init, so
 //! activations stay O(1) through any number of layers; norms are 1. Every
@@ -15,6 +18,9 @@ use pulsar_gguf::{GgmlType, GgufWriter, Value};
 use rayon::prelude::*;
 
 use crate::sample::Rng;
+
+mod layout;
+pub use layout::{Mla, YarnSpec, FAMILIES};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthSpec {
@@ -35,6 +41,27 @@ pub struct SynthSpec {
     /// Routing skew: expert e's popularity falls roughly as (e+1)^-skew
     /// (Zipf exponent); 0 = uniform.
     pub skew: f32,
+    /// The vocabulary: 259 byte-level tokens, padded with unused ones up to
+    /// this (a real model's size, so embedding and output weigh what its do).
+    pub n_vocab: u32,
+    /// Leading layers with a dense FFN of `n_ff` (0: every layer MoE).
+    pub n_dense: u32,
+    pub n_ff: u32,
+    /// Shared experts (each `n_ff_exp` wide) beside the routed ones.
+    pub n_shared: u32,
+    /// Rotated dims per head (0: all).
+    pub n_rot: u32,
+    pub rope_base: f32,
+    /// Multiplier on the routing weights (`expert_weights_scale`).
+    pub weights_scale: f32,
+    /// Expert groups and the groups a token may use (1, 1: none).
+    pub n_group: u32,
+    pub n_group_used: u32,
+    /// deepseek2's multi-head latent attention.
+    pub mla: Option<Mla>,
+    pub yarn: Option<YarnSpec>,
+    /// `tokenizer.ggml.pre` (the byte-level vocabulary splits the same under any).
+    pub tok_pre: &'static str,
 }
 
 /// Named geometries of real models.
@@ -54,15 +81,48 @@ pub fn preset(name: &str) -> anyhow::Result<SynthSpec> {
         n_ctx: 4096,
         seed: 1,
         skew: 0.0,
+        n_vocab: BYTE_VOCAB,
+        n_dense: 0,
+        n_ff: 0,
+        n_shared: 0,
+        n_rot: 0,
+        rope_base: 1_000_000.0,
+        weights_scale: 1.0,
+        n_group: 1,
+        n_group_used: 1,
+        mla: None,
+        yarn: None,
+        tok_pre: "qwen2",
     };
     Ok(match name {
         // The built-in default: small enough to create in a second on first use.
         "tiny" => SynthSpec { expert_type: GgmlType::Q8_0, ..base(4, 128, 4, 2, 32, 16, 4, 64) },
         "qwen3-30b-a3b" => base(48, 2048, 32, 4, 128, 128, 8, 768),
         "qwen3-235b-a22b" => base(94, 4096, 64, 4, 128, 128, 8, 1536),
-        other => anyhow::bail!("unknown preset `{other}` (known: tiny, qwen3-30b-a3b, qwen3-235b-a22b)"),
+        other => match layout::preset(other, base(0, 0, 0, 0, 0, 0, 0, 0)) {
+            Some(s) => s,
+            None => anyhow::bail!("unknown preset `{other}` (known: {})", PRESETS.join(", ")),
+        },
     })
 }
+
+/// Every preset name, with its architecture.
+pub const PRESETS: [&str; 11] = [
+    "tiny",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "deepseek-v3-671b",
+    "kimi-k2-1t",
+    "hy3-295b",
+    "minimax-m2-230b",
+    "tiny-deepseek2",
+    "tiny-kimi-k2",
+    "tiny-hy3",
+    "tiny-minimax-m2",
+];
+
+/// 256 byte tokens and the three specials.
+pub const BYTE_VOCAB: u32 = 256 + SPECIALS.len() as u32;
 
 /// GPT-2's printable spelling of each byte.
 fn byte_token(b: u8) -> String {
@@ -76,7 +136,7 @@ fn byte_token(b: u8) -> String {
 
 pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
-struct TensorPlan {
+pub(crate) struct TensorPlan {
     name: String,
     dims: Vec<u64>,
     ty: GgmlType,
@@ -95,7 +155,7 @@ struct TensorPlan {
 /// the stream stays close to the token's own embedding and routing varies
 /// token to token instead of collapsing onto a few experts.
 #[derive(Clone, Copy, PartialEq)]
-enum PlanRole {
+pub(crate) enum PlanRole {
     Plain,
     Embedding,
     Router,
@@ -110,11 +170,14 @@ const H0: f32 = EMBED_OFFSET * 1.732_050_8;
 /// token-independent part (the average over positions) that adds up
 /// coherently layer after layer; scaled by 1/layers its sum stays below the
 /// token's own embedding, so deep layers still route by token.
-fn residual_damp(n_layers: u32) -> f32 {
+pub(crate) fn residual_damp(n_layers: u32) -> f32 {
     (0.25 / n_layers.max(1) as f32).min(0.2)
 }
 
 fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
+    if s.arch != "qwen3moe" {
+        return layout::tensors(s, n_vocab);
+    }
     let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
     let (nq, nkv, nx, ff) = (s.n_head as u64 * hd, s.n_kv_head as u64 * hd, s.n_expert as u64, s.n_ff_exp as u64);
     // Uniform [-a, a] has variance a^2/3: a = sqrt(3/fan_in) gives variance 1/fan_in.
@@ -146,22 +209,32 @@ fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
 
 /// Total bytes the file's tensors will take.
 pub fn tensor_bytes(s: &SynthSpec) -> u64 {
-    tensors(s, 256 + SPECIALS.len() as u64).iter().map(|t| pulsar_gguf::tensor_bytes(t.ty, &t.dims).unwrap_or(0)).sum()
+    tensors(s, s.n_vocab.max(BYTE_VOCAB) as u64).iter().map(|t| pulsar_gguf::tensor_bytes(t.ty, &t.dims).unwrap_or(0)).sum()
 }
 
-/// Write the model to `path`; `progress` shows a bar on stderr.
-pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
+/// The file's metadata and its tensors' (name, ggml dims, type), as
+/// [`write`] writes them: what a plugin sees before any weight is read.
+pub fn header(s: &SynthSpec) -> anyhow::Result<(Vec<(String, Value)>, Vec<(String, Vec<u64>, GgmlType)>)> {
+    let (kv, plan) = plan(s)?;
+    Ok((kv, plan.into_iter().map(|t| (t.name, t.dims, t.ty)).collect()))
+}
+
+fn plan(s: &SynthSpec) -> anyhow::Result<(Vec<(String, Value)>, Vec<TensorPlan>)> {
     if s.n_kv_head == 0 || s.n_head % s.n_kv_head != 0 || s.n_expert_used == 0 || s.n_expert_used > s.n_expert {
         anyhow::bail!("inconsistent geometry: {s:?}");
     }
     let mut tokens: Vec<String> = (0..=255u8).map(byte_token).collect();
     tokens.extend(SPECIALS.iter().map(|s| s.to_string()));
-    let n_vocab = tokens.len() as u64;
     let mut types = vec![1i32; 256];
     types.extend([3, 3, 3]);
-    let mut w = GgufWriter::new();
+    // Padding up to the real vocabulary: unused tokens (type 5) nothing produces.
+    for i in tokens.len()..s.n_vocab as usize {
+        tokens.push(format!("<|synth_unused_{i}|>"));
+        types.push(5);
+    }
+    let n_vocab = tokens.len() as u64;
     let a = &s.arch;
-    let kv: Vec<(String, Value)> = vec![
+    let mut kv: Vec<(String, Value)> = vec![
         ("general.architecture".into(), a.as_str().into()),
         ("general.name".into(), format!("synthetic {a} {}L", s.n_layers).as_str().into()),
         (format!("{a}.block_count"), s.n_layers.into()),
@@ -173,12 +246,12 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
         (format!("{a}.attention.key_length"), s.head_dim.into()),
         (format!("{a}.attention.value_length"), s.head_dim.into()),
         (format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6f32.into()),
-        (format!("{a}.rope.freq_base"), 1_000_000f32.into()),
+        (format!("{a}.rope.freq_base"), s.rope_base.into()),
         (format!("{a}.expert_count"), s.n_expert.into()),
         (format!("{a}.expert_used_count"), s.n_expert_used.into()),
         (format!("{a}.expert_feed_forward_length"), s.n_ff_exp.into()),
         ("tokenizer.ggml.model".into(), "gpt2".into()),
-        ("tokenizer.ggml.pre".into(), "qwen2".into()),
+        ("tokenizer.ggml.pre".into(), s.tok_pre.into()),
         ("tokenizer.ggml.tokens".into(), Value::from(tokens.iter().map(String::as_str).collect::<Vec<&str>>())),
         ("tokenizer.ggml.token_type".into(), Value::from(types)),
         ("tokenizer.ggml.merges".into(), Value::from(Vec::<&str>::new())),
@@ -186,10 +259,19 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
         ("tokenizer.ggml.bos_token_id".into(), 256u32.into()),
         ("tokenizer.ggml.add_bos_token".into(), false.into()),
     ];
+    if s.arch != "qwen3moe" {
+        layout::metadata(s, &mut kv);
+    }
+    Ok((kv, tensors(s, n_vocab)))
+}
+
+/// Write the model to `path`; `progress` shows a bar on stderr.
+pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
+    let (kv, plan) = plan(s)?;
+    let mut w = GgufWriter::new();
     for (k, v) in kv {
         w.add_kv(k, v)?;
     }
-    let plan = tensors(s, n_vocab);
     for t in &plan {
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
@@ -281,6 +363,22 @@ pub fn default_model() -> anyhow::Result<std::path::PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_preset_has_a_consistent_header() {
+        for name in PRESETS {
+            let s = preset(name).unwrap();
+            let (kv, tensors) = header(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(FAMILIES.contains(&s.arch.as_str()), "{name}");
+            let n_vocab = match kv.iter().find(|(k, _)| k == "tokenizer.ggml.tokens") {
+                Some((_, Value::Array(pulsar_gguf::Array::String(t)))) => t.len(),
+                other => panic!("{name}: tokens are {other:?}"),
+            };
+            assert_eq!(n_vocab as u32, s.n_vocab.max(BYTE_VOCAB), "{name}: vocabulary size");
+            assert!(tensors.iter().all(|t| t.1[0] % t.2.block_elems() as u64 == 0), "{name}: a row is not whole blocks");
+        }
+        assert!(preset("nope").unwrap_err().to_string().contains("deepseek-v3-671b"));
+    }
 
     #[test]
     fn byte_alphabet_is_a_bijection() {
