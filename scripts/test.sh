@@ -6,6 +6,8 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 PULSAR_GEMMA_GGUF="${PULSAR_GEMMA_GGUF:-$(scripts/fetch-gemma.sh)}"
+PULSAR_TEMPLATES="${PULSAR_TEMPLATES:-$(scripts/fetch-templates.sh)}"
+export PULSAR_TEMPLATES
 export PULSAR_GEMMA_GGUF
 # NVRTC and the CUDA headers from PyPI wheels: the kernel-compile test runs with no GPU.
 eval "$(tools/nvrtc/setup.sh)"
