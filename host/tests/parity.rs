@@ -338,3 +338,32 @@ fn tiny_synth_twins_run_on_the_cpu() {
     }
     assert_eq!(seen, 4, "the deepseek2, hy_v3 and minimax plugins are staged");
 }
+
+/// The deepseek2 (DeepSeek and Kimi), hy_v3 and minimax-m2 plugins' fallback
+/// chat templates (for GGUFs without one) render plain conversations as the
+/// model authors' published templates do (their renders by transformers, in
+/// fixtures/chat/renders.json).
+#[test]
+fn fallback_chat_templates_match_the_published_ones_on_plain_conversations() {
+    let gold: serde_json::Value = serde_json::from_str(include_str!("fixtures/chat/renders.json")).unwrap();
+    let (bos, eos) = (gold["bos_token"].as_str().unwrap(), gold["eos_token"].as_str().unwrap());
+    let pairs = [("deepseek2", "deepseek-ai-DeepSeek-V3.1"), ("deepseek2-kimi_k25", "moonshotai-Kimi-K2"), ("hy_v3", "tencent-Hy3"), ("minimax-m2", "MiniMax-M2")];
+    let mut seen = 0;
+    for (fixture, published) in pairs {
+        let path = fixtures().join(fixture).join("model-q8_0.gguf");
+        let file = GgufFile::open(&path).unwrap();
+        let arch = file.architecture().unwrap().to_string();
+        let Some((name, module)) = plugin(&arch) else { continue };
+        let model = Model::from_file(file, &name, module).unwrap();
+        let fallback = model.chat.fallback_template.as_ref().map(|s| s.to_string()).into_option().unwrap_or_else(|| panic!("{fixture}: no fallback template"));
+        let t = pulsar_host::chat::ChatTemplate::new(None, Some(&fallback), bos, eos).unwrap();
+        // The first two conversations: system + turns with a generation prompt, one turn without.
+        for (case, want) in gold["cases"].as_array().unwrap().iter().zip(gold["templates"][published].as_array().unwrap()).take(2) {
+            let got = t.render_json(case["conversation"].as_str().unwrap()).unwrap();
+            assert_eq!(got, want["render"].as_str().unwrap(), "{fixture}'s fallback vs {published}: {}", case["name"]);
+        }
+        assert!(!model.chat.stop_markers.is_empty(), "{fixture}: stop markers");
+        seen += 1;
+    }
+    assert_eq!(seen, pairs.len(), "every plugin is staged");
+}

@@ -23,7 +23,7 @@
 
 use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
 use pulsar_plugin_api::{
-    Act, Attention, ChatSpec, Dim, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt, Yarn,
+    Act, Attention, ChatSpec, Dim, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers, Val, Wt, Yarn,
 };
 
 #[derive(Debug, Clone, PartialEq)]
@@ -186,6 +186,8 @@ struct Layer {
 
 pub struct Deepseek2 {
     pub cfg: Config,
+    /// Kimi K2's turn format (`tokenizer.ggml.pre = kimi-k2`), else DeepSeek's.
+    kimi: bool,
     tok_embd: Wt,
     output_norm: Wt,
     output: Wt,
@@ -252,7 +254,8 @@ impl FamilyPlugin for Deepseek2 {
             layers.push(Layer { attn_norm, q, kv_a, kv_norm, k_b, v_b, wo, ffn_norm, ffn, kv });
         }
         cx.set_dims(c.n_layers, c.n_embd, c.n_vocab, c.n_ctx_train);
-        Ok(Deepseek2 { cfg: c, tok_embd, output_norm, output, layers })
+        let kimi = matches!(cx.meta("tokenizer.ggml.pre"), Some(pulsar_plugin_api::MetaValue::Str(s)) if s.as_str() == "kimi-k2");
+        Ok(Deepseek2 { cfg: c, kimi, tok_embd, output_norm, output, layers })
     }
 
     fn forward(&self, g: &mut Graph<'_>) -> Result<Val, PluginError> {
@@ -292,9 +295,22 @@ impl FamilyPlugin for Deepseek2 {
     }
 
     fn chat(&self) -> ChatSpec {
-        ChatSpec::default()
+        let (tpl, stop) = if self.kimi { (KIMI_TEMPLATE, "<|im_end|>") } else { (DEEPSEEK_TEMPLATE, "<｜end▁of▁sentence｜>") };
+        ChatSpec {
+            fallback_template: Some(tpl.into()).into(),
+            stop_markers: vec![stop.into()].into(),
+            thinking: Some(ThinkingMarkers { open: "<think>".into(), close: "</think>".into() }).into(),
+        }
     }
 }
+
+/// DeepSeek-V3.1's turns in non-thinking mode, for GGUFs without
+/// `tokenizer.chat_template` (it renders plain conversations as the
+/// published template does: `host/tests/parity.rs` checks it).
+pub const DEEPSEEK_TEMPLATE: &str = r#"{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' ~ m['content'] }}{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜><think></think>' ~ m['content'] ~ '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜><think></think>' }}{% endif %}"#;
+
+/// Kimi K2's turns (its default system turn when there is none).
+pub const KIMI_TEMPLATE: &str = r#"{% set ns = namespace(sys=false) %}{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.sys = true %}{% endif %}{% endfor %}{% if not ns.sys %}{{ '<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>' }}{% endif %}{% for m in messages %}{% if m['role'] == 'system' %}{{ '<|im_system|>system<|im_middle|>' ~ m['content'] ~ '<|im_end|>' }}{% elif m['role'] == 'user' %}{{ '<|im_user|>user<|im_middle|>' ~ m['content'] ~ '<|im_end|>' }}{% elif m['role'] == 'assistant' %}{{ '<|im_assistant|>assistant<|im_middle|>' ~ m['content'] ~ '<|im_end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"#;
 
 impl Deepseek2 {
     /// Absorbed MLA: queries carry `attn_k_b`, the cache holds [c, k_pe].

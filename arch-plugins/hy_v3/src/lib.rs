@@ -16,7 +16,7 @@
 
 use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
 use pulsar_plugin_api::{
-    Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt,
+    Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers, Val, Wt,
 };
 
 #[derive(Debug, Clone, PartialEq)]
@@ -226,9 +226,19 @@ impl FamilyPlugin for HyV3 {
     }
 
     fn chat(&self) -> ChatSpec {
-        ChatSpec::default()
+        ChatSpec {
+            fallback_template: Some(FALLBACK_TEMPLATE.into()).into(),
+            stop_markers: vec!["<｜hy_eos:opensource｜>".into()].into(),
+            thinking: Some(ThinkingMarkers { open: "<think:opensource>".into(), close: "</think:opensource>".into() }).into(),
+        }
     }
 }
+
+/// Hy3's turns with reasoning off, for GGUFs without `tokenizer.chat_template`
+/// (plain conversations render as the published template renders them:
+/// `host/tests/parity.rs` checks it; an assistant turn that ends the
+/// conversation has no end-of-sentence, as there).
+pub const FALLBACK_TEMPLATE: &str = r#"{{ '<｜hy_begin_of_sentence:opensource｜>' }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}{{ '<｜reasoning_mode:opensource｜>reasoning_effort:no_think' }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜hy_User:opensource｜>' ~ m['content'] }}{% elif m['role'] == 'assistant' %}{{ '<｜hy_Assistant:opensource｜><think:opensource></think:opensource>' ~ m['content'] }}{% if not loop.last %}{{ '<｜hy_eos:opensource｜>' }}{% endif %}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜hy_Assistant:opensource｜><think:opensource></think:opensource>' }}{% endif %}"#;
 
 impl HyV3 {
     /// Scores (sigmoid or softmax), top-k chosen on scores + bias, the

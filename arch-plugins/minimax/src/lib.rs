@@ -29,7 +29,7 @@
 //! already `1 + w` (the converter bakes Gemma's offset in).
 
 use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
-use pulsar_plugin_api::{Act, Attention, ChatSpec, Dim, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, Val, Wt};
+use pulsar_plugin_api::{Act, Attention, ChatSpec, Dim, Experts, FamilyPlugin, Graph, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers, Val, Wt};
 
 /// Which MiniMax generation a file is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -334,9 +334,43 @@ impl FamilyPlugin for MiniMax {
     }
 
     fn chat(&self) -> ChatSpec {
-        ChatSpec::default()
+        let (tpl, think) = match self.cfg.gen {
+            Gen::M2 => (M2_TEMPLATE, ("<think>", "</think>")),
+            Gen::M3 => (M3_TEMPLATE, ("<mm:think>", "</mm:think>")),
+        };
+        ChatSpec {
+            fallback_template: Some(tpl.into()).into(),
+            stop_markers: vec!["[e~[".into()].into(),
+            thinking: Some(ThinkingMarkers { open: think.0.into(), close: think.1.into() }).into(),
+        }
     }
 }
+
+/// MiniMax M2's turns, for GGUFs without `tokenizer.chat_template` (plain
+/// conversations render as the published template renders them:
+/// `host/tests/parity.rs` checks it).
+pub const M2_TEMPLATE: &str = r#"{{ ']~!b[' }}{% set ns = namespace(sys='You are a helpful assistant.') %}{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.sys = m['content'] %}{% endif %}{% endfor %}{{ ']~b]system
+' ~ ns.sys ~ '[e~[
+' }}{% for m in messages %}{% if m['role'] == 'user' %}{{ ']~b]user
+' ~ m['content'] ~ '[e~[
+' }}{% elif m['role'] == 'assistant' %}{{ ']~b]ai
+' ~ m['content'] ~ '[e~[
+' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ ']~b]ai
+<think>
+' }}{% endif %}"#;
+
+/// MiniMax M3's turn markers (the system turn as its developer turn, answers
+/// after an empty thinking section). The published template also writes
+/// MiniMax's own system text and thinking instructions, which this fallback
+/// leaves out: M3 GGUFs carry their template.
+pub const M3_TEMPLATE: &str = r#"{{ ']~!b[' }}{% for m in messages %}{% if m['role'] == 'system' %}{{ ']~b]developer
+' ~ m['content'] ~ '[e~[
+' }}{% elif m['role'] == 'user' %}{{ ']~b]user
+' ~ m['content'] ~ '[e~[
+' }}{% elif m['role'] == 'assistant' %}{{ ']~b]ai
+</mm:think>' ~ m['content'] ~ '[e~[
+' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ ']~b]ai
+' }}{% endif %}"#;
 
 impl MiniMax {
     /// M3's sparse attention on `q` `[T, H, D]`, `k` / `v` `[T, Hkv, D]`
