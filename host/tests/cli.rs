@@ -215,3 +215,54 @@ fn serve_reports_store_tiers_and_saves_the_census_on_sigterm() {
     assert!(st.success(), "serve exited with {st}");
     assert!(pulsar_store::sidecar_path(&m).is_file(), "no census sidecar after shutdown");
 }
+
+/// `serve` refuses at start, in one line naming the flag, what it used to
+/// take and then misbehave on: an empty API key (authentication silently
+/// off while the banner said it was on), a queue of 0, a grace period that
+/// overflows the deadline, sizes whose KV caches overflow or exceed memory,
+/// zero sequences. Before these checks the server started (or panicked).
+#[test]
+fn serve_refuses_an_empty_key_and_impossible_sizes_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let cases: [(&[&str], &str); 7] = [
+        (&["--api-key", ""], "--api-key"),
+        (&["--api-key", "  "], "--api-key"),
+        (&["--max-queue", "0"], "--max-queue"),
+        (&["--shutdown-grace", "18446744073709551615"], "--shutdown-grace"),
+        (&["--ctx", "18446744073709551615"], "--ctx"),
+        (&["--parallel", "100000000"], "--parallel"),
+        (&["--parallel", "0"], "--parallel"),
+    ];
+    for (args, flag) in cases {
+        let mut child = bin()
+            .args(["serve", "--port", "0", "-m"])
+            .arg(&m)
+            .arg("--plugin-dir")
+            .arg(staged_plugins())
+            .args(args)
+            .env_remove("PULSAR_API_KEY")
+            .env_remove("PULSAR_CTX")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                panic!("serve {args:?}: still running after 30 s (it should refuse to start)");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(!status.success(), "serve {args:?} exited successfully: {err}");
+        assert!(err.contains(flag) && !err.contains("panicked"), "serve {args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "serve {args:?}: one line, got: {err}");
+    }
+}

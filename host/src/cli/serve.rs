@@ -80,13 +80,68 @@ async fn shutdown_signal() {
     eprintln!("pulsar-host serve: shutting down");
 }
 
+/// The longest `--shutdown-grace` (a day): beyond it the deadline arithmetic
+/// would overflow, and no generation needs longer.
+const MAX_GRACE_S: u64 = 86_400;
+
+/// The flags that need no model, checked before anything is opened: one
+/// line naming the flag, never a panic or a server that quietly ignores it.
+fn check_flags(a: &Args) -> anyhow::Result<()> {
+    if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        anyhow::bail!("--api-key (or PULSAR_API_KEY) is empty: give a key, or unset it to serve without one");
+    }
+    if a.max_queue == 0 {
+        anyhow::bail!("--max-queue 0 would refuse every request that has to wait: use 1 or more");
+    }
+    if a.shutdown_grace > MAX_GRACE_S {
+        anyhow::bail!("--shutdown-grace {} is longer than a day ({MAX_GRACE_S} s)", a.shutdown_grace);
+    }
+    if a.parallel == 0 {
+        anyhow::bail!("--parallel 0: at least one sequence");
+    }
+    if a.ctx == Some(0) {
+        anyhow::bail!("--ctx 0: at least one position");
+    }
+    Ok(())
+}
+
+/// The KV caches `parallel` sequences of `n_ctx` positions take must fit
+/// the memory the machine has free (checked arithmetic: a huge `--ctx`
+/// is an error naming it, not an overflow).
+fn check_memory(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result<()> {
+    let need = (parallel as u64).checked_mul(n_ctx as u64).and_then(|x| x.checked_mul(per_token));
+    let free = available_memory();
+    match (need, free) {
+        (None, _) => anyhow::bail!("--parallel {parallel} x --ctx {n_ctx} sequences' KV caches overflow 64 bits"),
+        (Some(n), Some(f)) if n > f => anyhow::bail!(
+            "--parallel {parallel} x --ctx {n_ctx} need {:.1} GiB of KV cache, more than the {:.1} GiB of memory available",
+            n as f64 / (1u64 << 30) as f64,
+            f as f64 / (1u64 << 30) as f64
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo (None where there is none).
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
+    check_flags(&a)?;
     ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
     if ctx.print_config {
         eprint!("{}", ctx.cfg.print());
     }
     let model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
+    if n_ctx == 0 {
+        anyhow::bail!("ctx 0 (from {}): at least one position", ctx.cfg.ctx.source);
+    }
+    check_memory(a.parallel, n_ctx, model.memory_plan().kv_bytes_per_token)?;
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
     let opts = ServeOptions {
@@ -94,7 +149,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         port: a.port,
         api_key: a.api_key.clone(),
         n_ctx,
-        parallel: a.parallel.max(1),
+        parallel: a.parallel,
         ubatch: a.ubatch.max(1),
         max_queue: a.max_queue,
         allow_hosts: a.allow_hosts.clone(),
