@@ -19,6 +19,7 @@ mod sha256;
 mod source;
 pub mod split;
 mod tensor;
+pub mod tempfile;
 mod types;
 mod value;
 mod writer;

@@ -171,14 +171,25 @@ impl GgufWriter {
     /// Creates the file(s) at `path` (the base path when split), writes the
     /// headers and returns the writer for the tensor data.
     pub fn create(self, path: impl AsRef<Path>) -> Result<TensorDataWriter<File>> {
-        let path = path.as_ref();
+        self.create_with(path.as_ref(), false)
+    }
+
+    /// Like [`GgufWriter::create`], but every file is created new: an
+    /// existing file or symlink at a path is an error, never truncated or
+    /// followed (for temporary files beside user data).
+    pub fn create_new(self, path: impl AsRef<Path>) -> Result<TensorDataWriter<File>> {
+        self.create_with(path.as_ref(), true)
+    }
+
+    fn create_with(self, path: &Path, exclusive: bool) -> Result<TensorDataWriter<File>> {
         let plan = self.plan();
         let n = plan.len();
         let paths: Vec<PathBuf> =
             if n == 1 { vec![path.to_path_buf()] } else { (0..n).map(|i| shard_path(path, i, n)).collect() };
         let mut sinks = Vec::with_capacity(n);
         for p in &paths {
-            let f = File::create(p).map_err(|e| GgufError::io(format!("creating {}", p.display()), e))?;
+            let f = if exclusive { crate::tempfile::create_exclusive(p) } else { File::create(p) };
+            let f = f.map_err(|e| GgufError::io(format!("creating {}", p.display()), e))?;
             sinks.push(f);
         }
         self.start(plan, sinks, paths)

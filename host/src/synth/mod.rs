@@ -283,10 +283,15 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
             .progress_chars("=> "),
     );
     bar.set_message(format!("synth {}", path.display()));
-    let tmp = path.with_extension("gguf.partial");
+    if path.is_dir() {
+        anyhow::bail!("{} is a directory: give the output file's name", path.display());
+    }
+    // A fresh, exclusively created name beside the output: concurrent writers
+    // of one path never share it, and a planted symlink is never followed.
+    let tmp = pulsar_gguf::tempfile::temp_name_beside(path, "partial");
     // Large chunks so every thread has rows to work on.
     w.set_chunk_bytes(64 << 20);
-    let mut out = w.create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let mut out = w.create_new(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     for (ti, t) in plan.iter().enumerate() {
         let cols = t.dims[0] as usize;
         let row_bytes = t.ty.row_bytes(cols as u64).context("row is not whole blocks")? as usize;
@@ -378,6 +383,28 @@ mod tests {
             assert!(tensors.iter().all(|t| t.1[0] % t.2.block_elems() as u64 == 0), "{name}: a row is not whole blocks");
         }
         assert!(preset("nope").unwrap_err().to_string().contains("deepseek-v3-671b"));
+    }
+
+    /// #28 defect 7: writers of one path shared one `.partial` name (3 of 4
+    /// concurrent first runs of the default model failed), and `-o DIR` left
+    /// `DIR.gguf.partial` behind.
+    #[test]
+    fn concurrent_writers_of_one_path_all_succeed_and_a_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        let s = SynthSpec { n_layers: 1, ..preset("tiny").unwrap() };
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..4).map(|_| sc.spawn(|| write(&s, &p, false))).collect();
+            for h in hs {
+                h.join().unwrap().unwrap();
+            }
+        });
+        assert!(pulsar_gguf::GgufFile::open(&p).is_ok());
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).filter(|n| n != "m.gguf").collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
+        let e = write(&s, dir.path(), false).unwrap_err().to_string();
+        assert!(e.contains("is a directory"), "{e}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

@@ -104,10 +104,10 @@ pub fn sidecar_path(model: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// The temp file a save writes before renaming over `path`.
+/// A temp file name a save may write before renaming over `path`: beside it,
+/// unpredictable (`.{name}.tmp.{pid}.{random}`), created exclusively.
 pub fn sidecar_temp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "census.warm".into());
-    path.with_file_name(format!(".{name}.tmp.{}", std::process::id()))
+    pulsar_gguf::tempfile::temp_name_beside(path, "tmp")
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -213,9 +213,9 @@ pub fn save_sidecar(path: &Path, fingerprint: &[u8; 32], run: &Census) -> Result
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = sidecar_temp_path(path);
+    // Created new under a fresh name: a symlink planted beside the sidecar is never followed.
+    let (tmp, mut f) = pulsar_gguf::tempfile::create_temp_beside(path, "tmp")?;
     let res = (|| {
-        let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
@@ -272,6 +272,26 @@ mod tests {
         let mut v2 = bytes.clone();
         v2[8] = 2;
         assert!(decode_sidecar(&v2, &fp).unwrap_err().contains("version"));
+    }
+
+    /// #28 defect 5: a symlink planted at the temp name a save used to pick
+    /// (`.NAME.tmp.PID`) made the save overwrite its target.
+    #[cfg(unix)]
+    #[test]
+    fn a_save_never_follows_a_planted_symlink() {
+        let dir = std::env::temp_dir().join(format!("pulsar-census-link-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        fs::write(&victim, b"precious").unwrap();
+        let side = dir.join("m.gguf.warm");
+        std::os::unix::fs::symlink(&victim, dir.join(format!(".m.gguf.warm.tmp.{}", std::process::id()))).unwrap();
+        let mut c = Census::new();
+        c.record(0, 1, 3);
+        save_sidecar(&side, &[7u8; 32], &c).unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        assert!(decode_sidecar(&fs::read(&side).unwrap(), &[7u8; 32]).is_ok());
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
