@@ -20,6 +20,11 @@ pub struct Message {
     pub content: String,
 }
 
+/// minijinja's instruction budget for one render: the published templates
+/// spend a few thousand on a long conversation with tools; a template that
+/// loops a billion times stops with an error instead of hanging a server.
+pub const RENDER_FUEL: u64 = 5_000_000;
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     pub source: &'static str,
@@ -36,6 +41,8 @@ impl ChatTemplate {
             (None, None) => anyhow::bail!("the model has no chat template and its plugin supplies none"),
         };
         let mut env = Environment::new();
+        // A template from a GGUF is untrusted: bound what one render may do.
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_filter("tojson", tojson);
@@ -256,6 +263,16 @@ mod tests {
         let t = ChatTemplate::new(None, Some(pulsar_arch_gemma3::FALLBACK_TEMPLATE), "<bos>", "<eos>").unwrap();
         let s = t.render(&msgs(), true).unwrap();
         assert_eq!(s, "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n");
+    }
+
+    /// #28 defect 6: a hostile template in a GGUF cannot hang the server.
+    #[test]
+    fn a_runaway_template_stops_with_an_error() {
+        let t = ChatTemplate::new(Some("{% for i in range(50000) %}{% for j in range(50000) %}x{% endfor %}{% endfor %}"), None, "", "").unwrap();
+        let start = std::time::Instant::now();
+        let e = t.render(&msgs(), true).unwrap_err().to_string();
+        assert!(start.elapsed() < std::time::Duration::from_secs(20), "took {:?}", start.elapsed());
+        assert!(e.contains("fuel"), "{e}");
     }
 
     #[test]
