@@ -113,7 +113,7 @@ fn each_index<const N: usize>(dims: &[usize], st: [&[usize]; N], mut f: impl FnM
 
 /// Strides of `dims` seen as broadcast to `out` (right-aligned; 0 where a
 /// dim is 1 or missing).
-fn broadcast_strides(dims: &[usize], out: &[usize]) -> Vec<usize> {
+pub fn broadcast_strides(dims: &[usize], out: &[usize]) -> Vec<usize> {
     let s = strides(dims);
     let pad = out.len() - dims.len();
     (0..out.len()).map(|i| if i < pad || dims[i - pad] == 1 { 0 } else { s[i - pad] }).collect()

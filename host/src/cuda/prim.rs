@@ -12,6 +12,8 @@ use pulsar_plugin_api::graph::{Binary, Op, Reduce, Rope, RopeMode, Unary};
 use pulsar_plugin_api::Wt;
 
 use crate::cpu::act_of;
+// One definition of numpy broadcasting for both backends.
+use crate::cpu::prim::broadcast_strides;
 
 type R<T> = Result<T, String>;
 
@@ -57,13 +59,6 @@ fn reduce_code(k: Reduce) -> u32 {
         Reduce::Mean => 1,
         Reduce::Max => 2,
     }
-}
-
-/// Strides of `dims` broadcast to `out` (right-aligned; 0 on size-1 or missing axes).
-fn broadcast_strides(dims: &[usize], out: &[usize]) -> Vec<usize> {
-    let s = pulsar_cuda::ops::strides(dims);
-    let pad = out.len() - dims.len();
-    (0..out.len()).map(|i| if i < pad || dims[i - pad] == 1 { 0 } else { s[i - pad] }).collect()
 }
 
 fn axis(a: i64, rank: usize) -> R<usize> {
