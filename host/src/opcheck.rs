@@ -400,6 +400,27 @@ fn glu(g: &mut Gen, a: Act) -> Case {
 }
 op_test!("glu silu", 0.0, |g| glu(g, Act::Silu));
 op_test!("glu gelu_tanh", 0.0, |g| glu(g, Act::GeluTanh));
+// Gate and up both cross swiglu_oai's clamp at 7.
+op_test!("glu swiglu_oai", 0.0, |g| {
+    let dims = g.dims(2, 50);
+    case(Op::Glu(Act::SwigluOai), vec![g.tensor(&dims, -12.0, 12.0), g.tensor(&dims, -12.0, 12.0)], dims)
+});
+op_test!("block_select", 0.0, |g| {
+    // Causally masked scores (future keys -inf), coarse half the time so blocks tie.
+    let (heads, past, n) = (g.int(1, 3), g.int(0, 40), g.int(1, 5));
+    let c = past + n + g.int(0, 3);
+    let dims = [heads, n, c];
+    let x = if g.int(0, 1) == 0 { g.coarse(&dims) } else { g.tensor(&dims, -4.0, 4.0) };
+    let mut d = x.f().expect("f32").to_vec();
+    for (r, row) in d.chunks_mut(c).enumerate() {
+        row.iter_mut().skip(past + r % n + 1).for_each(|v| *v = f32::NEG_INFINITY);
+    }
+    let x = Tensor::f32(dims.to_vec(), d);
+    let block = g.int(1, 8) as u32;
+    let top_k = g.int(1, 6) as u32;
+    let local = g.int(0, top_k as usize) as u32;
+    Case { positions: positions(past, n), ..case(Op::BlockSelect { block, top_k, local }, vec![x], dims.to_vec()) }
+});
 
 op_test!("scan", 0.0, |g| {
     let (n, s) = (g.int(1, 6), g.dims(2, 5));
@@ -453,7 +474,7 @@ mod tests {
         ("state_rows", None),
         ("mask", None),
         ("scan", None),
-        ("block_select", Some("none yet: CPU only, the CUDA lowering refuses it by name")),
+        ("block_select", None),
     ];
 
     #[test]

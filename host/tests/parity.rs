@@ -46,7 +46,7 @@ const FAMILIES: &[&str] = &[
 const VARIANTS: &[(&str, &str)] = &[("deepseek2-kimi_k25", "deepseek2")];
 
 /// Families whose graphs the CUDA backend cannot run yet, and why.
-const CPU_ONLY: &[(&str, &str)] = &[("minimax-m3", "block_select and the swiglu_oai unit have no CUDA kernels yet")];
+const CPU_ONLY: &[(&str, &str)] = &[];
 
 /// Families whose routing is not the fused form (it runs as primitives, and
 /// the experts op on the ids and weights they give), and why.

@@ -1,10 +1,10 @@
-// Elementwise ops. Twins: pulsar_kernels::ops::glu_rows (silu / gelu_tanh),
+// Elementwise ops. Twins: pulsar_kernels::ops::glu_rows (silu / gelu_tanh / swiglu_oai),
 // plain f32 add / mul / scale.
 
 extern "C" __global__ void glu(const float* gate, const float* up, float* out, int n, int act) {
     pdl_begin();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = __fmul_rn(act_f(act, gate[i]), up[i]);
+    if (i < n) out[i] = unit_f(act, gate[i], up[i]);
 }
 extern "C" __global__ void add_f32(const float* a, const float* b, float* out, int n) {
     pdl_begin();

@@ -280,6 +280,21 @@ __device__ __forceinline__ float gelu_tanh_f(float x) {
 __device__ __forceinline__ float act_f(int act, float x) {
     return act == 1 ? gelu_tanh_f(x) : silu_f(x);
 }
+// The gated unit of gate g and up u: act(g) * u, or for act 3 (swiglu_oai,
+// GPT-OSS / MiniMax M3) (clamp(u, -7, 7) + 1) * (g' * sigmoid(1.702 g')) with
+// g' = min(g, 7). Twin: ops::Activation::unit, NaNs included (min gives 7 for
+// a NaN gate as Rust's f32::min does; a NaN up stays NaN as f32::clamp keeps it).
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.0f
+__device__ __forceinline__ float unit_f(int act, float g, float u) {
+    if (act == 3) {
+        float gc = g < SWIGLU_OAI_LIMIT ? g : SWIGLU_OAI_LIMIT;
+        float uc = u < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : (u > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : u);
+        float glu = __fmul_rn(gc, sigmoid_c(__fmul_rn(gc, SWIGLU_OAI_ALPHA)));
+        return __fmul_rn(__fadd_rn(uc, 1.0f), glu);
+    }
+    return __fmul_rn(act_f(act, g), u);
+}
 
 // 2^k for k in [-1022, 1023].
 __device__ __forceinline__ double pow2_dc(long long k) { return __longlong_as_double((k + 1023) << 52); }

@@ -255,7 +255,7 @@ __device__ __forceinline__ void moe_up(const u64* gate_ptrs, const u64* up_ptrs,
     dd_dots<F>(moe_stage, xsb, X + (size_t)t * xrb, xrb, wk, cols / 32, vals[warp], tab, [&](int g, int n, float v) {
         // Lane r holds gate row r of the group, lane rpw + r its up row.
         float u = __shfl_down_sync(FULL_MASK, v, rpw);
-        if (lane < n && first + g * rpw + lane >= lo) h[g * rpw + lane] = __fmul_rn(act_f(act, v), u);
+        if (lane < n && first + g * rpw + lane >= lo) h[g * rpw + lane] = unit_f(act, v, u);
     });
 }
 
@@ -404,7 +404,7 @@ __device__ __forceinline__ void moe_up_float(const u64* gate_ptrs, const u64* up
     size_t off = (size_t)row * cols * (T == 0 ? 4 : 2);
     float g = warp_sum(moe_frow_partial<T>((const u8*)gp + off, x, cols));
     float u = warp_sum(moe_frow_partial<T>((const u8*)upp + off, x, cols));
-    if ((threadIdx.x & 31) == 0) H[(size_t)p * ff + row] = __fmul_rn(act_f(act, g), u);
+    if ((threadIdx.x & 31) == 0) H[(size_t)p * ff + row] = unit_f(act, g, u);
 }
 
 template <int T>

@@ -309,3 +309,48 @@ extern "C" __global__ void prim_rope_freq(const float* x, float* y, int width, c
         y[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
     }
 }
+
+// Block-sparse attention's selection (Op::BlockSelect). Per row of c key
+// scores (row r's query is r % t): each block of `block` keys scores its
+// max; the query's own block and the local - 1 before it score +inf; the
+// top_k blocks (ties to the lower index; a -inf block never) keep their keys
+// at 0, every other key is -inf. Twin: cpu::prim::block_select (a block's
+// rank is its place in that sort: the blocks that beat it). One block of
+// threads a row; dynamic shared memory holds nb scores, then nb flags.
+extern "C" __global__ void prim_block_select(const float* x, float* y, const u32* positions, long long rows, int c,
+                                             int t, int block, int top_k, int local) {
+    pdl_begin();
+    extern __shared__ float bs_score[];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    int nb = (c + block - 1) / block;
+    unsigned char* keep = (unsigned char*)(bs_score + nb);
+    const float* row = x + r * c;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        float m = NEG_INF;
+        int hi = min((b + 1) * block, c);
+        for (int j = b * block; j < hi; j++) m = fmaxf(m, row[j]);
+        bs_score[b] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long qb = (long long)positions[r % t] / block;
+        for (int l = 0; l < local; l++) {
+            long long b = qb - l < 0 ? 0 : qb - l;
+            if (b < nb) bs_score[b] = __int_as_float(0x7f800000);
+        }
+    }
+    __syncthreads();
+    int k = min(top_k, nb);
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        float s = bs_score[b];
+        int rank = 0;
+        for (int j = 0; j < nb && rank < k; j++) {
+            float v = bs_score[j];
+            rank += v > s || (v == s && j < b);
+        }
+        keep[b] = rank < k && s != NEG_INF;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < c; j += blockDim.x) y[r * c + j] = keep[j / block] ? 0.0f : NEG_INF;
+}

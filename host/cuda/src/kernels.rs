@@ -99,6 +99,7 @@ const PRIM: &[&str] = &[
     "prim_scan",
     "prim_rows_write",
     "prim_rope_freq",
+    "prim_block_select",
 ];
 
 /// Entries of [`Family::Prim`], in the order of its table.
@@ -119,6 +120,7 @@ pub(crate) enum Prim {
     Scan,
     RowsWrite,
     RopeFreq,
+    BlockSelect,
 }
 
 /// The weight formats with dp4a kernels, in the order of the entry tables below.

@@ -319,7 +319,8 @@ fn act_code(a: Activation) -> Result<i32, CudaError> {
             "activation",
             "exact GELU has no CUDA kernel yet (use gelu_tanh)",
         )),
-        Activation::SwigluOai => Err(shape("activation", "swiglu_oai has no CUDA kernel yet")),
+        // unit_f's code in common.cuh (the gated unit reads gate and up together).
+        Activation::SwigluOai => Ok(3),
     }
 }
 

@@ -104,9 +104,6 @@ impl Lowering {
             }
         }
         for m in &plan.moe {
-            if m.spec.act == Act::SwigluOai {
-                return Err(format!("node {} (experts at layer {}): a swiglu_oai unit has no kernel on the CUDA backend yet (run with --device cpu)", m.experts, m.spec.layer));
-            }
             for &r in &m.routing {
                 nodes[r] = Lowered::Folded;
             }
@@ -125,7 +122,6 @@ impl Lowering {
                 Err(format!("node {i} ({}{at}{label}): {why} on the CUDA backend yet (run with --device cpu)", plan.ops[i].name()))
             };
             nodes[i] = match &plan.ops[i] {
-                Op::Glu(Act::SwigluOai) | Op::Experts(Experts { act: Act::SwigluOai, .. }) => return refuse("a swiglu_oai unit has no kernel"),
                 // The embedding reads the step's tokens itself; another reader gets them as a value.
                 Op::Tokens if readers[i].iter().all(|&r| matches!(plan.ops[r], Op::Embed { .. })) => Lowered::Tokens,
                 Op::Embed { .. } if matches!(plan.ops[ins[0] as usize], Op::Tokens) => Lowered::Run,

@@ -98,6 +98,7 @@ pub fn runs(op: &Op) -> bool {
             | Op::RmsNorm { .. }
             | Op::Rope(_)
             | Op::Glu(_)
+            | Op::BlockSelect { .. }
     )
 }
 
@@ -193,6 +194,10 @@ pub fn eval(dev: &CudaDevice, stream: &CudaStream, op: &Op, ins: &[DIn<'_>], wan
                 }
             }
             Op::Glu(a) => dev.glu(stream, ins[0].buf, ins[1].buf, &mut y, act_of(*a)).map_err(err)?,
+            Op::BlockSelect { block, top_k, local } => {
+                let c = *want.last().ok_or("block_select of a scalar")?;
+                dev.prim_block_select(stream, ins[0].buf, &mut y, cx.positions, cx.n_tok, c, *block as usize, *top_k as usize, *local as usize).map_err(err)?
+            }
             _ => unreachable!("runs() lists the ops above"),
         }
         Ok(())

@@ -227,6 +227,35 @@ impl CudaDevice {
         unsafe { self.launch(f, blocks(n_tok * c), 256, 0, stream, &mut params![pp, yp, t, cc, w]) }
     }
 
+    /// Block-sparse attention's selection over rows of `c` key scores (row
+    /// `r`'s query at `positions[r % n_tok]`): the additive mask of the
+    /// `top_k` best blocks of `block` keys, the query's own block and the
+    /// `local - 1` before it first (see `Op::BlockSelect`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_block_select(&self, stream: &CudaStream, x: &DeviceBuf<f32>, y: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, n_tok: usize, c: usize, block: usize, top_k: usize, local: usize) -> Result<(), CudaError> {
+        const OP: &str = "prim_block_select";
+        // The block scores and flags live in the default 48 KiB of shared memory.
+        const MAX_BLOCKS: usize = 48 * 1024 / 5;
+        if c == 0 || block == 0 || n_tok == 0 || x.len() % c != 0 || (x.len() / c) % n_tok != 0 {
+            return Err(shape(OP, format!("rows of {c} keys in blocks of {block} for {n_tok} queries ({} values)", x.len())));
+        }
+        if positions.len() < n_tok {
+            return Err(shape(OP, format!("{} positions for {n_tok} queries", positions.len())));
+        }
+        let nb = c.div_ceil(block);
+        if nb > MAX_BLOCKS {
+            return Err(shape(OP, format!("{nb} key blocks (at most {MAX_BLOCKS}: use larger blocks)")));
+        }
+        want(OP, "y", y.len(), x.len())?;
+        let rows = x.len() / c;
+        let f = self.prim(Prim::BlockSelect)?;
+        let (xp, yp, pp, r) = (x.device_ptr(), y.device_ptr(), positions.device_ptr(), rows as i64);
+        let (cc, t, b, k, l) = (to_i32(OP, "c", c)?, to_i32(OP, "n_tok", n_tok)?, to_i32(OP, "block", block)?, to_i32(OP, "top_k", top_k)?, to_i32(OP, "local", local)?);
+        let grid = u32::try_from(rows).map_err(|_| shape(OP, format!("{rows} rows")))?;
+        // SAFETY: (x, y, positions, rows, c, t, block, top_k, local) as prim_block_select; 5 bytes of shared memory a block.
+        unsafe { self.launch(f, (grid, 1, 1), 256, (nb * 5) as u32, stream, &mut params![xp, yp, pp, r, cc, t, b, k, l]) }
+    }
+
     /// The first `y.len()` words of `src` (positions, tokens) as i32 values.
     pub fn prim_ids(&self, stream: &CudaStream, src: &DeviceBuf<u32>, y: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
         const OP: &str = "prim_ids";
