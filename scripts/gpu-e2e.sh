@@ -12,7 +12,7 @@
 #             CPU (BIN_DIR/custom_family, the test binary, when present)
 #   parity    every family's fixtures: CUDA vs CPU teacher-forced logits and
 #             greedy tokens, decode consistency on CUDA
-#   stream    the deepseek2 / hy_v3 / minimax-m2 fixtures under a tiny --vram-budget,
+#   stream    the deepseek2 / hy_v3 / minimax-m2 / m3 fixtures under a tiny --vram-budget,
 #             every cold path: the same greedy text as resident
 #   gemma     gemma-3-270m Q4_K_M ($GEMMA, default $WORK/gemma.gguf): CUDA vs CPU
 #             teacher-forced logits, greedy tokens, decode consistency, bench
@@ -81,7 +81,7 @@ if has parity; then
   say "## parity: CUDA vs CPU (teacher forcing, top-5 logits)"
   say "| fixture | positions | top-1 agree | max abs diff | rel to max |"
   say "|---|---|---|---|---|"
-  for arch in qwen3moe gemma3 hy_v3 minimax-m2 deepseek2 deepseek2-kimi_k25; do
+  for arch in qwen3moe gemma3 hy_v3 minimax-m2 minimax-m3 deepseek2 deepseek2-kimi_k25; do
     for v in f32 q8_0; do
       m="$ROOT/fixtures/parity/$arch/model-$v.gguf"
       toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")
@@ -99,7 +99,7 @@ fi
 
 if has stream; then
   say "## the new families' fixtures streamed under a tight --vram-budget (same text as resident?)"
-  for arch in deepseek2 hy_v3 minimax-m2; do
+  for arch in deepseek2 hy_v3 minimax-m2 minimax-m3; do
     m="$ROOT/fixtures/parity/$arch/model-q8_0.gguf"
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")
     C=(--ctx 64 "${P[@]}")
