@@ -225,7 +225,7 @@ fn serve_reports_store_tiers_and_saves_the_census_on_sigterm() {
 fn serve_refuses_an_empty_key_and_impossible_sizes_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_model(dir.path());
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["--api-key", ""], "--api-key"),
         (&["--api-key", "  "], "--api-key"),
         (&["--max-queue", "0"], "--max-queue"),
@@ -233,6 +233,10 @@ fn serve_refuses_an_empty_key_and_impossible_sizes_at_start() {
         (&["--ctx", "18446744073709551615"], "--ctx"),
         (&["--parallel", "100000000"], "--parallel"),
         (&["--parallel", "0"], "--parallel"),
+        (&["--max-connections", "0"], "--max-connections"),
+        (&["--header-timeout", "0"], "--header-timeout"),
+        (&["--body-timeout", "18446744073709551615"], "--body-timeout"),
+        (&["--queue-timeout", "0"], "--queue-timeout"),
     ];
     for (args, flag) in cases {
         let mut child = bin()

@@ -44,6 +44,23 @@ pub struct Args {
     /// Seconds running generations may still take after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace: u64,
+    /// Open connections at most; one more gets 503 and is closed at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (also how long an
+    /// idle keep-alive connection stays open).
+    #[arg(long, default_value_t = 30, value_name = "S")]
+    pub header_timeout: u64,
+    /// Seconds a client has to send a request's body once its headers came.
+    #[arg(long, default_value_t = 60, value_name = "S")]
+    pub body_timeout: u64,
+    /// Seconds a response may wait on a client that stopped reading; then the
+    /// request is dropped and its sequence slot freed.
+    #[arg(long, default_value_t = 60, value_name = "S")]
+    pub write_timeout: u64,
+    /// Seconds a request may wait for a sequence slot before it gets 503.
+    #[arg(long, default_value_t = 300, value_name = "S")]
+    pub queue_timeout: u64,
     /// Model id reported by /v1/models (default: the file name without .gguf).
     #[arg(long)]
     pub alias: Option<String>,
@@ -96,6 +113,25 @@ fn check_flags(a: &Args) -> anyhow::Result<()> {
     if a.shutdown_grace > MAX_GRACE_S {
         anyhow::bail!("--shutdown-grace {} is longer than a day ({MAX_GRACE_S} s)", a.shutdown_grace);
     }
+    for (flag, v) in
+        [("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout), ("--write-timeout", a.write_timeout), ("--queue-timeout", a.queue_timeout)]
+    {
+        if v == 0 || v > MAX_GRACE_S {
+            anyhow::bail!("{flag} {v}: give 1 to {MAX_GRACE_S} seconds");
+        }
+    }
+    if a.max_connections == 0 {
+        anyhow::bail!("--max-connections 0 would refuse every client: use 1 or more");
+    }
+    if let Some(soft) = open_file_limit() {
+        // A few descriptors go to the model, plugins, the listener and logs.
+        if a.max_connections as u64 + 64 > soft {
+            tracing::warn!(
+                "--max-connections {} is near the open-file limit ({soft}, `ulimit -n`): accepts may fail with EMFILE before the cap is reached",
+                a.max_connections
+            );
+        }
+    }
     if a.parallel == 0 {
         anyhow::bail!("--parallel 0: at least one sequence");
     }
@@ -120,6 +156,13 @@ fn check_memory(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result
         ),
         _ => Ok(()),
     }
+}
+
+/// The soft `Max open files` of /proc/self/limits (None where unknown or unlimited).
+fn open_file_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
 }
 
 /// `MemAvailable` of /proc/meminfo (None where there is none).
@@ -155,6 +198,11 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         allow_hosts: a.allow_hosts.clone(),
         grace: Duration::from_secs(a.shutdown_grace),
         model_id,
+        max_connections: a.max_connections,
+        header_timeout: Duration::from_secs(a.header_timeout),
+        body_timeout: Duration::from_secs(a.body_timeout),
+        write_timeout: Duration::from_secs(a.write_timeout),
+        queue_timeout: Duration::from_secs(a.queue_timeout),
     };
     let store = crate::experts::experts_for(&model, None)?.map(Arc::new);
     let experts: Arc<dyn crate::cpu::ExpertSource + Send + Sync> = match &store {

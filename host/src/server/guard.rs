@@ -103,6 +103,12 @@ fn public(path: &str) -> bool {
 
 pub async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let headers = req.headers();
+    // A second Host or Origin could smuggle a foreign name past a check of the first.
+    for name in [HOST, ORIGIN] {
+        if headers.get_all(&name).iter().nth(1).is_some() {
+            return ApiError::invalid(format!("more than one `{name}` header: send one")).into_response();
+        }
+    }
     if let Some(h) = headers.get(HOST) {
         if !h.to_str().is_ok_and(|h| st.hosts.host_ok(h)) {
             let shown = String::from_utf8_lossy(h.as_bytes()).into_owned();

@@ -7,8 +7,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -59,8 +58,9 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 /// Tokenize off the async workers (a prompt can be megabytes).
 async fn encode(st: &Arc<AppState>, text: String, bos: bool) -> Result<Vec<u32>, ApiError> {
-    let st = st.clone();
-    tokio::task::spawn_blocking(move || {
+    let s = st.clone();
+    blocking(st, move || {
+        let st = s;
         let mut ids = Vec::new();
         if bos && st.tok.add_bos() {
             ids.extend(st.tok.bos());
@@ -69,7 +69,6 @@ async fn encode(st: &Arc<AppState>, text: String, bos: bool) -> Result<Vec<u32>,
         ids
     })
     .await
-    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))
 }
 
 #[derive(serde::Deserialize)]
@@ -79,8 +78,8 @@ struct MetricsQuery {
 
 async fn metrics(State(st): State<Arc<AppState>>, Query(q): Query<MetricsQuery>, headers: HeaderMap) -> Response {
     let snap = st.metrics.snapshot();
-    let wants_json = q.format.as_deref() == Some("json")
-        || headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/json"));
+    let wants_json =
+        q.format.as_deref() == Some("json") || headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/json"));
     if wants_json {
         Json(snap).into_response()
     } else {
@@ -109,19 +108,59 @@ async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Resul
     Ok(Json(model_object(&st)))
 }
 
-/// A JSON body: 413 past the limit, 400 for anything that does not parse.
-fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let bytes = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", Some("request_too_large"), format!("the request body is over the {} MiB limit", BODY_LIMIT >> 20))
-        } else {
-            ApiError::invalid(format!("cannot read the request body: {e}"))
+/// A JSON body: 408 past the body deadline, 413 past the size limit, 400
+/// for anything that does not parse. The bytes arrive on the async worker;
+/// parsing them (megabytes, maybe) runs on a blocking thread so that
+/// `/health` and the other connections never wait behind it.
+async fn parse<T: DeserializeOwned + Send + 'static>(st: &AppState, body: Body) -> Result<T, ApiError> {
+    let limit = st.opts.body_timeout;
+    let bytes = match tokio::time::timeout(limit, axum::body::to_bytes(body, BODY_LIMIT)).await {
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                Some("request_timeout"),
+                format!("the request body did not arrive within {} s", limit.as_secs_f64()),
+            ));
         }
-    })?;
+        Ok(Err(e)) if is_over_limit(&e) => {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                Some("request_too_large"),
+                format!("the request body is over the {} MiB limit", BODY_LIMIT >> 20),
+            ));
+        }
+        Ok(Err(e)) => return Err(ApiError::invalid(format!("cannot read the request body: {e}"))),
+        Ok(Ok(b)) => b,
+    };
     if bytes.is_empty() {
         return Err(ApiError::invalid("the request body is empty: send a JSON object"));
     }
-    serde_json::from_slice(&bytes).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("invalid_json"), format!("invalid request body: {e}")))
+    blocking(st, move || {
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", Some("invalid_json"), format!("invalid request body: {e}")))
+    })
+    .await?
+}
+
+fn is_over_limit(e: &axum::Error) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cur {
+        if c.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = c.source();
+    }
+    false
+}
+
+/// Run `f` on tokio's blocking pool (CPU work a request brings: parsing,
+/// template rendering, tokenizing), at most one job a core at a time: more
+/// would only add memory and steal the CPU the async workers need.
+async fn blocking<T: Send + 'static>(st: &AppState, f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    let _turn = st.cpu_work.acquire().await.map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("a request worker failed: {e}")))
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -130,12 +169,14 @@ enum Kind {
     Completion,
 }
 
-async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse(body)?;
+async fn chat(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(&st, body).await?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "`messages` is empty"));
     }
-    let tpl = st.template.as_ref().map_err(|e| ApiError::invalid(format!("this model has no chat template ({e}): use /v1/completions")))?;
+    if let Err(e) = &st.template {
+        return Err(ApiError::invalid(format!("this model has no chat template ({e}): use /v1/completions")));
+    }
     let mut messages = Vec::with_capacity(req.messages.len());
     for m in &req.messages {
         if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
@@ -144,14 +185,20 @@ async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejectio
         let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
         messages.push(Message { role, content: m.text()? });
     }
-    let text = tpl.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
-    // The template adds BOS itself when the family wants one.
-    let ids = encode(&st, text, false).await?;
+    // Rendering a GGUF's template (bounded by its fuel) and tokenizing run
+    // off the async workers. The template adds BOS itself when the family wants one.
+    let s = st.clone();
+    let ids = blocking(&st, move || {
+        let tpl = s.template.as_ref().map_err(|e| ApiError::invalid(e.clone()))?;
+        let text = tpl.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
+        Ok::<_, ApiError>(s.tok.encode(&text, false, true))
+    })
+    .await??;
     generate(st, ids, req.common, Kind::Chat).await
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse(body)?;
+async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(&st, body).await?;
     let text = match req.prompt {
         Prompt::One(s) => s,
         Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
@@ -185,13 +232,15 @@ async fn generate(st: Arc<AppState>, prompt: Vec<u32>, common: Common, kind: Kin
     // max_tokens is clamped to what fits the context.
     let room = n_ctx - prompt.len();
     let max_tokens = common.max_tokens().map_err(rejected)?.map_or(room, |m| m.min(room));
-    if st.metrics.queue_depth.load(Relaxed) as usize >= st.opts.max_queue {
+    // Check and take a queue place in one step, so concurrent requests
+    // cannot all pass the check and overfill the queue.
+    let max_queue = st.opts.max_queue as u64;
+    if st.metrics.queue_depth.fetch_update(Relaxed, Relaxed, |d| (d < max_queue).then_some(d + 1)).is_err() {
         return Err(rejected(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", Some("queue_full"), "too many requests are waiting: retry later")));
     }
     let (tx, rx) = unbounded_channel();
     let n_prompt = prompt.len();
     let job = Job { prompt, sampling, max_tokens, stops, events: tx, enqueued: Instant::now() };
-    st.metrics.queue_depth.fetch_add(1, Relaxed);
     if st.engine.send(Cmd::Submit(job)).is_err() {
         st.metrics.queue_depth.fetch_sub(1, Relaxed);
         return Err(rejected(ApiError::unavailable("the server is shutting down")));

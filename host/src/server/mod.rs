@@ -24,13 +24,13 @@
 //! `timings` object.
 
 pub mod api;
+mod conn;
 mod guard;
 mod handlers;
 pub mod metrics;
 pub mod scheduler;
 pub mod stop;
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -73,6 +73,16 @@ pub struct ServeOptions {
     pub grace: Duration,
     /// The id `/v1/models` reports.
     pub model_id: String,
+    /// Open connections at most; one more gets 503 and is closed.
+    pub max_connections: usize,
+    /// A request head must arrive within this (also the keep-alive idle limit).
+    pub header_timeout: Duration,
+    /// A request body must arrive within this once its head has.
+    pub body_timeout: Duration,
+    /// A response the client stops reading fails after this without progress.
+    pub write_timeout: Duration,
+    /// A request still waiting for a sequence slot after this gets 503.
+    pub queue_timeout: Duration,
 }
 
 impl Default for ServeOptions {
@@ -88,6 +98,11 @@ impl Default for ServeOptions {
             allow_hosts: Vec::new(),
             grace: Duration::from_secs(10),
             model_id: "pulsar".into(),
+            max_connections: 256,
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(60),
+            queue_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -122,6 +137,9 @@ pub struct AppState {
     pub engine_alive: Arc<AtomicBool>,
     pub ids: AtomicU64,
     pub created: u64,
+    /// Turns for the CPU work requests bring (parsing, rendering,
+    /// tokenizing): one a core.
+    pub cpu_work: tokio::sync::Semaphore,
 }
 
 /// Token ids that end a turn: the vocabulary's stops plus the plugin's markers.
@@ -171,6 +189,7 @@ pub async fn serve(
         parallel: opts.parallel.max(1),
         ubatch: opts.ubatch.max(1),
         grace: opts.grace,
+        queue_timeout: opts.queue_timeout,
         metrics: metrics.clone(),
     };
     let engine_alive = Arc::new(AtomicBool::new(true));
@@ -200,6 +219,7 @@ pub async fn serve(
         engine_alive,
         ids: AtomicU64::new(1),
         created: api::now_secs(),
+        cpu_work: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get())),
     });
     let app = handlers::router(state.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -209,11 +229,12 @@ pub async fn serve(
         let _ = tx.send(scheduler::Cmd::Shutdown);
         let _ = stop_tx.send(());
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
+    let limits = conn::Limits { max_connections: opts.max_connections, header_timeout: opts.header_timeout, write_timeout: opts.write_timeout };
+    let server = conn::serve(listener, app, limits, graceful);
     tracing::info!("serving on http://{bound}");
-    let mut server = std::pin::pin!(server.into_future());
+    let mut server = std::pin::pin!(server);
     tokio::select! {
-        r = &mut server => r.context("the HTTP server failed")?,
+        _ = &mut server => {}
         _ = async {
             if stop_rx.await.is_ok() {
                 // Cancelled generations end their streams; allow a little more

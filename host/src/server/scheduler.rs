@@ -13,6 +13,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::http::StatusCode;
 use pulsar_tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -74,6 +75,8 @@ pub struct EngineParts {
     /// Most tokens one step runs (prefill chunks share it with decodes).
     pub ubatch: usize,
     pub grace: Duration,
+    /// Queued requests older than this are failed with 503.
+    pub queue_timeout: Duration,
     pub metrics: Arc<Metrics>,
 }
 
@@ -191,12 +194,30 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
                 let _ = job.events.send(Event::Error(unavailable()));
             }
         }
-        // Clients that went away.
+        // Clients that went away, and requests that waited too long.
         let before = queue.len();
         queue.retain(|j| !j.events.is_closed());
         let gone = before - queue.len();
         m.queue_depth.fetch_sub(gone as u64, Relaxed);
         m.requests_cancelled.fetch_add(gone as u64, Relaxed);
+        let before = queue.len();
+        queue.retain(|j| {
+            let waited = j.enqueued.elapsed();
+            let keep = waited < p.queue_timeout;
+            if !keep {
+                let e = ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    Some("queue_timeout"),
+                    format!("no sequence slot came free within {:.0} s: retry later", waited.as_secs_f64()),
+                );
+                let _ = j.events.send(Event::Error(e));
+            }
+            keep
+        });
+        let expired = before - queue.len();
+        m.queue_depth.fetch_sub(expired as u64, Relaxed);
+        m.requests_rejected.fetch_add(expired as u64, Relaxed);
         let grace_over = shutdown.is_some_and(|t| t.elapsed() >= p.grace);
         active.retain(|a| {
             if a.job.events.is_closed() {
