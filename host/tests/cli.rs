@@ -270,3 +270,43 @@ fn serve_refuses_an_empty_key_and_impossible_sizes_at_start() {
         assert_eq!(err.trim().lines().count(), 1, "serve {args:?}: one line, got: {err}");
     }
 }
+
+/// #28 defect 2: `scripts/stage-plugins.sh` copied over installed libraries
+/// in place, which crashes a process that has them loaded. It must write a
+/// new file and rename it: an open descriptor of the old one keeps the old
+/// bytes, and no temporary file is left behind.
+#[cfg(unix)]
+#[test]
+fn stage_plugins_replaces_files_by_rename() {
+    use std::os::unix::fs::MetadataExt;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let target = tempfile::tempdir().unwrap();
+    let libs: Vec<String> = std::fs::read_dir(root.join("arch-plugins"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path().join("plugin.toml")).ok())
+        .map(|m| m.lines().find_map(|l| l.strip_prefix("library = ")).unwrap().trim_matches('"').to_string())
+        .collect();
+    assert!(!libs.is_empty());
+    std::fs::create_dir_all(target.path().join("debug")).unwrap();
+    let stage = |content: &[u8]| {
+        for l in &libs {
+            std::fs::write(target.path().join("debug").join(l), content).unwrap();
+        }
+        let out = std::process::Command::new(root.join("scripts/stage-plugins.sh")).arg("debug").arg(target.path()).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    stage(b"old library");
+    let plugins = target.path().join("debug/plugins");
+    let installed = std::fs::read_dir(&plugins).unwrap().next().unwrap().unwrap().path();
+    let lib = std::fs::read_dir(&installed).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "so")).unwrap();
+    let held = std::fs::File::open(&lib).unwrap();
+    let ino = held.metadata().unwrap().ino();
+    stage(b"new library");
+    assert_eq!(std::fs::read(&lib).unwrap(), b"new library");
+    assert_ne!(std::fs::metadata(&lib).unwrap().ino(), ino, "the library was rewritten in place");
+    let mut old = Vec::new();
+    std::io::Read::read_to_end(&mut &held, &mut old).unwrap();
+    assert_eq!(old, b"old library", "the open library changed under its reader");
+    let leftovers: Vec<_> = std::fs::read_dir(&installed).unwrap().map(|e| e.unwrap().file_name()).filter(|n| n.to_string_lossy().starts_with('.')).collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+}

@@ -22,8 +22,11 @@ use serde_json::json;
 const KEY: &str = "test-key";
 
 fn start(o: ServeOptions) -> Server {
-    let backend =
-        Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats: None };
+    start_on(common::tiny_model(), o)
+}
+
+fn start_on(model: pulsar_host::model::Model, o: ServeOptions) -> Server {
+    let backend = Backend { model: Arc::new(model), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats: None };
     let opts = ServeOptions { port: 0, api_key: Some(KEY.into()), grace: Duration::from_secs(1), model_id: "tiny".into(), ..o };
     Server::start(backend, opts, None).unwrap()
 }
@@ -203,5 +206,34 @@ fn health_stays_fast_while_large_bodies_parse() {
     // (measured 30-50 ms, about a quarter of one parse).
     eprintln!("one parse {one:?}; /health at worst {worst:?} over {probes} probes");
     assert!(worst < one.max(Duration::from_millis(250)), "/health took {worst:?} under the flood ({probes} probes; one parse {one:?})");
+    srv.shutdown().unwrap();
+}
+
+/// #28 defect 2: `cp` over the model file of a running server crashed it
+/// (SIGBUS on the next read of the shortened mapping). Now the next step
+/// notices and every request fails with the reason; the process stays up.
+#[test]
+fn a_model_file_rewritten_under_the_server_fails_requests_instead_of_crashing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("served.gguf");
+    std::fs::copy(common::tiny_path(), &path).unwrap();
+    let (name, module) = common::plugin("qwen3moe");
+    let srv = start_on(pulsar_host::model::Model::open(&path, &name, module).unwrap(), ServeOptions::default());
+    let c = Client::new(srv.addr(), Some(KEY));
+    let body = json!({"prompt": "hello", "max_tokens": 4, "temperature": 0});
+    assert_eq!(c.post("/v1/completions", &body).status, 200);
+    // What `cp other.gguf served.gguf` does to the open inode: truncate, then write.
+    let len = std::fs::metadata(&path).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(len / 3).unwrap();
+    drop(f);
+    for _ in 0..2 {
+        let r = c.post("/v1/completions", &body);
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert!(r.text().contains("rewritten in place") && r.text().contains("restart the server"), "{}", r.text());
+    }
+    let h = c.get("/health");
+    assert_eq!(h.status, 503, "{}", h.text());
+    assert!(h.text().contains("served.gguf"), "{}", h.text());
     srv.shutdown().unwrap();
 }

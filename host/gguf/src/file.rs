@@ -37,7 +37,8 @@ pub struct ShardInfo {
 
 enum Backing {
     /// `map` is `None` only for an empty file (which never parses).
-    File { file: File, map: Option<Mmap> },
+    /// `modified` is the mtime at open (see `GgufFile::changed_in_place`).
+    File { file: File, map: Option<Mmap>, modified: Option<std::time::SystemTime> },
     Memory(Vec<u8>),
 }
 
@@ -60,7 +61,9 @@ struct Shard {
 ///
 /// Files are memory-mapped read-only; nothing is read whole. The mapping
 /// assumes the files are not truncated or rewritten while open (as every
-/// mmap-based model loader does); bounds were checked at open time.
+/// mmap-based model loader does); bounds were checked at open time, and
+/// [`GgufFile::changed_in_place`] tells a long-running caller (the server,
+/// before each step) that the assumption broke.
 pub struct GgufFile {
     shards: Vec<Shard>,
     paths: Vec<PathBuf>,
@@ -94,10 +97,8 @@ fn load_file(path: &Path, shard: usize) -> Result<Option<(Backing, Header)>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(GgufError::io(format!("opening {}", path.display()), e)),
     };
-    let len = file
-        .metadata()
-        .map_err(|e| GgufError::io(format!("reading the length of {}", path.display()), e))?
-        .len();
+    let meta = file.metadata().map_err(|e| GgufError::io(format!("reading the length of {}", path.display()), e))?;
+    let (len, modified) = (meta.len(), meta.modified().ok());
     let map = if len == 0 {
         None
     } else {
@@ -108,7 +109,7 @@ fn load_file(path: &Path, shard: usize) -> Result<Option<(Backing, Header)>> {
             .map_err(|e| GgufError::io(format!("memory-mapping {}", path.display()), e))?;
         Some(m)
     };
-    let backing = Backing::File { file, map };
+    let backing = Backing::File { file, map, modified };
     let header = parse_header(backing.bytes(), shard).map_err(|e| in_file(path, e))?;
     Ok(Some((backing, header)))
 }
@@ -323,6 +324,28 @@ impl GgufFile {
         }
     }
 
+    /// Why the files behind this mapping can no longer be trusted, if they
+    /// were written in place since they were opened (`cp` over a model that
+    /// is being served): a shorter file faults (SIGBUS) on the first read of
+    /// a page past its new end, a rewritten one serves other weights. Checked
+    /// on the open descriptor, so a file replaced by rename (the safe way:
+    /// the old inode stays mapped) is not a change. One `fstat` a shard.
+    pub fn changed_in_place(&self) -> Option<String> {
+        for s in &self.shards {
+            let Backing::File { file, map, modified } = &s.backing else { continue };
+            let Ok(now) = file.metadata() else { continue };
+            let name = s.info.path.as_ref().map_or_else(|| "the model file".to_string(), |p| p.display().to_string());
+            let mapped = map.as_ref().map_or(0, |m| m.len() as u64);
+            if now.len() != mapped {
+                return Some(format!("{name} was rewritten in place since it was opened ({mapped} bytes then, {} now)", now.len()));
+            }
+            if now.modified().ok() != *modified {
+                return Some(format!("{name} was modified in place since it was opened"));
+            }
+        }
+        None
+    }
+
     fn check_range(&self, shard: usize, offset: u64, len: u64) -> Result<&Shard> {
         let s = self
             .shards
@@ -411,6 +434,29 @@ mod tests {
     fn a_file_can_be_shared_across_threads() {
         fn check<T: Send + Sync>() {}
         check::<GgufFile>();
+    }
+
+    /// #28 defect 2: a model file rewritten in place under a running server.
+    #[test]
+    fn a_file_rewritten_in_place_is_noticed_and_one_renamed_over_is_not() {
+        let dir = std::env::temp_dir().join(format!("pulsar-gguf-inplace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("m.gguf");
+        let bytes = crate::GgufWriter::new().in_memory().unwrap().finish().unwrap().remove(0);
+        std::fs::write(&p, &bytes).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        assert_eq!(f.changed_in_place(), None);
+        // Replaced by rename: the mapped inode is untouched.
+        let q = dir.join("m.gguf.new");
+        std::fs::write(&q, &bytes).unwrap();
+        std::fs::rename(&q, &p).unwrap();
+        assert_eq!(f.changed_in_place(), None, "a rename is the safe way to replace a file");
+        // Rewritten in place (what `cp other.gguf m.gguf` does): noticed.
+        let g = GgufFile::open(&p).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(8).unwrap();
+        let why = g.changed_in_place().expect("a truncated file must be noticed");
+        assert!(why.contains("m.gguf") && why.contains("rewritten in place"), "{why}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -49,6 +49,10 @@ async fn ui() -> impl IntoResponse {
 
 /// 200 while the engine thread runs; 503 once it has stopped (shutdown, or a bug).
 async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let broken = st.metrics.broken.lock().map(|b| b.clone()).unwrap_or(None);
+    if let Some(why) = broken {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "reason": why}))).into_response();
+    }
     if st.engine_alive.load(Relaxed) {
         Json(json!({"status": "ok"})).into_response()
     } else {

@@ -36,6 +36,8 @@ pub struct Metrics {
     /// Sequence slots of the pool (fixed at start).
     pub slots: AtomicU64,
     pub tier_stats: Option<TierStats>,
+    /// Why the engine stopped serving (the model file changed on disk); `/health` reports it.
+    pub broken: Mutex<Option<String>>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]

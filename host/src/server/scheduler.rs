@@ -152,6 +152,7 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut active: Vec<Active<'_>> = Vec::new();
     let mut shutdown: Option<Instant> = None;
+    let mut broken: Option<String> = None;
     let mut rr = 0usize;
     let unavailable = || ApiError::unavailable("the server is shutting down");
     loop {
@@ -233,6 +234,27 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
                 true
             }
         });
+        // A model file written in place would fault (SIGBUS) on the next
+        // read of its mapping: stop touching it and fail every request with
+        // the reason instead (checked once a step, on the open descriptor).
+        if broken.is_none() && !(queue.is_empty() && active.is_empty()) {
+            if let Some(why) = p.model.file.changed_in_place() {
+                tracing::error!("{why}: failing every request until the server is restarted");
+                *m.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
+                broken = Some(format!("{why}: restart the server to serve it"));
+            }
+        }
+        if let Some(why) = &broken {
+            for job in queue.drain(..) {
+                m.queue_depth.fetch_sub(1, Relaxed);
+                let _ = job.events.send(Event::Error(ApiError::unavailable(why.clone())));
+            }
+            for a in active.drain(..) {
+                a.send(Event::Error(ApiError::unavailable(why.clone())));
+                engine.free(a.seq);
+            }
+            continue;
+        }
         // Admit in arrival order while slots are free.
         while engine.n_free() > 0 {
             let Some(job) = queue.pop_front() else { break };

@@ -200,12 +200,21 @@ pub fn load_sidecar(path: &Path, fingerprint: &[u8; 32]) -> SidecarLoad {
 }
 
 /// Merge this run's census into the sidecar (old / 2 + run) and write it
-/// atomically. An unusable old sidecar counts as empty. Returns what was written.
+/// atomically. An unusable old sidecar counts as empty and is replaced with a
+/// warning. A run that routed nothing (a server started and stopped idle)
+/// leaves the sidecar as it is: halving it would let idle restarts erase the
+/// history. Returns what the sidecar holds afterwards.
 pub fn save_sidecar(path: &Path, fingerprint: &[u8; 32], run: &Census) -> Result<Census> {
     let old = match fs::read(path) {
-        Ok(bytes) => decode_sidecar(&bytes, fingerprint).unwrap_or_default(),
+        Ok(bytes) => decode_sidecar(&bytes, fingerprint).unwrap_or_else(|why| {
+            tracing::warn!("replacing the unusable census sidecar {}: {why}", path.display());
+            Census::new()
+        }),
         Err(_) => Census::new(),
     };
+    if run.is_empty() {
+        return Ok(old);
+    }
     let mut merged = old.decayed();
     merged.merge(run);
     write_atomic(path, &encode_sidecar(fingerprint, &merged)).map_err(|source| StoreError::SidecarWrite { path: path.to_owned(), source })?;
@@ -291,6 +300,32 @@ mod tests {
         save_sidecar(&side, &[7u8; 32], &c).unwrap();
         assert_eq!(fs::read(&victim).unwrap(), b"precious");
         assert!(decode_sidecar(&fs::read(&side).unwrap(), &[7u8; 32]).is_ok());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// #28 defect 7: every idle restart of the server halved the census.
+    #[test]
+    fn a_run_that_routed_nothing_leaves_the_sidecar_alone() {
+        let dir = std::env::temp_dir().join(format!("pulsar-census-idle-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let side = dir.join("m.gguf.warm");
+        let mut c = Census::new();
+        c.record(0, 1, 8);
+        save_sidecar(&side, &[7u8; 32], &c).unwrap();
+        let before = fs::read(&side).unwrap();
+        for _ in 0..3 {
+            assert_eq!(save_sidecar(&side, &[7u8; 32], &Census::new()).unwrap(), c);
+        }
+        assert_eq!(fs::read(&side).unwrap(), before, "an idle run rewrote the sidecar");
+        // A run with touches still decays the old counts.
+        let mut run = Census::new();
+        run.record(1, 2, 1);
+        let after = save_sidecar(&side, &[7u8; 32], &run).unwrap();
+        assert_eq!((after.count(0, 1), after.count(1, 2)), (4, 1));
+        // A corrupt sidecar is replaced (with a warning), not merged.
+        fs::write(&side, b"PLSRWARM garbage").unwrap();
+        assert_eq!(save_sidecar(&side, &[7u8; 32], &run).unwrap(), run);
         fs::remove_dir_all(&dir).unwrap();
     }
 
