@@ -111,3 +111,22 @@ impl Config {
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
+
+/// More compute threads than this many per core only oversubscribe the
+/// machine (and 100000 of them used to hang the start).
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
+/// `--threads` (or its env or file value) is 1 to 4 per core: one line
+/// naming the setting and where it came from otherwise.
+pub fn check_threads(t: &Setting<usize>) -> Result<(), String> {
+    let max = default_threads() * MAX_THREADS_PER_CORE;
+    if t.value == 0 || t.value > max {
+        return Err(format!(
+            "--threads {} (from {}): give 1 to {max} ({MAX_THREADS_PER_CORE} per core on this machine's {})",
+            t.value,
+            t.source,
+            default_threads()
+        ));
+    }
+    Ok(())
+}

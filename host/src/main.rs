@@ -76,6 +76,7 @@ fn main() -> ExitCode {
             plugin_path_env: std::env::var("PULSAR_PLUGIN_PATH").ok(),
             config_file,
         };
+        config::check_threads(&cfg.threads).map_err(anyhow::Error::msg)?;
         let sub = matches.subcommand().map(|(_, m)| m.clone()).unwrap_or_default();
         let ctx = cli::Ctx { cfg, file, verbose: cli.verbose, print_config: cli.print_config, sub };
         match cli.cmd {

@@ -310,3 +310,39 @@ fn stage_plugins_replaces_files_by_rename() {
     let leftovers: Vec<_> = std::fs::read_dir(&installed).unwrap().map(|e| e.unwrap().file_name()).filter(|n| n.to_string_lossy().starts_with('.')).collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
 }
+
+/// #28 defect 4: `--threads 100000` hung at start and `-m FIFO` hung in
+/// open. Both are refused at once, in one line naming the thing.
+#[cfg(unix)]
+#[test]
+fn absurd_threads_and_a_fifo_model_are_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let fifo = dir.path().join("pipe.gguf");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let cases: [(Vec<std::ffi::OsString>, &str); 4] = [
+        (vec!["-t".into(), "100000".into(), "run".into(), "-m".into(), m.clone().into(), "-p".into(), "hi".into()], "--threads 100000"),
+        (vec!["-t".into(), "0".into(), "inspect".into(), m.clone().into()], "--threads 0"),
+        (vec!["inspect".into(), fifo.clone().into()], "not a regular file"),
+        (vec!["run".into(), "-m".into(), dir.path().into(), "-p".into(), "hi".into()], "a directory"),
+    ];
+    for (args, want) in cases {
+        let mut child = bin().args(&args).arg("--plugin-dir").arg(staged_plugins()).env_remove("PULSAR_THREADS").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                panic!("{args:?}: still running after 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(!status.success(), "{args:?} succeeded: {err}");
+        assert!(err.contains(want) && !err.contains("panicked") && err.trim().lines().count() == 1, "{args:?}: {err}");
+    }
+}

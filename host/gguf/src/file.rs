@@ -92,6 +92,15 @@ fn in_file(path: &Path, e: GgufError) -> GgufError {
 
 /// Opens and parses one file; `Ok(None)` when it does not exist.
 fn load_file(path: &Path, shard: usize) -> Result<Option<(Backing, Header)>> {
+    // Opening a FIFO or a device would block or read forever: refuse what is
+    // not a regular file before opening it (symlinks are followed).
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            let what = if m.is_dir() { "a directory" } else { "not a regular file (a pipe, socket or device?)" };
+            return Err(GgufError::io(format!("opening {}", path.display()), io::Error::new(io::ErrorKind::InvalidInput, format!("it is {what}"))));
+        }
+        _ => {}
+    }
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
