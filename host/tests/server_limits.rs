@@ -237,3 +237,32 @@ fn a_model_file_rewritten_under_the_server_fails_requests_instead_of_crashing() 
     assert!(h.text().contains("served.gguf"), "{}", h.text());
     srv.shutdown().unwrap();
 }
+
+/// #28 defect 7: the max-queue check read, compared and added in separate
+/// steps, so a burst could overfill the queue. Now at most `max_queue`
+/// requests ever wait: with the only slot held, a burst of 24 leaves exactly
+/// 2 waiting (they time out in the queue) and 22 refused as queue_full.
+#[test]
+fn a_burst_never_overfills_the_queue() {
+    let srv = start(ServeOptions { parallel: 1, max_queue: 2, n_ctx: 1 << 16, queue_timeout: Duration::from_secs(2), ..ServeOptions::default() });
+    let c = Client::new(srv.addr(), Some(KEY));
+    let mut a = c.open_stream("/v1/completions", &json!({"prompt": "hold the slot", "max_tokens": 1_000_000, "temperature": 0, "stream": true}));
+    http::read_events(&mut a, 2);
+    let go = Arc::new(std::sync::Barrier::new(24));
+    let burst: Vec<_> = (0..24)
+        .map(|_| {
+            let (addr, go) = (srv.addr(), go.clone());
+            std::thread::spawn(move || {
+                go.wait();
+                let r = Client::new(addr, Some(KEY)).post("/v1/completions", &json!({"prompt": "burst", "max_tokens": 2}));
+                (r.status, r.json()["error"]["code"].as_str().unwrap_or("").to_string())
+            })
+        })
+        .collect();
+    let got: Vec<(u16, String)> = burst.into_iter().map(|t| t.join().unwrap()).collect();
+    let waited = got.iter().filter(|g| g.1 == "queue_timeout").count();
+    let full = got.iter().filter(|g| g.1 == "queue_full").count();
+    assert_eq!((waited, full), (2, 22), "{got:?}");
+    drop(a);
+    srv.shutdown().unwrap();
+}
