@@ -383,6 +383,10 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, samp
         if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
             break;
         }
+        // A model file copied over in place while the chat waited would fault the next read.
+        if let Some(why) = model.file.changed_in_place() {
+            anyhow::bail!("{why}: start the chat again to load it");
+        }
         messages.push(Message { role: "user".into(), content: line.trim_end().to_string() });
         let text = tpl.render(&messages, true)?;
         // The template adds BOS itself when the family wants one.
