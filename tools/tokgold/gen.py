@@ -140,6 +140,11 @@ def pre_configs():
         "gpt-4o": {"splits": [HF["gpt-4o"]], "ignore_merges": False},
         "deepseek-v3": {"splits": DEEPSEEK_V3_SPLITS, "ignore_merges": False},
         "kimi-k2": {"splits": [KIMI_K2_SPLIT], "ignore_merges": False},
+        # MiniMax M2 / M3: transformers' own table has its tokenizer.json regex.
+        "minimax-m2": {"splits": [HF["minimax-m2"]], "ignore_merges": False},
+        # Hy3 (hy_v3 GGUFs say `hy_v4`): llama.cpp runs DeepSeek-V3's three splits for it;
+        # transformers' table has no entry.
+        "hy_v4": {"splits": DEEPSEEK_V3_SPLITS, "ignore_merges": False},
     }
 
 
