@@ -24,6 +24,7 @@
 #   twins     each new family's synthetic twin at its real geometry, cut to $TWIN_LAYERS
 #             (default 8) layers of q2_K experts: resident and --vram-budget 16 (cold,
 #             warm) tg64 with the per-tier traffic; the file is deleted after each
+#             ($TWIN_PRESETS picks presets)
 set -uo pipefail
 B="$(cd "${1:?usage: scripts/gpu-e2e.sh BIN_DIR [OUT_DIR] [STAGES]}" && pwd)"
 O="${2:-${OUT:-/tmp/pulsar-gpu}}"
@@ -123,7 +124,7 @@ fi
 
 if has twins; then
   say "## synthetic twins at real geometry (${TWIN_LAYERS:-8} layers, q2_K experts)"
-  for preset in deepseek-v3-671b kimi-k2-1t hy3-295b minimax-m2-230b; do
+  for preset in ${TWIN_PRESETS:-deepseek-v3-671b kimi-k2-1t hy3-295b minimax-m2-230b}; do
     m="$WORK/$preset.gguf"
     "$H" synth --preset "$preset" --layers "${TWIN_LAYERS:-8}" --expert-type q2_K -o "$m" > "$O/twin-$preset.log" 2>&1 || { say "$preset: synth failed"; continue; }
     say "$preset: $(ls -la "$m" | awk '{printf "%.2f GiB", $5/2^30}')"
