@@ -82,7 +82,7 @@ if has parity; then
   say "## parity: CUDA vs CPU (teacher forcing, top-5 logits)"
   say "| fixture | positions | top-1 agree | max abs diff | rel to max |"
   say "|---|---|---|---|---|"
-  for arch in qwen3moe gemma3 hy_v3 minimax-m2 minimax-m3 deepseek2 deepseek2-kimi_k25; do
+  for arch in qwen3moe gemma3 hy_v3 minimax-m2 minimax-m3 deepseek2 deepseek2-kimi_k25 qwen35moe qwen35; do
     for v in f32 q8_0; do
       m="$ROOT/fixtures/parity/$arch/model-$v.gguf"
       toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")

@@ -111,6 +111,17 @@ pub fn cpu(c: &Case) -> R<Tensor> {
             let mut s = if c.positions.first() == Some(&0) { vec![0f32; c.state.len()] } else { c.state.clone() };
             Ok(Tensor::f32(c.out.clone(), prim::scan_rows(&mut s, ins[0].f()?, ins[1].f()?)))
         }
+        Op::ShortConv { .. } => {
+            let mut win = if c.positions.first() == Some(&0) { vec![0f32; c.state.len()] } else { c.state.clone() };
+            let (w, ch) = (&c.weights[0], c.out[1]);
+            Ok(Tensor::f32(c.out.clone(), prim::short_conv_rows(&mut win, w, ins[0].f()?, w.len() / ch, ch)))
+        }
+        Op::DeltaNet { scale, .. } => {
+            let mut s = if c.positions.first() == Some(&0) { vec![0f32; c.state.len()] } else { c.state.clone() };
+            let d = prim::DeltaDims { hk: ins[0].dims[1], hv: ins[2].dims[1], dk: ins[0].dims[2], dv: ins[2].dims[2] };
+            let f = |i: usize| ins[i].f();
+            Ok(Tensor::f32(c.out.clone(), prim::delta_net_rows(&mut s, d, scale, f(0)?, f(1)?, f(2)?, f(3)?, f(4)?)))
+        }
         Op::StateRows { .. } => {
             let x = ins[0].f()?;
             let w = x.len() / c.positions.len().max(1);
@@ -430,6 +441,25 @@ op_test!("scan", 0.0, |g| {
     let (a, b) = (g.tensor(&dims, 0.0, 1.0), g.tensor(&dims, -1.0, 1.0));
     Case { positions: positions(past, n), state, ..case(Op::Scan { state: 0 }, vec![a, b], dims) }
 });
+op_test!("short_conv", 0.0, |g| {
+    let (n, ch, k) = (g.int(1, 6), g.int(1, 12), g.int(2, 5));
+    let past = if g.int(0, 1) == 0 { 0 } else { g.int(1, 9) };
+    let state = g.tensor(&[k - 1, ch], -1.0, 1.0).f().expect("f32").to_vec();
+    let w = g.tensor(&[ch, k], -1.0, 1.0).f().expect("f32").to_vec();
+    let x = g.tensor(&[n, ch], -2.0, 2.0);
+    Case { positions: positions(past, n), state, weights: vec![w], ..case(Op::ShortConv { state: 0, weight: Wt(0) }, vec![x], vec![n, ch]) }
+});
+op_test!("delta_net", 0.0, |g| {
+    let (n, hk, dk, dv) = (g.int(1, 5), g.int(1, 3), g.int(1, 9), g.int(1, 9));
+    let hv = hk * g.int(1, 3);
+    let past = if g.int(0, 1) == 0 { 0 } else { g.int(1, 9) };
+    let state = g.tensor(&[hv, dk, dv], -1.0, 1.0).f().expect("f32").to_vec();
+    // Unit-ish q/k (the family L2-normalises them), log-decays <= 0, beta in (0, 1).
+    let (q, k) = (g.tensor(&[n, hk, dk], -0.6, 0.6), g.tensor(&[n, hk, dk], -0.6, 0.6));
+    let (v, gl, beta) = (g.tensor(&[n, hv, dv], -2.0, 2.0), g.tensor(&[n, hv], -3.0, 0.0), g.tensor(&[n, hv], 0.0, 1.0));
+    let scale = 1.0 / (dk as f32).sqrt();
+    Case { positions: positions(past, n), state, ..case(Op::DeltaNet { state: 0, scale }, vec![q, k, v, gl, beta], vec![n, hv, dv]) }
+});
 op_test!("state_rows", 0.0, |g| {
     let (past, n, w) = (g.int(0, 9), g.int(1, 5), g.int(1, 20));
     let cap = past + n + g.int(0, 4);
@@ -475,6 +505,8 @@ mod tests {
         ("mask", None),
         ("scan", None),
         ("block_select", None),
+        ("short_conv", None),
+        ("delta_net", None),
     ];
 
     #[test]

@@ -16,7 +16,10 @@
 //!   31 positions, 2 are near-ties (margins 0.001 and 0.03 of a 5.5 range),
 //!   1 is the reference's second choice at a 0.39 margin, and at 2 the q8_0
 //!   choice ranks 47th and 56th in the reference, a discontinuity of a block
-//!   or expert choice flipping; its f32 logits are within 8e-7). q8_0 rounds
+//!   or expert choice flipping; its f32 logits are within 8e-7; 85% for
+//!   qwen35, dense, whose 4 flips in 31 positions are all reference
+//!   near-ties: the q8_0 choice is the reference's second or third token,
+//!   0.003 to 0.029 below its first, of a 7.45 logit range). q8_0 rounds
 //!   each weight to 1/254 of its block's absmax (~0.2% of a typical weight) and
 //!   we also round activations to q8_0 before each dot (same size again); on
 //!   models with random weights, whose logits are a sum of many such products
@@ -57,6 +60,7 @@ fn q8_argmax_bound(arch: &str) -> f64 {
     match arch {
         "deepseek2" => 0.85,
         "minimax-m3" => 0.8,
+        "qwen35" => 0.85,
         _ => 0.9,
     }
 }

@@ -267,6 +267,82 @@ extern "C" __global__ void prim_scan(const float* a, const float* b, float* stat
     state[e] = s;
 }
 
+// Depthwise causal conv (Op::ShortConv) of x [n, c] with taps w [c, k]
+// (oldest first) over a window [k - 1, c] of the inputs before the step
+// (read as zero when the step starts at position 0), which then keeps the
+// last k - 1 inputs. One thread a channel; twin: cpu::prim::short_conv_rows.
+extern "C" __global__ void prim_short_conv(const float* x, const float* w, float* win, float* y, const u32* positions,
+                                           int n, int c, int k) {
+    pdl_begin();
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    int m = k - 1;
+    bool fresh = positions[0] == 0;
+    for (int t = 0; t < n; t++) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int r = t - m + j;
+            float v = r < 0 ? (fresh ? 0.0f : win[(long long)(m + r) * c + ch]) : x[(long long)r * c + ch];
+            acc = __fadd_rn(acc, __fmul_rn(w[(long long)ch * k + j], v));
+        }
+        y[(long long)t * c + ch] = acc;
+    }
+    // Ascending rows read the old window ahead of where they write.
+    for (int r = 0; r < m; r++) {
+        int src = n - m + r;
+        win[(long long)r * c + ch] = src < 0 ? (fresh ? 0.0f : win[(long long)(m + src) * c + ch]) : x[(long long)src * c + ch];
+    }
+}
+
+// The gated delta rule (Op::DeltaNet) over n tokens on the state s
+// [hv, dk, dv] (zeroed when the step starts at position 0): q, k [n, hk, dk],
+// v [n, hv, dv], g, beta [n, hv]; o [n, hv, dv]. One block a v head j (k head
+// j % hk), one thread a value column; the head's scaled q and its k sit in
+// shared memory (2 dk floats). Per token, each column: decay it and sum kᵀS,
+// δ = (v − kᵀS)·β, add k·δ and sum (scale·q)ᵀS, every sum over the key dim in
+// order from 0 (twin: cpu::prim::delta_net_rows).
+extern "C" __global__ void prim_delta_net(const float* q, const float* k, const float* v, const float* g,
+                                          const float* beta, float* s, float* o, const u32* positions, int n, int hk,
+                                          int hv, int dk, int dv, float scale) {
+    pdl_begin();
+    extern __shared__ float dn_qk[];
+    float* qs = dn_qk;
+    float* ks = dn_qk + dk;
+    int j = blockIdx.x, kh = j % hk;
+    float* sj = s + (long long)j * dk * dv;
+    if (positions[0] == 0) {
+        for (long long e = threadIdx.x; e < (long long)dk * dv; e += blockDim.x) sj[e] = 0.0f;
+    }
+    for (int t = 0; t < n; t++) {
+        __syncthreads();
+        long long qo = ((long long)t * hk + kh) * dk;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = __fmul_rn(q[qo + i], scale);
+            ks[i] = k[qo + i];
+        }
+        __syncthreads();
+        float decay = exp_c(g[(long long)t * hv + j]);
+        float b = beta[(long long)t * hv + j];
+        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+            float kv = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float e = __fmul_rn(sj[(long long)i * dv + c], decay);
+                sj[(long long)i * dv + c] = e;
+                kv = __fadd_rn(kv, __fmul_rn(ks[i], e));
+            }
+            long long vo = ((long long)t * hv + j) * dv + c;
+            float delta = __fmul_rn(__fsub_rn(v[vo], kv), b);
+            float acc = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float e = __fadd_rn(sj[(long long)i * dv + c], __fmul_rn(ks[i], delta));
+                sj[(long long)i * dv + c] = e;
+                acc = __fadd_rn(acc, __fmul_rn(qs[i], e));
+            }
+            o[vo] = acc;
+        }
+    }
+}
+
 // Rows of a rows state: cache[positions[t]] = x[t] (rows of w words).
 extern "C" __global__ void prim_rows_write(const u32* x, u32* cache, const u32* positions, int n, long long w,
                                            long long cap) {

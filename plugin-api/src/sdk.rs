@@ -481,6 +481,24 @@ impl<'a> Graph<'a> {
     pub fn scan(&mut self, state: u32, a: Val, b: Val) -> Result<Val, PluginError> {
         self.op(Op::Scan { state }, &[a, b])
     }
+    /// The depthwise causal conv of `x` `[T, C]` with `weight` (`[K, C]`) on
+    /// a recurrent state `[K - 1, C]` (see [`Op::ShortConv`]).
+    pub fn short_conv(&mut self, state: u32, weight: Wt, x: Val) -> Result<Val, PluginError> {
+        self.op(Op::ShortConv { state, weight }, &[x])
+    }
+    /// The gated delta rule on a recurrent state `[Hv, Dk, Dv]` (see
+    /// [`Op::DeltaNet`]): o `[T, Hv, Dv]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_net(&mut self, state: u32, scale: f32, q: Val, k: Val, v: Val, g: Val, beta: Val) -> Result<Val, PluginError> {
+        self.op(Op::DeltaNet { state, scale }, &[q, k, v, g, beta])
+    }
+    /// `x / sqrt(Σx² + eps)` over the last axis (of `width` values), composed
+    /// as an RMS norm with `eps / width` scaled by `1 / sqrt(width)` (the
+    /// delta nets' q/k L2 norm).
+    pub fn l2_norm(&mut self, x: Val, width: u32, eps: f32) -> Result<Val, PluginError> {
+        let n = self.rms_norm(x, None, eps / width as f32)?;
+        self.scale(n, 1.0 / (width as f32).sqrt())
+    }
 }
 
 /// Run `f`, turning a panic into an error line that names the plugin.

@@ -100,6 +100,8 @@ const PRIM: &[&str] = &[
     "prim_rows_write",
     "prim_rope_freq",
     "prim_block_select",
+    "prim_short_conv",
+    "prim_delta_net",
 ];
 
 /// Entries of [`Family::Prim`], in the order of its table.
@@ -121,6 +123,8 @@ pub(crate) enum Prim {
     RowsWrite,
     RopeFreq,
     BlockSelect,
+    ShortConv,
+    DeltaNet,
 }
 
 /// The weight formats with dp4a kernels, in the order of the entry tables below.

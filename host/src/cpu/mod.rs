@@ -227,6 +227,8 @@ impl<'a> CpuStep<'a> {
             }
             Op::StateRows { state } => Tensor::f32(want.to_vec(), self.state_rows(*state as usize, ins[0], want[0])?),
             Op::Scan { state } => Tensor::f32(want.to_vec(), self.scan(*state as usize, ins[0], ins[1])?),
+            Op::ShortConv { state, weight } => Tensor::f32(want.to_vec(), self.short_conv(*state as usize, *weight, ins[0])?),
+            Op::DeltaNet { state, scale } => Tensor::f32(want.to_vec(), self.delta_net(*state as usize, *scale, ins)?),
             other => return Err(format!("{} has no CPU implementation", other.name())),
         })
     }
@@ -243,12 +245,11 @@ impl<'a> CpuStep<'a> {
         Ok(rows.rows(c).to_vec())
     }
 
-    /// `S_t = a_t * S_{t-1} + b_t` per sequence run, from the sequence's
-    /// state (zero at position 0), which keeps the run's last `S_t`.
-    fn scan(&mut self, state: usize, a: &Tensor, b: &Tensor) -> R<Vec<f32>> {
-        let (n, w) = a.rows_cols();
-        let (da, db) = (a.f()?, b.f()?);
-        let mut out = vec![0f32; n * w];
+    /// Run `f` over each sequence run `[start, end)` of the step's `n` rows
+    /// with that sequence's recurrent state `state` (zero at position 0; at
+    /// any other start it must hold exactly the tokens before the run); the
+    /// state then counts the run's tokens.
+    fn each_recurrent_run(&mut self, state: usize, n: usize, mut f: impl FnMut(&mut [f32], usize, usize)) -> R<()> {
         for (start, end, seq) in self.seq_runs(n)? {
             let first = self.positions[start] as usize;
             let r = self.kvs[seq].recurrent_mut(state)?;
@@ -257,11 +258,50 @@ impl<'a> CpuStep<'a> {
             } else if r.pos != first {
                 return Err(format!("recurrent state {state} holds {} tokens but the step starts at position {first} (restore a snapshot)", r.pos));
             }
-            let rows = start * w..end * w;
-            let ys = prim::scan_rows(&mut r.value, &da[rows.clone()], &db[rows.clone()]);
-            out[rows].copy_from_slice(&ys);
+            f(&mut r.value, start, end);
             r.pos = self.positions[end - 1] as usize + 1;
         }
+        Ok(())
+    }
+
+    /// `S_t = a_t * S_{t-1} + b_t` per sequence run, from the sequence's
+    /// state, which keeps the run's last `S_t`.
+    fn scan(&mut self, state: usize, a: &Tensor, b: &Tensor) -> R<Vec<f32>> {
+        let (n, w) = a.rows_cols();
+        let (da, db) = (a.f()?, b.f()?);
+        let mut out = vec![0f32; n * w];
+        self.each_recurrent_run(state, n, |s, start, end| {
+            let rows = start * w..end * w;
+            out[rows.clone()].copy_from_slice(&prim::scan_rows(s, &da[rows.clone()], &db[rows]));
+        })?;
+        Ok(out)
+    }
+
+    /// The short conv of each sequence run over its conv window.
+    fn short_conv(&mut self, state: usize, weight: Wt, x: &Tensor) -> R<Vec<f32>> {
+        let (n, c) = x.rows_cols();
+        let w = self.weight_f32(weight)?;
+        let k = w.len() / c.max(1);
+        let dx = x.f()?;
+        let mut out = vec![0f32; n * c];
+        self.each_recurrent_run(state, n, |win, start, end| {
+            let y = prim::short_conv_rows(win, &w, &dx[start * c..end * c], k, c);
+            out[start * c..end * c].copy_from_slice(&y);
+        })?;
+        Ok(out)
+    }
+
+    /// The gated delta rule of each sequence run on its state.
+    fn delta_net(&mut self, state: usize, scale: f32, ins: &[&Tensor]) -> R<Vec<f32>> {
+        let (q, k, v, g, b) = (ins[0].f()?, ins[1].f()?, ins[2].f()?, ins[3].f()?, ins[4].f()?);
+        let d = prim::DeltaDims { hk: ins[0].dims[1], hv: ins[2].dims[1], dk: ins[0].dims[2], dv: ins[2].dims[2] };
+        let n = ins[0].dims[0];
+        let (qk, vw) = (d.hk * d.dk, d.hv * d.dv);
+        let mut out = vec![0f32; n * vw];
+        self.each_recurrent_run(state, n, |s, a, e| {
+            let o = prim::delta_net_rows(s, d, scale, &q[a * qk..e * qk], &k[a * qk..e * qk], &v[a * vw..e * vw], &g[a * d.hv..e * d.hv], &b[a * d.hv..e * d.hv]);
+            out[a * vw..e * vw].copy_from_slice(&o);
+        })?;
         Ok(out)
     }
 

@@ -509,6 +509,90 @@ pub fn scan_rows(s: &mut [f32], a: &[f32], b: &[f32]) -> Vec<f32> {
     out
 }
 
+/// One sequence's rows through a depthwise causal conv ([`Op::ShortConv`]):
+/// `x` `[n, c]`, `w` `[c, k]` (each channel's taps, oldest first), `window`
+/// `[k - 1, c]` the inputs before the run (oldest first), updated to the
+/// last `k - 1` inputs. Each output sums its taps in order from the oldest.
+pub fn short_conv_rows(window: &mut [f32], w: &[f32], x: &[f32], k: usize, c: usize) -> Vec<f32> {
+    let n = x.len() / c.max(1);
+    let m = k - 1;
+    // Row r of the inputs, counting the window's rows as r < 0.
+    let at = |win: &[f32], r: isize, ch: usize| if r < 0 { win[(m as isize + r) as usize * c + ch] } else { x[r as usize * c + ch] };
+    let mut y = vec![0f32; n * c];
+    for t in 0..n {
+        for ch in 0..c {
+            let mut acc = 0f32;
+            for j in 0..k {
+                acc += w[ch * k + j] * at(window, t as isize - m as isize + j as isize, ch);
+            }
+            y[t * c + ch] = acc;
+        }
+    }
+    // Ascending rows read the old window ahead of where they write.
+    for r in 0..m {
+        let src = n as isize - m as isize + r as isize;
+        for ch in 0..c {
+            window[r * c + ch] = at(window, src, ch);
+        }
+    }
+    y
+}
+
+/// Head counts and sizes of a [`Op::DeltaNet`].
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaDims {
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// One sequence's rows through the gated delta rule ([`Op::DeltaNet`]) on
+/// its state `s` `[hv, dk, dv]`; the outputs `[n, hv, dv]`. Per token, v head
+/// and value column, in this order (the CUDA kernel's): decay the column and
+/// read `kᵀS` as it goes, then `δ = (v − kᵀS)·β`, then add `k·δ` and read
+/// `(scale·q)ᵀS` as it goes; every sum starts at 0 and runs over the key dim
+/// in order.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_net_rows(s: &mut [f32], d: DeltaDims, scale: f32, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32]) -> Vec<f32> {
+    let DeltaDims { hk, hv, dk, dv } = d;
+    let n = g.len() / hv.max(1);
+    let mut out = vec![0f32; n * hv * dv];
+    let (mut qs, mut kv) = (vec![0f32; dk], vec![0f32; dv]);
+    for t in 0..n {
+        for j in 0..hv {
+            let kh = j % hk;
+            let kt = &k[(t * hk + kh) * dk..][..dk];
+            for (o, &x) in qs.iter_mut().zip(&q[(t * hk + kh) * dk..][..dk]) {
+                *o = x * scale;
+            }
+            let decay = math::exp(g[t * hv + j]);
+            let b = beta[t * hv + j];
+            let sj = &mut s[j * dk * dv..][..dk * dv];
+            // Row-wise over the state, one accumulator a column: each
+            // column's sums still run over the key dim in order.
+            kv.iter_mut().for_each(|x| *x = 0.0);
+            for (row, &ki) in sj.chunks_exact_mut(dv).zip(kt) {
+                for (e, acc) in row.iter_mut().zip(kv.iter_mut()) {
+                    *e *= decay;
+                    *acc += ki * *e;
+                }
+            }
+            for (c, x) in kv.iter_mut().enumerate() {
+                *x = (v[(t * hv + j) * dv + c] - *x) * b;
+            }
+            let o = &mut out[(t * hv + j) * dv..][..dv];
+            for ((row, &ki), &qi) in sj.chunks_exact_mut(dv).zip(kt).zip(&qs) {
+                for ((e, &delta), acc) in row.iter_mut().zip(kv.iter()).zip(o.iter_mut()) {
+                    *e += ki * delta;
+                    *acc += qi * *e;
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -588,5 +672,38 @@ mod tests {
         // Batched over a broadcast axis: [2, 1, 3] x [3, 2].
         let m = matmul(&a.reshaped(vec![2, 1, 3]).unwrap(), &t(&[3, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), &[2, 1, 2]).unwrap();
         assert_eq!(m.f().unwrap(), &[4.0, 5.0, 10.0, 11.0]);
+    }
+
+    #[test]
+    fn short_conv_sums_its_taps_over_the_window_and_keeps_the_last_inputs() {
+        // Two channels, three taps; the window holds the two inputs before.
+        let w = [1.0, 10.0, 100.0, 2.0, 0.0, -1.0];
+        let mut win = vec![1.0, 5.0, 2.0, 6.0];
+        let y = short_conv_rows(&mut win, &w, &[3.0, 7.0, 4.0, 8.0], 3, 2);
+        // ch 0: 1·1 + 10·2 + 100·3, then 1·2 + 10·3 + 100·4; ch 1: 2·5 − 7, then 2·6 − 8.
+        assert_eq!(y, vec![321.0, 3.0, 432.0, 4.0]);
+        assert_eq!(win, vec![3.0, 7.0, 4.0, 8.0]);
+    }
+
+    #[test]
+    fn one_long_run_of_the_recurrent_ops_is_bit_identical_to_single_tokens() {
+        let mut g = crate::opcheck::Gen::new(7);
+        let (n, d) = (6, DeltaDims { hk: 2, hv: 4, dk: 3, dv: 5 });
+        let f = |g: &mut crate::opcheck::Gen, dims: &[usize], lo: f32, hi: f32| g.tensor(dims, lo, hi).f().unwrap().to_vec();
+        let (q, k) = (f(&mut g, &[n, 2, 3], -0.6, 0.6), f(&mut g, &[n, 2, 3], -0.6, 0.6));
+        let (v, gl, b) = (f(&mut g, &[n, 4, 5], -2.0, 2.0), f(&mut g, &[n, 4], -3.0, 0.0), f(&mut g, &[n, 4], 0.0, 1.0));
+        let mut s_all = vec![0f32; 4 * 3 * 5];
+        let all = delta_net_rows(&mut s_all, d, 0.5, &q, &k, &v, &gl, &b);
+        let mut s_one = vec![0f32; 4 * 3 * 5];
+        let mut one = Vec::new();
+        for t in 0..n {
+            one.extend(delta_net_rows(&mut s_one, d, 0.5, &q[t * 6..][..6], &k[t * 6..][..6], &v[t * 20..][..20], &gl[t * 4..][..4], &b[t * 4..][..4]));
+        }
+        assert_eq!((all, s_all), (one, s_one));
+        let (x, w) = (f(&mut g, &[n, 7], -2.0, 2.0), f(&mut g, &[7, 4], -1.0, 1.0));
+        let (mut win_all, mut win_one) = (vec![0f32; 3 * 7], vec![0f32; 3 * 7]);
+        let all = short_conv_rows(&mut win_all, &w, &x, 4, 7);
+        let one: Vec<f32> = (0..n).flat_map(|t| short_conv_rows(&mut win_one, &w, &x[t * 7..][..7], 4, 7)).collect();
+        assert_eq!((all, win_all), (one, win_one));
     }
 }

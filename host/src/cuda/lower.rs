@@ -131,7 +131,7 @@ impl Lowering {
                 Op::Rope(r) if r.yarn.is_none() => Lowered::Run,
                 Op::Binary(Binary::Add | Binary::Mul) if shape_in(0) == shape_in(1) => Lowered::Run,
                 Op::Experts(_) => Lowered::Experts,
-                Op::Weight(_) | Op::StateRows { .. } | Op::Scan { .. } => Lowered::Prim,
+                Op::Weight(_) | Op::StateRows { .. } | Op::Scan { .. } | Op::ShortConv { .. } | Op::DeltaNet { .. } => Lowered::Prim,
                 op if super::prim::runs(op) => Lowered::Prim,
                 _ => return refuse("this op has no kernel"),
             };

@@ -35,6 +35,20 @@ pub fn run_case(dev: &CudaDevice, c: &Case, sabotage: bool) -> R<Vec<u32>> {
             dev.prim_scan(&stream, &ins[0], &ins[1], &mut state, &mut y, &pos, c.positions.len()).map_err(err)?;
             y
         }
+        Op::ShortConv { .. } => {
+            let (w, mut win) = (dev.upload(&c.weights[0]).map_err(err)?, dev.upload(&c.state).map_err(err)?);
+            let mut y = dev.alloc::<f32>(n_out).map_err(err)?;
+            dev.prim_short_conv(&stream, &ins[0], &w, &mut win, &mut y, &pos, c.positions.len(), c.out[1]).map_err(err)?;
+            y
+        }
+        Op::DeltaNet { scale, .. } => {
+            let mut state = dev.upload(&c.state).map_err(err)?;
+            let mut y = dev.alloc::<f32>(n_out).map_err(err)?;
+            let (q, v) = (&c.ins[0].dims, &c.ins[2].dims);
+            let dims = [c.positions.len(), q[1], v[1], q[2], v[2]];
+            dev.prim_delta_net(&stream, [&ins[0], &ins[1], &ins[2], &ins[3], &ins[4]], &mut state, &mut y, &pos, dims, scale).map_err(err)?;
+            y
+        }
         Op::StateRows { .. } => {
             let mut cache = dev.upload(&c.state).map_err(err)?;
             let w = c.out[1];

@@ -201,6 +201,18 @@ pub enum Op {
     /// `S_t = a_t * S_{t-1} + b_t` elementwise, with `a`, `b` `[T, ..S]`;
     /// gives every `S_t` (`[T, ..S]`) and keeps the last.
     Scan { state: u32 },
+    /// A depthwise causal convolution over the step's rows `[T, C]` with
+    /// `weight` (ggml dims `[K, C]`: channel c's K taps, oldest first), on a
+    /// recurrent state `[K - 1, C]` holding the inputs before the step (zero
+    /// at position 0): `y_t[c] = Σ_j w[c, j] · x_{t-K+1+j}[c]`. Keeps the
+    /// last K - 1 inputs. The gated delta net's short conv.
+    ShortConv { state: u32, weight: Wt },
+    /// The gated delta rule (Qwen3-Next / Qwen3.5 linear attention) on a
+    /// recurrent state `S` `[Hv, Dk, Dv]`, from q, k `[T, Hk, Dk]`, v
+    /// `[T, Hv, Dv]`, g (log decay) and beta `[T, Hv]`; v head j reads k
+    /// head `j mod Hk`. Per token and v head: `S ← S·exp(g)`,
+    /// `S ← S + k ⊗ β(v − kᵀS)`, `o = (scale·q)ᵀS`. Gives o `[T, Hv, Dv]`.
+    DeltaNet { state: u32, scale: f32 },
 }
 
 /// Opcodes (stable across versions).
@@ -235,6 +247,8 @@ pub mod code {
     pub const MASK: u32 = 51;
     pub const SCAN: u32 = 52;
     pub const BLOCK_SELECT: u32 = 53;
+    pub const SHORT_CONV: u32 = 54;
+    pub const DELTA_NET: u32 = 55;
 }
 
 const ACTS: [Act; 4] = [Act::Silu, Act::GeluTanh, Act::Gelu, Act::SwigluOai];
@@ -316,6 +330,8 @@ impl Op {
             Op::Mask { .. } => "mask",
             Op::Scan { .. } => "scan",
             Op::BlockSelect { .. } => "block_select",
+            Op::ShortConv { .. } => "short_conv",
+            Op::DeltaNet { .. } => "delta_net",
         }
     }
 
@@ -361,6 +377,8 @@ impl Op {
             Op::Mask { window } => (code::MASK, vec![*window as i64], vec![]),
             Op::Scan { state } => (code::SCAN, vec![*state as i64], vec![]),
             Op::BlockSelect { block, top_k, local } => (code::BLOCK_SELECT, vec![*block as i64, *top_k as i64, *local as i64], vec![]),
+            Op::ShortConv { state, weight } => (code::SHORT_CONV, vec![*state as i64, weight.0 as i64], vec![]),
+            Op::DeltaNet { state, scale } => (code::DELTA_NET, vec![*state as i64], vec![*scale]),
         };
         Encoded { code, ints, floats }
     }
@@ -429,6 +447,8 @@ impl Op {
                 top_k: u32_of(int(1)?, "block_select top_k")?,
                 local: u32_of(int(2)?, "block_select local")?,
             },
+            code::SHORT_CONV => Op::ShortConv { state: u32_of(int(0)?, "state")?, weight: wt(int(1)?)? },
+            code::DELTA_NET => Op::DeltaNet { state: u32_of(int(0)?, "state")?, scale: float(0)? },
             other => return Err(format!("unknown opcode {other} (the plugin needs a newer host)")),
         })
     }
@@ -440,6 +460,7 @@ impl Op {
             Op::Concat { .. } => return None,
             Op::Binary(_) | Op::TakeAlong | Op::Gather | Op::Matmul | Op::Glu(_) | Op::Scan { .. } => 2,
             Op::Attention(_) | Op::Experts(_) => 3,
+            Op::DeltaNet { .. } => 5,
             _ => 1,
         })
     }
@@ -762,6 +783,50 @@ pub fn infer(op: &Op, ins: &[&Shape], cx: &ShapeCx<'_>) -> Result<Shape, String>
             }
             Ok(want)
         }
+        Op::ShortConv { state, weight } => {
+            want_f32(ins[0], "short_conv input")?;
+            let x = ins[0];
+            let c = last_fixed(x, "short_conv")?;
+            if x.rank() != 2 || x.dims[0] != Dim::T {
+                return Err(format!("short_conv runs over rows [T, channels], got {x}"));
+            }
+            let k = match cx.dims(*weight)? {
+                [k, ch] if *ch == c && *k >= 2 => *k,
+                d => return Err(format!("weight `{}` has dims {d:?}, not [kernel >= 2, {c}]", cx.name(*weight))),
+            };
+            let st = cx.state(*state, STATE_RECURRENT, "recurrent state")?;
+            if st.dims.as_slice() != [k - 1, c] {
+                return Err(format!("state {state} has dims {:?}, a kernel of {k} over {c} channels keeps [{}, {c}]", st.dims.as_slice(), k - 1));
+            }
+            Ok(x.clone())
+        }
+        Op::DeltaNet { state, scale } => {
+            let (q, k, v, g, b) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
+            for s in [q, k, v, g, b] {
+                want_f32(s, "delta_net inputs")?;
+                if s.dims.first() != Some(&Dim::T) || s.dims[1..].iter().any(|d| d.fixed().is_none()) {
+                    return Err(format!("delta_net inputs run over the step's rows, got {s}"));
+                }
+            }
+            let st = cx.state(*state, STATE_RECURRENT, "recurrent state")?;
+            let [hv, dk, dv] = st.dims.as_slice() else {
+                return Err(format!("state {state} has dims {:?}, not [v heads, key dim, value dim]", st.dims.as_slice()));
+            };
+            let (hv, dk, dv) = (*hv, *dk, *dv);
+            let hk = q.dims.get(1).and_then(|d| d.fixed()).unwrap_or(0);
+            let qk = Shape::f32(vec![Dim::T, Dim::N(hk), Dim::N(dk)]);
+            let gb = Shape::f32(vec![Dim::T, Dim::N(hv)]);
+            if *q != qk || *k != qk || *v != Shape::f32(vec![Dim::T, Dim::N(hv), Dim::N(dv)]) || *g != gb || *b != gb {
+                return Err(format!("q {q}, k {k}, v {v}, g {g}, beta {b} do not fit state {state} ({hv} v heads, {dk}/{dv})"));
+            }
+            if hk == 0 || hv % hk != 0 {
+                return Err(format!("{hv} v heads over {hk} k heads"));
+            }
+            if !scale.is_finite() {
+                return Err(format!("scale {scale} is not finite"));
+            }
+            Ok(v.clone())
+        }
     }
 }
 
@@ -811,6 +876,8 @@ mod tests {
             Op::StateRows { state: 2 },
             Op::Mask { window: 16 },
             Op::Scan { state: 1 },
+            Op::ShortConv { state: 3, weight: Wt(9) },
+            Op::DeltaNet { state: 5, scale: 0.25 },
         ]
     }
 
@@ -893,5 +960,32 @@ mod tests {
         assert!(infer(&Op::Scan { state: 2 }, &[&ab, &x], &cx).is_err());
         assert!(infer(&Op::Scan { state: 9 }, &[&ab, &ab], &cx).unwrap_err().contains("not declared"));
         assert_eq!(infer(&Op::Mask { window: 0 }, &[], &cx).unwrap().dims, vec![Dim::T, Dim::C]);
+    }
+
+    #[test]
+    fn the_delta_net_ops_check_their_states_and_weights() {
+        // conv weight [K 4, C 6]; conv window [3, 6]; delta state [Hv 4, Dk 2, Dv 3].
+        let weights = vec![vec![4, 6], vec![3, 6]];
+        let names: Vec<String> = ["conv", "short"].iter().map(|s| s.to_string()).collect();
+        let states = vec![StateSpec::recurrent(0, &[3, 6]), StateSpec::recurrent(0, &[4, 2, 3]), StateSpec::kv(0, 2, 4, 4, 0)];
+        let cx = cx(&weights, &names, &states);
+        let x = Shape::f32(vec![Dim::T, Dim::N(6)]);
+        assert_eq!(infer(&Op::ShortConv { state: 0, weight: Wt(0) }, &[&x], &cx), Ok(x.clone()));
+        assert!(infer(&Op::ShortConv { state: 0, weight: Wt(1) }, &[&x], &cx).unwrap_err().contains("state 0"));
+        assert!(infer(&Op::ShortConv { state: 1, weight: Wt(0) }, &[&x], &cx).is_err());
+        assert!(infer(&Op::ShortConv { state: 2, weight: Wt(0) }, &[&x], &cx).unwrap_err().contains("not a recurrent"));
+        let x5 = Shape::f32(vec![Dim::T, Dim::N(5)]);
+        assert!(infer(&Op::ShortConv { state: 0, weight: Wt(0) }, &[&x5], &cx).unwrap_err().contains("conv"));
+        let q = Shape::f32(vec![Dim::T, Dim::N(2), Dim::N(2)]);
+        let v = Shape::f32(vec![Dim::T, Dim::N(4), Dim::N(3)]);
+        let g = Shape::f32(vec![Dim::T, Dim::N(4)]);
+        let dn = Op::DeltaNet { state: 1, scale: 0.5 };
+        assert_eq!(infer(&dn, &[&q, &q, &v, &g, &g], &cx), Ok(v.clone()));
+        assert!(infer(&dn, &[&q, &q, &v, &g], &cx).unwrap_err().contains("takes 5"));
+        assert!(infer(&dn, &[&q, &q, &v, &x, &g], &cx).is_err());
+        let q3 = Shape::f32(vec![Dim::T, Dim::N(3), Dim::N(2)]);
+        assert!(infer(&dn, &[&q3, &q3, &v, &g, &g], &cx).unwrap_err().contains("v heads over 3"));
+        assert!(infer(&Op::DeltaNet { state: 0, scale: 0.5 }, &[&q, &q, &v, &g, &g], &cx).is_err());
+        assert!(infer(&Op::DeltaNet { state: 1, scale: f32::NAN }, &[&q, &q, &v, &g, &g], &cx).is_err());
     }
 }

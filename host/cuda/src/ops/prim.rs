@@ -285,6 +285,52 @@ impl CudaDevice {
         unsafe { self.launch(f, (w.div_ceil(128) as u32, 1, 1), 128, 0, stream, &mut params![ap, bp, sp, yp, pp, nn, ww]) }
     }
 
+    /// The depthwise causal conv of `x` `[n, c]` with taps `w` `[c, k]` over
+    /// the conv window `win` `[k - 1, c]` (read as zero when `positions[0]`
+    /// is 0), which keeps the last `k - 1` inputs (see `Op::ShortConv`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_short_conv(&self, stream: &CudaStream, x: &DeviceBuf<f32>, w: &DeviceBuf<f32>, win: &mut DeviceBuf<f32>, y: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, n: usize, c: usize) -> Result<(), CudaError> {
+        const OP: &str = "prim_short_conv";
+        if c == 0 || w.len() % c != 0 || w.len() / c < 2 || positions.is_empty() {
+            return Err(shape(OP, format!("{} taps over {c} channels", w.len())));
+        }
+        let k = w.len() / c;
+        want(OP, "x", x.len(), n * c)?;
+        want(OP, "y", y.len(), n * c)?;
+        want(OP, "window", win.len(), (k - 1) * c)?;
+        let f = self.prim(Prim::ShortConv)?;
+        let (xp, wp, sp, yp, pp) = (x.device_ptr(), w.device_ptr(), win.device_ptr(), y.device_ptr(), positions.device_ptr());
+        let (nn, cc, kk) = (to_i32(OP, "n", n)?, to_i32(OP, "c", c)?, to_i32(OP, "k", k)?);
+        // SAFETY: (x, w, win, y, positions, n, c, k) as prim_short_conv; lengths checked above.
+        unsafe { self.launch(f, (c.div_ceil(128) as u32, 1, 1), 128, 0, stream, &mut params![xp, wp, sp, yp, pp, nn, cc, kk]) }
+    }
+
+    /// The gated delta rule over `n` tokens on the state `s` `[hv, dk, dv]`
+    /// (zeroed when `positions[0]` is 0): q, k `[n, hk, dk]`, v `[n, hv, dv]`,
+    /// g, beta `[n, hv]`; o `[n, hv, dv]` (see `Op::DeltaNet`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_delta_net(&self, stream: &CudaStream, ins: [&DeviceBuf<f32>; 5], s: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, dims: [usize; 5], scale: f32) -> Result<(), CudaError> {
+        const OP: &str = "prim_delta_net";
+        let [n, hk, hv, dk, dv] = dims;
+        if hk == 0 || hv % hk != 0 || dk == 0 || dv == 0 || positions.is_empty() || 2 * dk * 4 > 48 * 1024 {
+            return Err(shape(OP, format!("{hv} v heads over {hk} k heads, key dim {dk}, value dim {dv}")));
+        }
+        let [q, k, v, g, b] = ins;
+        want(OP, "q", q.len(), n * hk * dk)?;
+        want(OP, "k", k.len(), n * hk * dk)?;
+        want(OP, "v", v.len(), n * hv * dv)?;
+        want(OP, "g", g.len(), n * hv)?;
+        want(OP, "beta", b.len(), n * hv)?;
+        want(OP, "state", s.len(), hv * dk * dv)?;
+        want(OP, "o", o.len(), n * hv * dv)?;
+        let f = self.prim(Prim::DeltaNet)?;
+        let (qp, kp, vp, gp, bp, sp, op, pp) = (q.device_ptr(), k.device_ptr(), v.device_ptr(), g.device_ptr(), b.device_ptr(), s.device_ptr(), o.device_ptr(), positions.device_ptr());
+        let (nn, hkk, hvv, dkk, dvv) = (to_i32(OP, "n", n)?, hk as i32, to_i32(OP, "hv", hv)?, to_i32(OP, "dk", dk)?, to_i32(OP, "dv", dv)?);
+        let threads = dv.next_multiple_of(32).min(1024) as u32;
+        // SAFETY: (q, k, v, g, beta, s, o, positions, n, hk, hv, dk, dv, scale) as prim_delta_net; lengths checked above, 2 dk floats of shared memory.
+        unsafe { self.launch(f, (hvv as u32, 1, 1), threads, (2 * dk * 4) as u32, stream, &mut params![qp, kp, vp, gp, bp, sp, op, pp, nn, hkk, hvv, dkk, dvv, scale]) }
+    }
+
     /// Rows `x` (`[n, w]`) into `cache` at `positions` (rows past the
     /// cache's end are dropped; callers check the context first).
     pub fn prim_rows_write(&self, stream: &CudaStream, x: &DeviceBuf<f32>, cache: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, n: usize, w: usize) -> Result<(), CudaError> {

@@ -68,6 +68,32 @@ impl<'a> CudaStep<'a> {
                 dev.prim_scan(&stream, a, b, s, &mut y, self.pos_buf, n).map_err(err)?;
                 self.push(y, rows, cols)
             }
+            Op::ShortConv { state, weight } => {
+                let mut y = self.pools.f32.take(dev, rows * cols).map_err(err)?;
+                let Ok(x) = Self::live(&self.vals, ins[0]) else {
+                    self.released_early.set(true);
+                    return Err("short_conv: its input was released before this read".into());
+                };
+                let w = cm.weights.get(weight.0 as usize).and_then(|d| d.f32.as_ref()).ok_or_else(|| format!("weight {} has no f32 copy on the device", weight.0))?;
+                let s = self.kv.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
+                dev.prim_short_conv(&stream, x, w, s, &mut y, self.pos_buf, n, cols).map_err(err)?;
+                self.push(y, rows, cols)
+            }
+            Op::DeltaNet { state, scale } => {
+                let mut y = self.pools.f32.take(dev, rows * cols).map_err(err)?;
+                let bufs: Vec<&DeviceBuf<f32>> = match ins.iter().map(|&v| Self::live(&self.vals, v)).collect::<R<_>>() {
+                    Ok(b) => b,
+                    Err(e) => {
+                        self.released_early.set(true);
+                        return Err(e);
+                    }
+                };
+                let (q, v) = (&in_dims[0], &in_dims[2]);
+                let dims = [n, q[1], v[1], q[2], v[2]];
+                let s = self.kv.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
+                dev.prim_delta_net(&stream, [bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]], s, &mut y, self.pos_buf, dims, *scale).map_err(err)?;
+                self.push(y, rows, cols)
+            }
             _ => {
                 let bufs: Vec<&DeviceBuf<f32>> = match ins.iter().map(|&v| Self::live(&self.vals, v)).collect::<R<_>>() {
                     Ok(b) => b,
