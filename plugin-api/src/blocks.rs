@@ -89,3 +89,16 @@ impl Ffn {
         self.glu(g, h, Act::Silu)
     }
 }
+
+/// The language-model head every family ends with: the rows the host wants,
+/// the final RMS norm, the output projection, named `logits`.
+pub fn lm_head(g: &mut Graph<'_>, x: Val, norm: Wt, output: Wt, eps: f32) -> Result<Val, PluginError> {
+    let x = g.output_rows(x)?;
+    let x = g.rms_norm(x, Some(norm), eps)?;
+    let logits = g.linear(output, x)?;
+    Ok(g.name(logits, "logits", None))
+}
+
+/// ChatML, Qwen's turn format: the fallback for Qwen GGUFs without
+/// `tokenizer.chat_template`.
+pub const CHATML_TEMPLATE: &str = r#"{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\n' ~ m['content'] ~ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"#;

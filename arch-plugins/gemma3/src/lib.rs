@@ -178,10 +178,7 @@ impl FamilyPlugin for Gemma3 {
             x = g.add(x, f)?;
             x = g.name(x, "l_out", Some(l));
         }
-        let x = g.output_rows(x)?;
-        let x = g.rms_norm(x, Some(self.output_norm), c.eps)?;
-        let logits = g.linear(self.output, x)?;
-        Ok(g.name(logits, "logits", None))
+        pulsar_plugin_api::blocks::lm_head(g, x, self.output_norm, self.output, c.eps)
     }
 
     fn chat(&self) -> ChatSpec {

@@ -166,10 +166,7 @@ impl FamilyPlugin for Qwen3Moe {
             x = g.add(x, f)?;
             x = g.name(x, "l_out", Some(l));
         }
-        let x = g.output_rows(x)?;
-        let x = g.rms_norm(x, Some(self.output_norm), c.eps)?;
-        let logits = g.linear(self.output, x)?;
-        Ok(g.name(logits, "logits", None))
+        pulsar_plugin_api::blocks::lm_head(g, x, self.output_norm, self.output, c.eps)
     }
 
     fn chat(&self) -> ChatSpec {
@@ -182,7 +179,7 @@ impl FamilyPlugin for Qwen3Moe {
 }
 
 /// ChatML, Qwen's turn format, for GGUFs without `tokenizer.chat_template`.
-pub const FALLBACK_TEMPLATE: &str = r#"{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\n' ~ m['content'] ~ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"#;
+pub const FALLBACK_TEMPLATE: &str = pulsar_plugin_api::blocks::CHATML_TEMPLATE;
 
 pulsar_plugin_api::export_plugin! {
     name: "qwen3moe",
