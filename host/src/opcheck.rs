@@ -120,7 +120,7 @@ pub fn cpu(c: &Case) -> R<Tensor> {
             let mut s = if c.positions.first() == Some(&0) { vec![0f32; c.state.len()] } else { c.state.clone() };
             let d = prim::DeltaDims { hk: ins[0].dims[1], hv: ins[2].dims[1], dk: ins[0].dims[2], dv: ins[2].dims[2] };
             let f = |i: usize| ins[i].f();
-            Ok(Tensor::f32(c.out.clone(), prim::delta_net_rows(&mut s, d, scale, f(0)?, f(1)?, f(2)?, f(3)?, f(4)?)))
+            Ok(Tensor::f32(c.out.clone(), prim::delta_net_rows(&mut s, d, scale, f(0)?, f(1)?, f(2)?, f(3)?, f(4)?, None)))
         }
         Op::StateRows { .. } => {
             let x = ins[0].f()?;

@@ -298,8 +298,9 @@ impl<'a> CpuStep<'a> {
         let n = ins[0].dims[0];
         let (qk, vw) = (d.hk * d.dk, d.hv * d.dv);
         let mut out = vec![0f32; n * vw];
+        let pool = &self.cpu.pool;
         self.each_recurrent_run(state, n, |s, a, e| {
-            let o = prim::delta_net_rows(s, d, scale, &q[a * qk..e * qk], &k[a * qk..e * qk], &v[a * vw..e * vw], &g[a * d.hv..e * d.hv], &b[a * d.hv..e * d.hv]);
+            let o = prim::delta_net_rows(s, d, scale, &q[a * qk..e * qk], &k[a * qk..e * qk], &v[a * vw..e * vw], &g[a * d.hv..e * d.hv], &b[a * d.hv..e * d.hv], Some(pool));
             out[a * vw..e * vw].copy_from_slice(&o);
         })?;
         Ok(out)

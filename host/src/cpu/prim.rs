@@ -548,45 +548,64 @@ pub struct DeltaDims {
 }
 
 /// One sequence's rows through the gated delta rule ([`Op::DeltaNet`]) on
-/// its state `s` `[hv, dk, dv]`; the outputs `[n, hv, dv]`. Per token, v head
-/// and value column, in this order (the CUDA kernel's): decay the column and
-/// read `kᵀS` as it goes, then `δ = (v − kᵀS)·β`, then add `k·δ` and read
-/// `(scale·q)ᵀS` as it goes; every sum starts at 0 and runs over the key dim
-/// in order.
+/// its state `s` `[hv, dk, dv]`; the outputs `[n, hv, dv]`. The v heads are
+/// independent, so they run on `pool` when one is given (the same bits
+/// either way: see [`delta_net_head`]).
 #[allow(clippy::too_many_arguments)]
-pub fn delta_net_rows(s: &mut [f32], d: DeltaDims, scale: f32, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32]) -> Vec<f32> {
+pub fn delta_net_rows(s: &mut [f32], d: DeltaDims, scale: f32, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], pool: Option<&rayon::ThreadPool>) -> Vec<f32> {
+    use rayon::prelude::*;
+    let DeltaDims { hv, dk, dv, .. } = d;
+    let n = g.len() / hv.max(1);
+    let run = |(j, sj): (usize, &mut [f32])| delta_net_head(sj, j, d, scale, q, k, v, g, beta);
+    let heads: Vec<Vec<f32>> = match pool {
+        Some(p) if hv > 1 => p.install(|| s.par_chunks_mut(dk * dv).enumerate().map(run).collect()),
+        _ => s.chunks_mut(dk * dv).enumerate().map(run).collect(),
+    };
+    let mut out = vec![0f32; n * hv * dv];
+    for (j, o) in heads.iter().enumerate() {
+        for t in 0..n {
+            out[(t * hv + j) * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
+        }
+    }
+    out
+}
+
+/// V head `j` of [`delta_net_rows`] over every token on its state `sj`
+/// `[dk, dv]`; its outputs `[n, dv]`. Per token and value column, in this
+/// order (the CUDA kernel's): decay the column and read `kᵀS` as it goes,
+/// then `δ = (v − kᵀS)·β`, then add `k·δ` and read `(scale·q)ᵀS` as it goes;
+/// every sum starts at 0 and runs over the key dim in order.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_net_head(sj: &mut [f32], j: usize, d: DeltaDims, scale: f32, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32]) -> Vec<f32> {
     let DeltaDims { hk, hv, dk, dv } = d;
     let n = g.len() / hv.max(1);
-    let mut out = vec![0f32; n * hv * dv];
+    let kh = j % hk;
+    let mut out = vec![0f32; n * dv];
     let (mut qs, mut kv) = (vec![0f32; dk], vec![0f32; dv]);
     for t in 0..n {
-        for j in 0..hv {
-            let kh = j % hk;
-            let kt = &k[(t * hk + kh) * dk..][..dk];
-            for (o, &x) in qs.iter_mut().zip(&q[(t * hk + kh) * dk..][..dk]) {
-                *o = x * scale;
+        let kt = &k[(t * hk + kh) * dk..][..dk];
+        for (o, &x) in qs.iter_mut().zip(&q[(t * hk + kh) * dk..][..dk]) {
+            *o = x * scale;
+        }
+        let decay = math::exp(g[t * hv + j]);
+        let b = beta[t * hv + j];
+        // Row-wise over the state, one accumulator a column: each column's
+        // sums still run over the key dim in order.
+        kv.iter_mut().for_each(|x| *x = 0.0);
+        for (row, &ki) in sj.chunks_exact_mut(dv).zip(kt) {
+            for (e, acc) in row.iter_mut().zip(kv.iter_mut()) {
+                *e *= decay;
+                *acc += ki * *e;
             }
-            let decay = math::exp(g[t * hv + j]);
-            let b = beta[t * hv + j];
-            let sj = &mut s[j * dk * dv..][..dk * dv];
-            // Row-wise over the state, one accumulator a column: each
-            // column's sums still run over the key dim in order.
-            kv.iter_mut().for_each(|x| *x = 0.0);
-            for (row, &ki) in sj.chunks_exact_mut(dv).zip(kt) {
-                for (e, acc) in row.iter_mut().zip(kv.iter_mut()) {
-                    *e *= decay;
-                    *acc += ki * *e;
-                }
-            }
-            for (c, x) in kv.iter_mut().enumerate() {
-                *x = (v[(t * hv + j) * dv + c] - *x) * b;
-            }
-            let o = &mut out[(t * hv + j) * dv..][..dv];
-            for ((row, &ki), &qi) in sj.chunks_exact_mut(dv).zip(kt).zip(&qs) {
-                for ((e, &delta), acc) in row.iter_mut().zip(kv.iter()).zip(o.iter_mut()) {
-                    *e += ki * delta;
-                    *acc += qi * *e;
-                }
+        }
+        for (c, x) in kv.iter_mut().enumerate() {
+            *x = (v[(t * hv + j) * dv + c] - *x) * b;
+        }
+        let o = &mut out[t * dv..][..dv];
+        for ((row, &ki), &qi) in sj.chunks_exact_mut(dv).zip(kt).zip(&qs) {
+            for ((e, &delta), acc) in row.iter_mut().zip(kv.iter()).zip(o.iter_mut()) {
+                *e += ki * delta;
+                *acc += qi * *e;
             }
         }
     }
@@ -693,11 +712,12 @@ mod tests {
         let (q, k) = (f(&mut g, &[n, 2, 3], -0.6, 0.6), f(&mut g, &[n, 2, 3], -0.6, 0.6));
         let (v, gl, b) = (f(&mut g, &[n, 4, 5], -2.0, 2.0), f(&mut g, &[n, 4], -3.0, 0.0), f(&mut g, &[n, 4], 0.0, 1.0));
         let mut s_all = vec![0f32; 4 * 3 * 5];
-        let all = delta_net_rows(&mut s_all, d, 0.5, &q, &k, &v, &gl, &b);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let all = delta_net_rows(&mut s_all, d, 0.5, &q, &k, &v, &gl, &b, Some(&pool));
         let mut s_one = vec![0f32; 4 * 3 * 5];
         let mut one = Vec::new();
         for t in 0..n {
-            one.extend(delta_net_rows(&mut s_one, d, 0.5, &q[t * 6..][..6], &k[t * 6..][..6], &v[t * 20..][..20], &gl[t * 4..][..4], &b[t * 4..][..4]));
+            one.extend(delta_net_rows(&mut s_one, d, 0.5, &q[t * 6..][..6], &k[t * 6..][..6], &v[t * 20..][..20], &gl[t * 4..][..4], &b[t * 4..][..4], None));
         }
         assert_eq!((all, s_all), (one, s_one));
         let (x, w) = (f(&mut g, &[n, 7], -2.0, 2.0), f(&mut g, &[7, 4], -1.0, 1.0));
