@@ -124,7 +124,7 @@ fi
 
 if has twins; then
   say "## synthetic twins at real geometry (${TWIN_LAYERS:-8} layers, q2_K experts)"
-  for preset in ${TWIN_PRESETS:-deepseek-v3-671b kimi-k2-1t hy3-295b minimax-m2-230b}; do
+  for preset in ${TWIN_PRESETS:-deepseek-v3-671b kimi-k2-1t hy3-295b minimax-m2-230b qwen3.6-35b-a3b}; do
     m="$WORK/$preset.gguf"
     "$H" synth --preset "$preset" --layers "${TWIN_LAYERS:-8}" --expert-type q2_K -o "$m" > "$O/twin-$preset.log" 2>&1 || { say "$preset: synth failed"; continue; }
     say "$preset: $(ls -la "$m" | awk '{printf "%.2f GiB", $5/2^30}')"

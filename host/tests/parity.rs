@@ -281,7 +281,13 @@ fn dialect(keys: Vec<String>, tensors: Vec<String>, arch: &str) -> (std::collect
 fn real_geometry_synth_presets_are_the_fixtures_dialect_and_open_in_their_plugins() {
     use pulsar_plugin_api::testing::FakeModel;
     use pulsar_plugin_api::{MetaValue, StepKind};
-    let cases = [("deepseek-v3-671b", "deepseek2", "deepseek2"), ("kimi-k2-1t", "deepseek2", "deepseek2-kimi_k25"), ("hy3-295b", "hy_v3", "hy_v3"), ("minimax-m2-230b", "minimax-m2", "minimax-m2")];
+    let cases = [
+        ("deepseek-v3-671b", "deepseek2", "deepseek2"),
+        ("kimi-k2-1t", "deepseek2", "deepseek2-kimi_k25"),
+        ("hy3-295b", "hy_v3", "hy_v3"),
+        ("minimax-m2-230b", "minimax-m2", "minimax-m2"),
+        ("qwen3.6-35b-a3b", "qwen35moe", "qwen35moe"),
+    ];
     let mut opened = 0;
     for (preset, arch, fixture) in cases {
         let s = pulsar_host::synth::preset(preset).unwrap();
@@ -324,7 +330,7 @@ fn tiny_synth_twins_run_on_the_cpu() {
     let cpu = CpuBackend::new(2).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut seen = 0;
-    for preset in ["tiny-deepseek2", "tiny-kimi-k2", "tiny-hy3", "tiny-minimax-m2"] {
+    for preset in ["tiny-deepseek2", "tiny-kimi-k2", "tiny-hy3", "tiny-minimax-m2", "tiny-qwen35moe"] {
         let s = pulsar_host::synth::preset(preset).unwrap();
         let Some((name, module)) = plugin(&s.arch) else { continue };
         seen += 1;
@@ -340,7 +346,7 @@ fn tiny_synth_twins_run_on_the_cpu() {
             assert_eq!(b.forward(&[t], false).unwrap()[0], all[i], "{preset}: decode position {i} differs from the prefill");
         }
     }
-    assert_eq!(seen, 4, "the deepseek2, hy_v3 and minimax plugins are staged");
+    assert_eq!(seen, 5, "the deepseek2, hy_v3, minimax and qwen35 plugins are staged");
 }
 
 /// The deepseek2 (DeepSeek and Kimi), hy_v3 and minimax-m2 plugins' fallback

@@ -11,6 +11,11 @@
 //!   a shared expert, sigmoid routing with a bias named `exp_probs_b`.
 //! - minimax-m2 (MiniMax M2 230B): GQA with q/k norms over the whole
 //!   projection, partial rotary, every layer MoE, sigmoid routing with a bias.
+//! - qwen35moe (Qwen3.5 / Qwen3.6 35B-A3B): a hybrid of gated delta-net
+//!   layers and gated full attention (q carries a per-head output gate, q/k
+//!   norms, partial rotary with M-RoPE sections), every layer MoE with a
+//!   softmax router (no selection bias) and a sigmoid-gated shared expert;
+//!   the MTP block (`nextn`) after the trunk, counted in `block_count`.
 
 use pulsar_gguf::{GgmlType, Value};
 
@@ -34,8 +39,29 @@ pub struct YarnSpec {
     pub log_multiplier: f32,
 }
 
+/// qwen35moe's gated delta net and its layer pattern.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaNet {
+    /// Every `full_every`-th layer is full attention, the others delta nets.
+    pub full_every: u32,
+    pub conv_kernel: u32,
+    /// Key heads and value heads, and their dims.
+    pub k_heads: u32,
+    pub v_heads: u32,
+    pub k_dim: u32,
+    pub v_dim: u32,
+    /// MTP blocks after the trunk (in `block_count`, out of `n_layers`).
+    pub n_mtp: u32,
+}
+
+impl DeltaNet {
+    fn recurrent(&self, l: u32) -> bool {
+        (l + 1) % self.full_every != 0
+    }
+}
+
 /// The architectures `synth` writes.
-pub const FAMILIES: [&str; 4] = ["qwen3moe", "deepseek2", "hy_v3", "minimax-m2"];
+pub const FAMILIES: [&str; 5] = ["qwen3moe", "deepseek2", "hy_v3", "minimax-m2", "qwen35moe"];
 
 /// The named geometries of the families other than qwen3moe. `base` is a
 /// qwen3moe-shaped spec whose defaults the presets override.
@@ -109,6 +135,31 @@ pub fn preset(name: &str, base: SynthSpec) -> Option<SynthSpec> {
             tok_pre: "minimax-m2",
             ..base.clone()
         },
+        // transformers' Qwen3_5MoeTextConfig defaults (its checkpoint
+        // Qwen/Qwen3.5-35B-A3B; Qwen3.6-35B-A3B is the same qwen3_5_moe
+        // geometry): 40 layers, full attention every 4th, 16 q / 2 kv heads of
+        // 256, partial rotary 0.25 (64 dims), delta net 16 k / 32 v heads of
+        // 128 with a 4-tap conv, 256 experts of 512 (8 used), one shared of
+        // 512, vocab 248320. From the released config.json (not the class):
+        // rope_theta 1e7 and one MTP layer (mtp_num_hidden_layers).
+        "qwen3.6-35b-a3b" => SynthSpec {
+            arch: "qwen35moe".into(),
+            n_layers: 40,
+            n_embd: 2048,
+            n_head: 16,
+            n_kv_head: 2,
+            head_dim: 256,
+            n_expert: 256,
+            n_expert_used: 8,
+            n_ff_exp: 512,
+            n_vocab: 248320,
+            n_shared: 1,
+            n_rot: 64,
+            rope_base: 10_000_000.0,
+            delta: Some(DeltaNet { full_every: 4, conv_kernel: 4, k_heads: 16, v_heads: 32, k_dim: 128, v_dim: 128, n_mtp: 1 }),
+            tok_pre: "qwen35",
+            ..base.clone()
+        },
         // Small twins of the same dialects, for tests and quick runs.
         "tiny-deepseek2" => tiny(SynthSpec {
             n_ff_exp: 64,
@@ -126,7 +177,21 @@ pub fn preset(name: &str, base: SynthSpec) -> Option<SynthSpec> {
             ..ds(3, 128, 4, 16, 1, 1, 1, 2.827, 300, 50000.0, 32.0)
         }),
         "tiny-hy3" => tiny(SynthSpec { n_layers: 3, n_embd: 128, n_head: 4, n_kv_head: 2, head_dim: 32, n_expert: 16, n_ff_exp: 64, n_ff: 128, n_vocab: 300, ..preset("hy3-295b", base.clone())? }),
-        "tiny-minimax-m2" => tiny(SynthSpec { n_layers: 3, n_embd: 128, n_head: 4, n_kv_head: 2, head_dim: 32, n_expert: 16, n_ff_exp: 64, n_rot: 16, n_vocab: 300, ..preset("minimax-m2-230b", base)? }),
+        "tiny-minimax-m2" => tiny(SynthSpec { n_layers: 3, n_embd: 128, n_head: 4, n_kv_head: 2, head_dim: 32, n_expert: 16, n_ff_exp: 64, n_rot: 16, n_vocab: 300, ..preset("minimax-m2-230b", base.clone())? }),
+        // Delta, full, delta, full attention, then the MTP block.
+        "tiny-qwen35moe" => tiny(SynthSpec {
+            n_layers: 4,
+            n_embd: 128,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 32,
+            n_rot: 8,
+            n_expert: 16,
+            n_ff_exp: 64,
+            n_vocab: 300,
+            delta: Some(DeltaNet { full_every: 2, conv_kernel: 4, k_heads: 2, v_heads: 4, k_dim: 32, v_dim: 32, n_mtp: 1 }),
+            ..preset("qwen3.6-35b-a3b", base)?
+        }),
         _ => return None,
     })
 }
@@ -144,11 +209,19 @@ fn set(kv: &mut Vec<(String, Value)>, arch: &str, key: &str, v: Value) {
 /// The family's keys beyond (or instead of) qwen3moe's.
 pub fn metadata(s: &SynthSpec, kv: &mut Vec<(String, Value)>) {
     let a = s.arch.as_str();
+    if a == "qwen35moe" {
+        // Its converter writes no dense FFN width.
+        let ff = format!("{a}.feed_forward_length");
+        kv.retain(|(k, _)| *k != ff);
+    }
     let mut put = |k: &str, v: Value| set(kv, a, k, v);
     if s.n_ff > 0 {
         put(".feed_forward_length", s.n_ff.into());
     }
-    put(".expert_gating_func", 2u32.into());
+    // qwen35moe routes by softmax and its converter writes no gating func.
+    if a != "qwen35moe" {
+        put(".expert_gating_func", 2u32.into());
+    }
     if s.n_rot > 0 {
         put(".rope.dimension_count", s.n_rot.into());
     }
@@ -183,6 +256,25 @@ pub fn metadata(s: &SynthSpec, kv: &mut Vec<(String, Value)>) {
             put(".expert_weights_scale", s.weights_scale.into());
             put(".expert_weights_norm", true.into());
         }
+        "qwen35moe" => {
+            let d = s.delta.expect("qwen35moe presets carry the delta net's widths");
+            let n_blocks = s.n_layers + d.n_mtp;
+            put(".block_count", n_blocks.into());
+            put(".expert_shared_feed_forward_length", (s.n_ff_exp * s.n_shared).into());
+            put(".nextn_predict_layers", d.n_mtp.into());
+            put(".ssm.conv_kernel", d.conv_kernel.into());
+            put(".ssm.state_size", d.k_dim.into());
+            put(".ssm.group_count", d.k_heads.into());
+            put(".ssm.time_step_rank", d.v_heads.into());
+            put(".ssm.inner_size", (d.v_heads * d.v_dim).into());
+            // One per block; the MTP blocks are full attention.
+            put(".attention.recurrent_layers", (0..n_blocks).map(|l| l < s.n_layers && d.recurrent(l)).collect::<Vec<bool>>().into());
+            put(".full_attention_interval", d.full_every.into());
+            // M-RoPE's t/h/w sections over the rotated half (HF's [11, 11, 10] of 32), the remainder to the first.
+            let half = s.n_rot as i32 / 2;
+            let sec = |i: i32| half / 3 + i32::from(i < half % 3);
+            put(".rope.dimension_sections", vec![sec(0), sec(1), sec(2), 0].into());
+        }
         _ => {}
     }
 }
@@ -199,6 +291,9 @@ fn fit(ty: GgmlType, cols: u64) -> GgmlType {
 
 /// The family's tensors, in the order the converter writes them per layer.
 pub fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
+    if let Some(d) = s.delta {
+        return hybrid_tensors(s, d, n_vocab);
+    }
     let (e, hd, h, hkv) = (s.n_embd as u64, s.head_dim as u64, s.n_head as u64, s.n_kv_head as u64);
     let (nx, ffx, ff) = (s.n_expert as u64, s.n_ff_exp as u64, s.n_ff as u64);
     let lin = |fan_in: u64| (3.0 / fan_in as f32).sqrt();
@@ -257,6 +352,72 @@ pub fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
             v.push(t(n("ffn_gate_shexp.weight"), vec![e, fs], dt, lin(e)));
             v.push(t(n("ffn_up_shexp.weight"), vec![e, fs], dt, lin(e)));
             v.push(t(n("ffn_down_shexp.weight"), vec![fs, e], dt, lin(fs) * damp));
+        }
+    }
+    v
+}
+
+/// qwen35moe's tensors: delta-net and full-attention layers, each with the
+/// MoE FFN, then the MTP blocks (a full-attention block plus `nextn.*`).
+/// The delta net stays stable under random weights: its decay `ssm_a` is
+/// negative (-exp(A_log) as the converter stores it), `ssm_dt.bias` small,
+/// the gated norm 1, the 4-tap conv scaled by its fan-in.
+fn hybrid_tensors(s: &SynthSpec, d: DeltaNet, n_vocab: u64) -> Vec<TensorPlan> {
+    let (e, hd, h, hkv) = (s.n_embd as u64, s.head_dim as u64, s.n_head as u64, s.n_kv_head as u64);
+    let (nx, ffx, fs) = (s.n_expert as u64, s.n_ff_exp as u64, (s.n_ff_exp * s.n_shared) as u64);
+    let (hv, nv, kc) = (d.v_heads as u64, (d.v_heads * d.v_dim) as u64, d.conv_kernel as u64);
+    let ch = 2 * (d.k_heads * d.k_dim) as u64 + nv;
+    let lin = |fan_in: u64| (3.0 / fan_in as f32).sqrt();
+    let damp = residual_damp(s.n_layers);
+    let t = |name: String, dims: Vec<u64>, ty: GgmlType, amp: f32| TensorPlan { ty: fit(ty, dims[0]), name, dims, amp, constant: false, role: PlanRole::Plain };
+    let f32 = |name: String, dims: Vec<u64>, amp: f32, constant: bool| TensorPlan { name, dims, ty: GgmlType::F32, amp, constant, role: PlanRole::Plain };
+    let norm = |name: String, n: u64| f32(name, vec![n], 1.0, true);
+    let (dt, xt) = (s.dense_type, s.expert_type);
+    let mut v = vec![
+        TensorPlan { role: PlanRole::Embedding, ..t("token_embd.weight".into(), vec![e, n_vocab], dt, 1.0) },
+        norm("output_norm.weight".into(), e),
+        t("output.weight".into(), vec![e, n_vocab], dt, lin(e)),
+    ];
+    for l in 0..s.n_layers + d.n_mtp {
+        let n = |x: &str| format!("blk.{l}.{x}");
+        v.push(norm(n("attn_norm.weight"), e));
+        if l < s.n_layers && d.recurrent(l) {
+            v.push(t(n("attn_qkv.weight"), vec![e, ch], dt, lin(e)));
+            v.push(t(n("attn_gate.weight"), vec![e, nv], dt, lin(e)));
+            v.push(t(n("ssm_beta.weight"), vec![e, hv], dt, lin(e)));
+            v.push(t(n("ssm_alpha.weight"), vec![e, hv], dt, lin(e)));
+            // softplus(alpha + 0.1·u) ~ 0.8, times ssm_a -1: each step keeps about half the state.
+            v.push(f32(n("ssm_dt.bias"), vec![hv], 0.1, false));
+            v.push(f32(n("ssm_a"), vec![hv], -1.0, true));
+            // Rows of `conv_kernel` taps: no block format holds them.
+            v.push(f32(n("ssm_conv1d.weight"), vec![kc, ch], lin(kc), false));
+            v.push(norm(n("ssm_norm.weight"), d.v_dim as u64));
+            v.push(t(n("ssm_out.weight"), vec![nv, e], dt, lin(nv) * damp));
+        } else {
+            // Per head [q | output gate].
+            v.push(t(n("attn_q.weight"), vec![e, 2 * h * hd], dt, lin(e)));
+            v.push(t(n("attn_k.weight"), vec![e, hkv * hd], dt, lin(e)));
+            v.push(t(n("attn_v.weight"), vec![e, hkv * hd], dt, lin(e)));
+            v.push(t(n("attn_output.weight"), vec![h * hd, e], dt, lin(h * hd) * damp));
+            v.push(norm(n("attn_q_norm.weight"), hd));
+            v.push(norm(n("attn_k_norm.weight"), hd));
+        }
+        // The FFN's pre-norm.
+        v.push(norm(n("post_attention_norm.weight"), e));
+        v.push(TensorPlan { role: PlanRole::Router, ..f32(n("ffn_gate_inp.weight"), vec![e, nx], lin(e), false) });
+        v.push(t(n("ffn_gate_exps.weight"), vec![e, ffx, nx], xt, lin(e)));
+        v.push(t(n("ffn_up_exps.weight"), vec![e, ffx, nx], xt, lin(e)));
+        v.push(t(n("ffn_down_exps.weight"), vec![ffx, e, nx], xt, lin(ffx) * damp));
+        v.push(t(n("ffn_gate_shexp.weight"), vec![e, fs], dt, lin(e)));
+        v.push(t(n("ffn_up_shexp.weight"), vec![e, fs], dt, lin(e)));
+        v.push(t(n("ffn_down_shexp.weight"), vec![fs, e], dt, lin(fs) * damp));
+        // The shared expert's sigmoid gate.
+        v.push(f32(n("ffn_gate_inp_shexp.weight"), vec![e, 1], lin(e), false));
+        if l >= s.n_layers {
+            v.push(t(n("nextn.eh_proj.weight"), vec![2 * e, e], dt, lin(2 * e)));
+            for x in ["nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"] {
+                v.push(norm(n(x), e));
+            }
         }
     }
     v

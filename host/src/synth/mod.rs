@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use crate::sample::Rng;
 
 mod layout;
-pub use layout::{Mla, YarnSpec, FAMILIES};
+pub use layout::{DeltaNet, Mla, YarnSpec, FAMILIES};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthSpec {
@@ -60,6 +60,8 @@ pub struct SynthSpec {
     /// deepseek2's multi-head latent attention.
     pub mla: Option<Mla>,
     pub yarn: Option<YarnSpec>,
+    /// qwen35moe's gated delta net, its layer pattern and MTP blocks.
+    pub delta: Option<DeltaNet>,
     /// `tokenizer.ggml.pre` (the byte-level vocabulary splits the same under any).
     pub tok_pre: &'static str,
 }
@@ -92,6 +94,7 @@ pub fn preset(name: &str) -> anyhow::Result<SynthSpec> {
         n_group_used: 1,
         mla: None,
         yarn: None,
+        delta: None,
         tok_pre: "qwen2",
     };
     Ok(match name {
@@ -107,7 +110,7 @@ pub fn preset(name: &str) -> anyhow::Result<SynthSpec> {
 }
 
 /// Every preset name, with its architecture.
-pub const PRESETS: [&str; 11] = [
+pub const PRESETS: [&str; 13] = [
     "tiny",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
@@ -115,10 +118,12 @@ pub const PRESETS: [&str; 11] = [
     "kimi-k2-1t",
     "hy3-295b",
     "minimax-m2-230b",
+    "qwen3.6-35b-a3b",
     "tiny-deepseek2",
     "tiny-kimi-k2",
     "tiny-hy3",
     "tiny-minimax-m2",
+    "tiny-qwen35moe",
 ];
 
 /// 256 byte tokens and the three specials.
