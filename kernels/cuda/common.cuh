@@ -160,6 +160,16 @@ __device__ __forceinline__ const u8* stage_span(u8* dst, const void* src, size_t
 #define PC_T2 0xbd5c1e2du
 #define PC_T3 0x3e088393u
 #define PC_T4 0xbeaaaa99u
+#define PC_L0 0x3d9021bbu
+#define PC_L1 0xbdebd1b8u
+#define PC_L2 0x3def251au
+#define PC_L3 0xbdfe5d4fu
+#define PC_L4 0x3e11e9bfu
+#define PC_L5 0xbe2aae50u
+#define PC_L6 0x3e4cceacu
+#define PC_L7 0xbe7ffffcu
+#define PC_L8 0x3eaaaaaau
+#define PC_SQRTHF 0x3f3504f3u
 #define PC_MAGIC52 0x4338000000000000ULL
 #define PC_LN2_HI 0x3fe62e42fee00000ULL
 #define PC_LN2_LO 0x3dea39ef35793c76ULL
@@ -247,6 +257,45 @@ __device__ __forceinline__ float exp_c(float x) {
     float y = __fadd_rn(__fadd_rn(__fmul_rn(p, z), r), 1.0f);
     return ldexp_c(y, min(max(ni, -150), 128));
 }
+
+// ln x (Cephes logf). Twin: ops::math::ln.
+__device__ __forceinline__ float log_c(float x) {
+    if (x != x || x < 0.0f) return __int_as_float(0x7fc00000);
+    if (x == 0.0f) return __int_as_float(0xff800000);
+    if (x == __int_as_float(0x7f800000)) return x;
+    u32 bits = __float_as_uint(x);
+    int e = 0;
+    if (bits < 0x00800000u) {
+        bits = __float_as_uint(__fmul_rn(x, pow2_c(23)));
+        e = -23;
+    }
+    e += (int)((bits >> 23) & 0xffu) - 126;
+    float m = __uint_as_float((bits & 0x007fffffu) | 0x3f000000u);
+    if (m < pcf(PC_SQRTHF)) {
+        e -= 1;
+        m = __fsub_rn(__fadd_rn(m, m), 1.0f);
+    } else {
+        m = __fsub_rn(m, 1.0f);
+    }
+    float z = __fmul_rn(m, m);
+    float y = pcf(PC_L0);
+    y = hornf(y, m, PC_L1);
+    y = hornf(y, m, PC_L2);
+    y = hornf(y, m, PC_L3);
+    y = hornf(y, m, PC_L4);
+    y = hornf(y, m, PC_L5);
+    y = hornf(y, m, PC_L6);
+    y = hornf(y, m, PC_L7);
+    y = hornf(y, m, PC_L8);
+    y = __fmul_rn(__fmul_rn(y, m), z);
+    float fe = (float)e;
+    if (e != 0) y = __fadd_rn(y, __fmul_rn(fe, pcf(PC_C2)));
+    y = __fsub_rn(y, __fmul_rn(0.5f, z));
+    float r = __fadd_rn(m, y);
+    return e != 0 ? __fadd_rn(r, __fmul_rn(fe, pcf(PC_C1))) : r;
+}
+// ln(1 + e^x), x above 20. Twin: ops::math::softplus.
+__device__ __forceinline__ float softplus_c(float x) { return x > 20.0f ? x : log_c(__fadd_rn(1.0f, exp_c(x))); }
 
 // tanh (Cephes tanhf). Twin: ops::math::tanh.
 __device__ __forceinline__ float tanh_c(float x) {

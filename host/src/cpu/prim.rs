@@ -123,7 +123,7 @@ pub fn unary_fn(f: Unary) -> fn(f32) -> f32 {
     match f {
         Unary::Neg => |x| -x,
         Unary::Exp => math::exp,
-        Unary::Log => f32::ln,
+        Unary::Log => math::ln,
         Unary::Sqrt => f32::sqrt,
         Unary::Rsqrt => |x| 1.0 / x.sqrt(),
         Unary::Recip => |x| 1.0 / x,
@@ -131,7 +131,7 @@ pub fn unary_fn(f: Unary) -> fn(f32) -> f32 {
         Unary::Abs => f32::abs,
         Unary::Sigmoid => math::sigmoid,
         // PyTorch's threshold: above 20, softplus(x) = x in f32.
-        Unary::Softplus => |x| if x > 20.0 { x } else { (1.0 + math::exp(x)).ln() },
+        Unary::Softplus => math::softplus,
         Unary::Tanh => math::tanh,
         Unary::Relu => |x| if x > 0.0 { x } else { 0.0 },
         Unary::Silu => math::silu,

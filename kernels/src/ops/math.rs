@@ -10,7 +10,7 @@
 //! re-quantisation of activations amplifies such differences into different
 //! greedy tokens; one shared formula removes them.
 //!
-//! Accuracy: `exp` and `tanh` are Cephes' single-precision algorithms (about
+//! Accuracy: `exp`, `ln` and `tanh` are Cephes' single-precision algorithms (about
 //! 1-2 ulp); the RoPE helpers work in f64 (errors near 1e-16, then one rounding
 //! to f32, so they are almost always the correctly rounded f32).
 //!
@@ -36,6 +36,19 @@ const MINLOG: f32 = f(0xc2cf_f1b4);
 const MAGIC: f32 = 12_582_912.0;
 /// The tanhf polynomial of Cephes (|x| < 0.625).
 const T: [f32; 5] = [f(0xbbba_f0ea), f(0x3ca9_134e), f(0xbd5c_1e2d), f(0x3e08_8393), f(0xbeaa_aa99)];
+/// The logf polynomial of Cephes, and sqrt(1/2), where its mantissa range splits.
+const L: [f32; 9] = [
+    f(0x3d90_21bb),
+    f(0xbdeb_d1b8),
+    f(0x3def_251a),
+    f(0xbdfe_5d4f),
+    f(0x3e11_e9bf),
+    f(0xbe2a_ae50),
+    f(0x3e4c_ceac),
+    f(0xbe7f_fffc),
+    f(0x3eaa_aaaa),
+];
+const SQRTHF: f32 = f(0x3f35_04f3);
 /// sqrt(2 / pi) and the cubic coefficient of the tanh GELU.
 const GELU_S: f32 = f(0x3f4c_422a);
 const GELU_C: f32 = f(0x3d37_2713);
@@ -82,6 +95,63 @@ pub fn exp(x: f32) -> f32 {
     let p = ((((P[0] * r + P[1]) * r + P[2]) * r + P[3]) * r + P[4]) * r + P[5];
     let y = p * z + r + 1.0;
     ldexp(y, ni.clamp(-150, 128))
+}
+
+/// ln x (Cephes `logf`): x = m 2^e with m in [sqrt(1/2), sqrt 2), ln m by a
+/// degree-9 polynomial in m - 1, plus e ln 2 in two parts. ln 1 = 0 exactly;
+/// ln 0 = -inf, ln of a negative number or NaN is NaN, ln inf = inf.
+#[inline]
+pub fn ln(x: f32) -> f32 {
+    if x != x || x < 0.0 {
+        return f32::NAN;
+    }
+    if x == 0.0 {
+        return f32::NEG_INFINITY;
+    }
+    if x == f32::INFINITY {
+        return x;
+    }
+    let (mut bits, mut e) = (x.to_bits(), 0i32);
+    if bits < 0x0080_0000 {
+        // Subnormal: scale into the normal range (exact).
+        bits = (x * pow2(23)).to_bits();
+        e = -23;
+    }
+    e += ((bits >> 23) & 0xff) as i32 - 126;
+    let mut m = f32::from_bits((bits & 0x007f_ffff) | 0x3f00_0000);
+    if m < SQRTHF {
+        e -= 1;
+        m = m + m - 1.0;
+    } else {
+        m -= 1.0;
+    }
+    let z = m * m;
+    let mut y = L[0];
+    for &c in &L[1..] {
+        y = y * m + c;
+    }
+    y = y * m * z;
+    let fe = e as f32;
+    if e != 0 {
+        y = y + fe * C2;
+    }
+    y = y - 0.5 * z;
+    let r = m + y;
+    if e != 0 {
+        r + fe * C1
+    } else {
+        r
+    }
+}
+
+/// `ln(1 + e^x)`, and x itself above 20 (PyTorch's threshold).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        ln(1.0 + exp(x))
+    }
 }
 
 /// tanh (Cephes `tanhf`): an odd polynomial below 0.625, else
@@ -332,6 +402,10 @@ pub(crate) fn constants() -> Vec<(String, u64)> {
     for (i, c) in T.iter().enumerate() {
         v.push((format!("T{i}"), c.to_bits() as u64));
     }
+    for (i, c) in L.iter().enumerate() {
+        v.push((format!("L{i}"), c.to_bits() as u64));
+    }
+    v.push(("SQRTHF".into(), SQRTHF.to_bits() as u64));
     v
 }
 
@@ -392,6 +466,26 @@ mod tests {
             x += 0.00731;
         }
         assert!(worst <= 2, "worst {worst} ulp");
+    }
+
+    #[test]
+    fn ln_is_within_two_ulp_of_libm() {
+        assert_eq!(ln(1.0), 0.0);
+        assert_eq!(ln(0.0), f32::NEG_INFINITY);
+        assert_eq!(ln(f32::INFINITY), f32::INFINITY);
+        assert!(ln(-1.0).is_nan() && ln(f32::NAN).is_nan());
+        let mut worst = 0;
+        // Subnormals, tiny, around 1 (where m - 1 cancels), and large values.
+        for &(lo, hi, step) in &[(1e-44f32, 1e-38f32, 1.37f32), (1e-38, 1e38, 1.0007), (0.5, 2.0, 1.000_003)] {
+            let mut x = lo;
+            while x < hi {
+                worst = worst.max(ulps(ln(x), (x as f64).ln() as f32));
+                x *= step;
+            }
+        }
+        assert!(worst <= 2, "worst {worst} ulp");
+        assert_eq!(softplus(25.0), 25.0);
+        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
     }
 
     #[test]
