@@ -33,6 +33,10 @@ pub struct Args {
     /// Generated tokens for the tg test (0 = skip).
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     pub n_gen: usize,
+    /// Context tokens prefilled (untimed) before each test, as llama-bench's
+    /// `-d`: decode speed at a long context (KV caches grow, recurrent states do not).
+    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
+    pub n_depth: usize,
     /// Repeats per test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
     pub repeats: usize,
@@ -140,6 +144,8 @@ pub struct Report {
     pub threads: usize,
     pub n_prompt: usize,
     pub n_gen: usize,
+    /// Context tokens before each test.
+    pub n_depth: usize,
     pub repeats: usize,
     pub host_cache_bytes: Option<u64>,
     pub vram_budget_bytes: Option<u64>,
@@ -212,11 +218,15 @@ impl Bench<'_> {
 
     fn pp(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
         let vocab = self.model.plan.n_vocab.max(2);
-        let mut eng = self.session(source, self.args.n_prompt + 8)?;
+        let depth = self.args.n_depth;
+        let mut eng = self.session(source, depth + self.args.n_prompt + 8)?;
         eng.forward(&random_tokens(8, vocab, 7), false)?; // warm-up, untimed
         let mut s = Vec::new();
         for r in 0..self.args.repeats {
             eng.reset();
+            if depth > 0 {
+                eng.forward(&random_tokens(depth, vocab, 500 + r as u64), false)?; // the context, untimed
+            }
             let toks = random_tokens(self.args.n_prompt, vocab, 100 + r as u64);
             let t = Instant::now();
             eng.forward(&toks, false)?;
@@ -230,14 +240,15 @@ impl Bench<'_> {
 
     fn tg(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
         let vocab = self.model.plan.n_vocab.max(2);
-        let mut eng = self.session(source, self.args.n_gen + 8)?;
+        let ctx = self.args.n_depth.max(1);
+        let mut eng = self.session(source, ctx + self.args.n_gen + 8)?;
         let mut s = Vec::new();
         for r in 0..self.args.repeats {
             eng.reset();
-            let toks = random_tokens(self.args.n_gen + 1, vocab, 900 + r as u64);
-            eng.forward(&toks[..1], false)?; // the context token, untimed
+            let toks = random_tokens(ctx + self.args.n_gen, vocab, 900 + r as u64);
+            eng.forward(&toks[..ctx], false)?; // the context, untimed
             let t = Instant::now();
-            for &tok in &toks[1..] {
+            for &tok in &toks[ctx..] {
                 eng.forward(&[tok], false)?;
             }
             s.push(self.args.n_gen as f64 / t.elapsed().as_secs_f64());
@@ -283,7 +294,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         h2d_pinned_gbps: None,
     };
     let device = open_device(a.gpu.resolve_device(&model, ctx.print_config)?)?;
-    let n_ctx = a.n_prompt.max(a.n_gen) + 16;
+    let n_ctx = a.n_depth + a.n_prompt.max(a.n_gen) + 16;
     let h2d = device.as_ref().and_then(|d| crate::cuda::measure_h2d(d).ok());
     let links = Links { h2d_pinned_gbps: h2d, ..links };
     let backend = match &device {
@@ -395,6 +406,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         vram_budget_bytes: a.gpu.vram_budget_bytes(),
         n_prompt: a.n_prompt,
         n_gen: a.n_gen,
+        n_depth: a.n_depth,
         repeats: a.repeats,
         host_cache_bytes: budget,
         links,
@@ -415,7 +427,8 @@ pub fn table(r: &Report) -> String {
         "| model | size | params | backend | threads | run | test | t/s |\n|---|---:|---:|---|---:|---|---|---:|\n"
     );
     for run in &r.runs {
-        for (test, rate) in [(format!("pp{}", r.n_prompt), &run.pp), (format!("tg{}", r.n_gen), &run.tg)] {
+        let at = if r.n_depth > 0 { format!(" @ d{}", r.n_depth) } else { String::new() };
+        for (test, rate) in [(format!("pp{}{at}", r.n_prompt), &run.pp), (format!("tg{}{at}", r.n_gen), &run.tg)] {
             if let Some(rate) = rate {
                 s.push_str(&format!(
                     "| {} | {:.2} GiB | {:.2} B | {} | {} | {} | {test} | {:.2} ± {:.2} |\n",
