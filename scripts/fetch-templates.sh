@@ -5,7 +5,7 @@
 # Usage: scripts/fetch-templates.sh [DEST_DIR]   (default: $PULSAR_TEMPLATES or ~/.cache/pulsar/templates)
 set -euo pipefail
 dest="${1:-${PULSAR_TEMPLATES:-$HOME/.cache/pulsar/templates}}"
-names=(deepseek-ai-DeepSeek-V3.1 deepseek-ai-DeepSeek-V3.2 moonshotai-Kimi-K2 Kimi-K2-Instruct Kimi-K2-Thinking tencent-Hy3 MiniMax-M2 MiniMax-M3)
+names=(deepseek-ai-DeepSeek-V3.1 deepseek-ai-DeepSeek-V3.2 moonshotai-Kimi-K2 Kimi-K2-Instruct Kimi-K2-Thinking tencent-Hy3 MiniMax-M2 MiniMax-M3 Qwen3.5-4B Qwen3-Coder)
 have=1
 for n in "${names[@]}"; do [ -f "$dest/$n.jinja" ] || have=0; done
 if [ "$have" = 1 ]; then echo "$dest"; exit 0; fi

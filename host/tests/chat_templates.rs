@@ -1,5 +1,5 @@
-//! The chat templates the model authors publish for deepseek2, Kimi, hy_v3
-//! and MiniMax models (llama.cpp's copies, fetched and cached by
+//! The chat templates the model authors publish for deepseek2, Kimi, hy_v3,
+//! MiniMax and Qwen3.5 / Qwen3-Coder models (llama.cpp's copies, fetched and cached by
 //! `scripts/fetch-templates.sh`, not committed) render with our minijinja
 //! setup exactly as transformers' `apply_chat_template` renders them:
 //! system + multi-turn, with and without a generation prompt, a tool list, a
@@ -49,5 +49,5 @@ fn published_templates_render_as_transformers_renders_them() {
         }
     }
     assert!(failures.is_empty(), "{} of {checked} renders differ:\n{}", failures.len(), failures.join("\n"));
-    assert_eq!(checked, 48);
+    assert_eq!(checked, 60);
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Expected chat-template renders for pulsar's minijinja setup, from transformers.
 
-For each chat template the model authors publish for deepseek2 / hy_v3 / minimax models
+For each chat template the model authors publish for deepseek2 / hy_v3 / minimax / qwen35 models
 (as llama.cpp carries them: scripts/fetch-templates.sh caches them from the llama-cpp-python
 0.3.36 sdist on PyPI), renders a fixed set of conversations with transformers'
 `render_jinja_template` (what `apply_chat_template` runs: Python jinja2, sandboxed, trim_blocks,
@@ -34,6 +34,8 @@ TEMPLATES = [
     "tencent-Hy3",
     "MiniMax-M2",
     "MiniMax-M3",
+    "Qwen3.5-4B",
+    "Qwen3-Coder",
 ]
 
 WEATHER = {
