@@ -17,6 +17,7 @@
 
 use pulsar_plugin_api::graph::{Act, Binary, Op, Reduce, Rope, RopeMode, Unary, Yarn};
 use pulsar_plugin_api::Wt;
+use pulsar_kernels::ops::DELTA_NET_CHUNK;
 
 use crate::cpu::prim::{self, PrimCx, TData, Tensor};
 
@@ -450,7 +451,15 @@ op_test!("short_conv", 0.0, |g| {
     Case { positions: positions(past, n), state, weights: vec![w], ..case(Op::ShortConv { state: 0, weight: Wt(0) }, vec![x], vec![n, ch]) }
 });
 op_test!("delta_net", 0.0, |g| {
-    let (n, hk, dk, dv) = (g.int(1, 5), g.int(1, 3), g.int(1, 9), g.int(1, 9));
+    // Decode (1 token, the recurrent form), short runs, and runs over several
+    // chunks of the chunked form; value dims over one CUDA column group.
+    let n = match g.int(0, 2) {
+        0 => g.int(1, 5),
+        1 => g.int(6, 20),
+        _ => g.int(DELTA_NET_CHUNK - 4, 2 * DELTA_NET_CHUNK + 9),
+    };
+    let (hk, dk) = (g.int(1, 3), g.int(1, 9));
+    let dv = if g.int(0, 1) == 0 { g.int(1, 9) } else { g.int(30, 40) };
     let hv = hk * g.int(1, 3);
     let past = if g.int(0, 1) == 0 { 0 } else { g.int(1, 9) };
     let state = g.tensor(&[hv, dk, dv], -1.0, 1.0).f().expect("f32").to_vec();

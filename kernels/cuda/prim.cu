@@ -343,6 +343,112 @@ extern "C" __global__ void prim_delta_net(const float* q, const float* k, const 
     }
 }
 
+// The gated delta rule's chunked form (Op::DeltaNet on runs of more than one
+// token): the run in chunks of DN_CHUNK tokens from its first, each solved
+// from the state at its start (twin: cpu::prim::delta_net_head_chunked, whose
+// comment has the maths). Every value column is independent given the chunk's
+// scalars (cumulative decay G, A = β e^(G_t−G_s) k_t·k_s, P = e^(G_t−G_s)
+// (scale q_t)·k_s), so one block takes a v head j and DN_COLS of its value
+// columns (grid hv × ⌈dv / DN_COLS⌉) and computes those scalars itself.
+// Shared memory: A and P [DN_CHUNK²], G, e^G, e^(G_last−G) [DN_CHUNK], and
+// the chunk's δ [DN_CHUNK, DN_COLS]. Each value is one thread's sum in index
+// order, every operation rounded alone (no contraction), as on the CPU.
+#define DN_CHUNK 64
+#define DN_COLS 32
+extern "C" __global__ void prim_delta_net_chunked(const float* q, const float* k, const float* v, const float* g,
+                                                  const float* beta, float* s, float* o, const u32* positions, int n,
+                                                  int hk, int hv, int dk, int dv, float scale) {
+    pdl_begin();
+    extern __shared__ float dn_sh[];
+    float* A = dn_sh;
+    float* P = A + DN_CHUNK * DN_CHUNK;
+    float* G = P + DN_CHUNK * DN_CHUNK;
+    float* eg = G + DN_CHUNK;
+    float* el = eg + DN_CHUNK;
+    float* D = el + DN_CHUNK;
+    int j = blockIdx.x, kh = j % hk, c0 = blockIdx.y * DN_COLS;
+    int cols = min(DN_COLS, dv - c0);
+    float* sj = s + (long long)j * dk * dv;
+    if (positions[0] == 0) {
+        for (int e = threadIdx.x; e < dk * cols; e += blockDim.x) sj[(long long)(e / cols) * dv + c0 + e % cols] = 0.0f;
+    }
+    for (int t0 = 0; t0 < n; t0 += DN_CHUNK) {
+        int l = min(DN_CHUNK, n - t0);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float acc = 0.0f;
+            for (int t = 0; t < l; t++) {
+                acc = __fadd_rn(acc, g[(long long)(t0 + t) * hv + j]);
+                G[t] = acc;
+            }
+        }
+        __syncthreads();
+        for (int t = threadIdx.x; t < l; t += blockDim.x) {
+            eg[t] = exp_c(G[t]);
+            el[t] = exp_c(__fsub_rn(G[l - 1], G[t]));
+        }
+        for (int e = threadIdx.x; e < l * l; e += blockDim.x) {
+            int t = e / l, u = e % l;
+            if (u > t) continue;
+            const float* kt = k + ((long long)(t0 + t) * hk + kh) * dk;
+            const float* qt = q + ((long long)(t0 + t) * hk + kh) * dk;
+            const float* ku = k + ((long long)(t0 + u) * hk + kh) * dk;
+            float kk = 0.0f, qk = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                kk = __fadd_rn(kk, __fmul_rn(kt[i], ku[i]));
+                qk = __fadd_rn(qk, __fmul_rn(__fmul_rn(qt[i], scale), ku[i]));
+            }
+            float dec = exp_c(__fsub_rn(G[t], G[u]));
+            A[t * DN_CHUNK + u] = u < t ? __fmul_rn(__fmul_rn(kk, dec), beta[(long long)(t0 + t) * hv + j]) : 0.0f;
+            P[t * DN_CHUNK + u] = __fmul_rn(qk, dec);
+        }
+        __syncthreads();
+        // u_t and the output the chunk's starting state gives.
+        for (int e = threadIdx.x; e < l * cols; e += blockDim.x) {
+            int t = e / cols, cc = e % cols, c = c0 + cc;
+            const float* kt = k + ((long long)(t0 + t) * hk + kh) * dk;
+            const float* qt = q + ((long long)(t0 + t) * hk + kh) * dk;
+            float w = 0.0f, r = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float sv = sj[(long long)i * dv + c];
+                w = __fadd_rn(w, __fmul_rn(kt[i], sv));
+                r = __fadd_rn(r, __fmul_rn(__fmul_rn(qt[i], scale), sv));
+            }
+            long long vo = ((long long)(t0 + t) * hv + j) * dv + c;
+            D[t * DN_COLS + cc] = __fmul_rn(__fsub_rn(v[vo], __fmul_rn(eg[t], w)), beta[(long long)(t0 + t) * hv + j]);
+            o[vo] = __fmul_rn(eg[t], r);
+        }
+        __syncthreads();
+        // Forward substitution, one thread a column.
+        if (threadIdx.x < cols) {
+            int cc = threadIdx.x;
+            for (int t = 1; t < l; t++) {
+                float acc = D[t * DN_COLS + cc];
+                for (int u = 0; u < t; u++) acc = __fsub_rn(acc, __fmul_rn(A[t * DN_CHUNK + u], D[u * DN_COLS + cc]));
+                D[t * DN_COLS + cc] = acc;
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < l * cols; e += blockDim.x) {
+            int t = e / cols, cc = e % cols;
+            long long vo = ((long long)(t0 + t) * hv + j) * dv + c0 + cc;
+            float acc = o[vo];
+            for (int u = 0; u <= t; u++) acc = __fadd_rn(acc, __fmul_rn(P[t * DN_CHUNK + u], D[u * DN_COLS + cc]));
+            o[vo] = acc;
+        }
+        for (int e = threadIdx.x; e < dk * cols; e += blockDim.x) {
+            int i = e / cols, cc = e % cols;
+            long long so = (long long)i * dv + c0 + cc;
+            float acc = __fmul_rn(sj[so], eg[l - 1]);
+            for (int u = 0; u < l; u++) {
+                float ke = __fmul_rn(k[((long long)(t0 + u) * hk + kh) * dk + i], el[u]);
+                acc = __fadd_rn(acc, __fmul_rn(ke, D[u * DN_COLS + cc]));
+            }
+            sj[so] = acc;
+        }
+    }
+}
+
 // Rows of a rows state: cache[positions[t]] = x[t] (rows of w words).
 extern "C" __global__ void prim_rows_write(const u32* x, u32* cache, const u32* positions, int n, long long w,
                                            long long cap) {

@@ -102,6 +102,7 @@ const PRIM: &[&str] = &[
     "prim_block_select",
     "prim_short_conv",
     "prim_delta_net",
+    "prim_delta_net_chunked",
 ];
 
 /// Entries of [`Family::Prim`], in the order of its table.
@@ -125,6 +126,7 @@ pub(crate) enum Prim {
     BlockSelect,
     ShortConv,
     DeltaNet,
+    DeltaNetChunked,
 }
 
 /// The weight formats with dp4a kernels, in the order of the entry tables below.
@@ -428,6 +430,11 @@ mod tests {
         }
         assert_eq!(attn_prefill_smem(128), (64 * 132 + 64 * 132 + 256 * 72) * 4);
         assert_eq!(MOE.len(), LANE_FILL_ROWS + 1);
+        // The chunked delta rule's geometry (prim.cu), which its launcher's shared size restates.
+        let src = Family::Prim.source();
+        for def in [format!("#define DN_CHUNK {}", pulsar_kernels::ops::DELTA_NET_CHUNK), format!("#define DN_COLS {}", crate::ops::DELTA_NET_COLS)] {
+            assert!(src.contains(&def), "prim.cu lacks {def}");
+        }
     }
 
     #[test]

@@ -32,6 +32,8 @@ mod prim;
 // The KV write and attention (a fourth).
 mod attention;
 pub use prim::{lanes, strides, PrimShape, PRIM_RANK};
+#[cfg(test)]
+pub(crate) use prim::DELTA_NET_COLS;
 
 const GEMV_ROWS_PER_BLOCK: usize = 4; // FG_WARPS / MOE_WARPS of the float kernels
 const GEMM_TOKENS: usize = 8; // FG_TT

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use pulsar_kernels::ops::{self, math, Activation, RopeKind, RopeParams};
+use pulsar_kernels::ops::{self, math, Activation, RopeKind, RopeParams, DELTA_NET_CHUNK};
 use pulsar_plugin_api::graph::{Binary, Op, Reduce, Rope, RopeMode, Unary};
 use pulsar_plugin_api::Wt;
 
@@ -548,15 +548,23 @@ pub struct DeltaDims {
 }
 
 /// One sequence's rows through the gated delta rule ([`Op::DeltaNet`]) on
-/// its state `s` `[hv, dk, dv]`; the outputs `[n, hv, dv]`. The v heads are
-/// independent, so they run on `pool` when one is given (the same bits
-/// either way: see [`delta_net_head`]).
+/// its state `s` `[hv, dk, dv]`; the outputs `[n, hv, dv]`. One token runs the
+/// recurrent form ([`delta_net_head`]), more the chunked one
+/// ([`delta_net_head_chunked`]): the same maths in another order, so a prefill
+/// and token-by-token decode agree to rounding, not bit for bit. The v heads
+/// are independent, so they run on `pool` when one is given (the same bits
+/// either way).
 #[allow(clippy::too_many_arguments)]
 pub fn delta_net_rows(s: &mut [f32], d: DeltaDims, scale: f32, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], pool: Option<&rayon::ThreadPool>) -> Vec<f32> {
     use rayon::prelude::*;
     let DeltaDims { hv, dk, dv, .. } = d;
     let n = g.len() / hv.max(1);
-    let run = |(j, sj): (usize, &mut [f32])| delta_net_head(sj, j, d, scale, q, k, v, g, beta);
+    // A run of one token (decode) takes the recurrent form; a longer run the
+    // chunked one, the same rule as the CUDA launcher's.
+    let run = |(j, sj): (usize, &mut [f32])| match n {
+        1 => delta_net_head(sj, j, d, scale, q, k, v, g, beta),
+        _ => delta_net_head_chunked(sj, j, d, scale, q, k, v, g, beta),
+    };
     let heads: Vec<Vec<f32>> = match pool {
         Some(p) if hv > 1 => p.install(|| s.par_chunks_mut(dk * dv).enumerate().map(run).collect()),
         _ => s.chunks_mut(dk * dv).enumerate().map(run).collect(),
@@ -606,6 +614,111 @@ pub fn delta_net_head(sj: &mut [f32], j: usize, d: DeltaDims, scale: f32, q: &[f
             for ((e, &delta), acc) in row.iter_mut().zip(kv.iter()).zip(o.iter_mut()) {
                 *e += ki * delta;
                 *acc += qi * *e;
+            }
+        }
+    }
+    out
+}
+
+/// V head `j` of [`delta_net_rows`] in the chunked (parallel) form: the run
+/// in chunks of [`DELTA_NET_CHUNK`] tokens from its first, each chunk solved
+/// from the state at its start. With `G` the cumulative log decay in the
+/// chunk, `A[t][s] = β_t·e^(G_t−G_s)·k_t·k_s` (s < t) and
+/// `P[t][s] = e^(G_t−G_s)·(scale·q_t)·k_s` (s ≤ t), per value column:
+/// `u_t = β_t(v_t − e^(G_t)·k_tᵀS)`, `δ_t = u_t − Σ_{s<t} A[t][s]·δ_s` (forward
+/// substitution), `o_t = e^(G_t)·(scale·q_t)ᵀS + Σ_{s≤t} P[t][s]·δ_s`, and
+/// `S ← e^(G_last)·S + Σ_s (e^(G_last−G_s)·k_s)·δ_sᵀ`. Every sum starts at 0
+/// (or at its first term as written) and runs in index order, as the CUDA
+/// kernel `prim_delta_net_chunked` does, so both give the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_net_head_chunked(sj: &mut [f32], j: usize, d: DeltaDims, scale: f32, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32]) -> Vec<f32> {
+    let DeltaDims { hk, hv, dk, dv } = d;
+    let n = g.len() / hv.max(1);
+    let kh = j % hk;
+    let c = DELTA_NET_CHUNK;
+    let mut out = vec![0f32; n * dv];
+    let (mut qs, mut a, mut p) = (vec![0f32; c * dk], vec![0f32; c * c], vec![0f32; c * c]);
+    let (mut gc, mut eg, mut el) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+    let (mut delta, mut r) = (vec![0f32; c * dv], vec![0f32; dv]);
+    for t0 in (0..n).step_by(c) {
+        let l = c.min(n - t0);
+        let key = |t: usize| &k[((t0 + t) * hk + kh) * dk..][..dk];
+        let bt = |t: usize| beta[(t0 + t) * hv + j];
+        for t in 0..l {
+            for (o, &x) in qs[t * dk..][..dk].iter_mut().zip(&q[((t0 + t) * hk + kh) * dk..][..dk]) {
+                *o = x * scale;
+            }
+        }
+        let mut acc = 0f32;
+        for t in 0..l {
+            acc += g[(t0 + t) * hv + j];
+            gc[t] = acc;
+        }
+        for t in 0..l {
+            eg[t] = math::exp(gc[t]);
+            el[t] = math::exp(gc[l - 1] - gc[t]);
+        }
+        for t in 0..l {
+            let (kt, qt) = (key(t), &qs[t * dk..][..dk]);
+            for s in 0..=t {
+                let ks = key(s);
+                let (mut kk, mut qk) = (0f32, 0f32);
+                for i in 0..dk {
+                    kk += kt[i] * ks[i];
+                    qk += qt[i] * ks[i];
+                }
+                let dec = math::exp(gc[t] - gc[s]);
+                a[t * c + s] = if s < t { kk * dec * bt(t) } else { 0.0 };
+                p[t * c + s] = qk * dec;
+            }
+        }
+        // u and the part of the output the chunk's starting state gives;
+        // row-wise over the state, one accumulator a column.
+        for t in 0..l {
+            let (kt, qt) = (key(t), &qs[t * dk..][..dk]);
+            let w = &mut delta[t * dv..][..dv];
+            w.iter_mut().for_each(|x| *x = 0.0);
+            r.iter_mut().for_each(|x| *x = 0.0);
+            for ((row, &ki), &qi) in sj.chunks_exact(dv).zip(kt).zip(qt) {
+                for ((&e, wc), rc) in row.iter().zip(w.iter_mut()).zip(r.iter_mut()) {
+                    *wc += ki * e;
+                    *rc += qi * e;
+                }
+            }
+            let vt = &v[((t0 + t) * hv + j) * dv..][..dv];
+            for (wc, &vc) in w.iter_mut().zip(vt) {
+                *wc = (vc - eg[t] * *wc) * bt(t);
+            }
+            for (o, &rc) in out[(t0 + t) * dv..][..dv].iter_mut().zip(r.iter()) {
+                *o = eg[t] * rc;
+            }
+        }
+        for t in 1..l {
+            let (done, rest) = delta.split_at_mut(t * dv);
+            let dt = &mut rest[..dv];
+            for s in 0..t {
+                let ats = a[t * c + s];
+                for (x, &y) in dt.iter_mut().zip(&done[s * dv..][..dv]) {
+                    *x -= ats * y;
+                }
+            }
+        }
+        for t in 0..l {
+            let o = &mut out[(t0 + t) * dv..][..dv];
+            for s in 0..=t {
+                let pts = p[t * c + s];
+                for (x, &y) in o.iter_mut().zip(&delta[s * dv..][..dv]) {
+                    *x += pts * y;
+                }
+            }
+        }
+        for (i, row) in sj.chunks_exact_mut(dv).enumerate() {
+            row.iter_mut().for_each(|e| *e *= eg[l - 1]);
+            for s in 0..l {
+                let ke = key(s)[i] * el[s];
+                for (e, &y) in row.iter_mut().zip(&delta[s * dv..][..dv]) {
+                    *e += ke * y;
+                }
             }
         }
     }
@@ -705,21 +818,28 @@ mod tests {
     }
 
     #[test]
-    fn one_long_run_of_the_recurrent_ops_is_bit_identical_to_single_tokens() {
+    fn the_chunked_delta_rule_agrees_with_the_recurrent_one_and_the_conv_runs_as_single_tokens() {
         let mut g = crate::opcheck::Gen::new(7);
-        let (n, d) = (6, DeltaDims { hk: 2, hv: 4, dk: 3, dv: 5 });
+        // Three chunks, the last partial, on a non-zero state.
+        let (n, d) = (2 * DELTA_NET_CHUNK + 13, DeltaDims { hk: 2, hv: 4, dk: 3, dv: 5 });
         let f = |g: &mut crate::opcheck::Gen, dims: &[usize], lo: f32, hi: f32| g.tensor(dims, lo, hi).f().unwrap().to_vec();
         let (q, k) = (f(&mut g, &[n, 2, 3], -0.6, 0.6), f(&mut g, &[n, 2, 3], -0.6, 0.6));
-        let (v, gl, b) = (f(&mut g, &[n, 4, 5], -2.0, 2.0), f(&mut g, &[n, 4], -3.0, 0.0), f(&mut g, &[n, 4], 0.0, 1.0));
-        let mut s_all = vec![0f32; 4 * 3 * 5];
+        let (v, gl, b) = (f(&mut g, &[n, 4, 5], -2.0, 2.0), f(&mut g, &[n, 4], -0.5, 0.0), f(&mut g, &[n, 4], 0.0, 1.0));
+        let s0 = f(&mut g, &[4, 3, 5], -1.0, 1.0);
+        let mut s_all = s0.clone();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let all = delta_net_rows(&mut s_all, d, 0.5, &q, &k, &v, &gl, &b, Some(&pool));
-        let mut s_one = vec![0f32; 4 * 3 * 5];
+        let mut s_alone = s0.clone();
+        assert_eq!(all, delta_net_rows(&mut s_alone, d, 0.5, &q, &k, &v, &gl, &b, None), "the thread pool changes no bit");
+        assert_eq!(s_all, s_alone);
+        let mut s_one = s0;
         let mut one = Vec::new();
         for t in 0..n {
             one.extend(delta_net_rows(&mut s_one, d, 0.5, &q[t * 6..][..6], &k[t * 6..][..6], &v[t * 20..][..20], &gl[t * 4..][..4], &b[t * 4..][..4], None));
         }
-        assert_eq!((all, s_all), (one, s_one));
+        let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(diff(&all, &one) < 1e-5 && diff(&s_all, &s_one) < 1e-5, "chunked vs recurrent: out {}, state {}", diff(&all, &one), diff(&s_all, &s_one));
+        assert_ne!(all, one, "the two forms sum in different orders: equal bits would mean one form ran twice");
         let (x, w) = (f(&mut g, &[n, 7], -2.0, 2.0), f(&mut g, &[7, 4], -1.0, 1.0));
         let (mut win_all, mut win_one) = (vec![0f32; 3 * 7], vec![0f32; 3 * 7]);
         let all = short_conv_rows(&mut win_all, &w, &x, 4, 7);

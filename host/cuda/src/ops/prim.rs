@@ -6,6 +6,11 @@
 
 use super::*;
 use crate::kernels::Prim;
+use pulsar_kernels::ops::DELTA_NET_CHUNK;
+
+/// Value columns a block of `prim_delta_net_chunked` takes (its `DN_COLS`; its
+/// `DN_CHUNK` is [`DELTA_NET_CHUNK`]).
+pub(crate) const DELTA_NET_COLS: usize = 32;
 
 /// Most axes a primitive's index space has (PRIM_RANK in prim.cu).
 pub const PRIM_RANK: usize = 8;
@@ -323,12 +328,24 @@ impl CudaDevice {
         want(OP, "beta", b.len(), n * hv)?;
         want(OP, "state", s.len(), hv * dk * dv)?;
         want(OP, "o", o.len(), n * hv * dv)?;
-        let f = self.prim(Prim::DeltaNet)?;
         let (qp, kp, vp, gp, bp, sp, op, pp) = (q.device_ptr(), k.device_ptr(), v.device_ptr(), g.device_ptr(), b.device_ptr(), s.device_ptr(), o.device_ptr(), positions.device_ptr());
         let (nn, hkk, hvv, dkk, dvv) = (to_i32(OP, "n", n)?, hk as i32, to_i32(OP, "hv", hv)?, to_i32(OP, "dk", dk)?, to_i32(OP, "dv", dv)?);
-        let threads = dv.next_multiple_of(32).min(1024) as u32;
-        // SAFETY: (q, k, v, g, beta, s, o, positions, n, hk, hv, dk, dv, scale) as prim_delta_net; lengths checked above, 2 dk floats of shared memory.
-        unsafe { self.launch(f, (hvv as u32, 1, 1), threads, (2 * dk * 4) as u32, stream, &mut params![qp, kp, vp, gp, bp, sp, op, pp, nn, hkk, hvv, dkk, dvv, scale]) }
+        let mut args = params![qp, kp, vp, gp, bp, sp, op, pp, nn, hkk, hvv, dkk, dvv, scale];
+        if n == 1 {
+            // Decode: the recurrent form, one block a v head, one thread a value column.
+            let threads = dv.next_multiple_of(32).min(1024) as u32;
+            let f = self.prim(Prim::DeltaNet)?;
+            // SAFETY: (q, k, v, g, beta, s, o, positions, n, hk, hv, dk, dv, scale) as prim_delta_net; lengths checked above, 2 dk floats of shared memory.
+            unsafe { self.launch(f, (hvv as u32, 1, 1), threads, (2 * dk * 4) as u32, stream, &mut args) }
+        } else {
+            // The chunked form (the CPU's rule: more than one token), a block per
+            // v head and DELTA_NET_COLS value columns.
+            let f = self.prim(Prim::DeltaNetChunked)?;
+            let (c, cols) = (DELTA_NET_CHUNK, DELTA_NET_COLS);
+            let smem = ((2 * c * c + 3 * c + c * cols) * 4) as u32;
+            // SAFETY: as above, for prim_delta_net_chunked (DN_CHUNK = DELTA_NET_CHUNK, DN_COLS = DELTA_NET_COLS); smem is its shared layout.
+            unsafe { self.launch(f, (hvv as u32, dv.div_ceil(cols) as u32, 1), 256, smem, stream, &mut args) }
+        }
     }
 
     /// Rows `x` (`[n, w]`) into `cache` at `positions` (rows past the
