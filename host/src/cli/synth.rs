@@ -10,13 +10,13 @@ use crate::synth;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Family: qwen3moe, deepseek2, hy_v3, minimax-m2 or qwen35moe (a check: the preset names it).
+    /// Family: qwen3moe, deepseek2, hy_v3, minimax-m2, qwen35moe or qwen35 (a check: the preset names it).
     #[arg(long)]
     pub arch: Option<String>,
     /// Geometry of a real model: tiny, qwen3-30b-a3b, qwen3-235b-a22b (qwen3moe);
     /// deepseek-v3-671b, kimi-k2-1t (deepseek2); hy3-295b (hy_v3); minimax-m2-230b
-    /// (minimax-m2); qwen3.6-35b-a3b (qwen35moe); tiny-deepseek2, tiny-kimi-k2, tiny-hy3,
-    /// tiny-minimax-m2, tiny-qwen35moe (small twins).
+    /// (minimax-m2); qwen3.6-35b-a3b (qwen35moe); qwen3.6-27b (qwen35, dense); tiny-deepseek2,
+    /// tiny-kimi-k2, tiny-hy3, tiny-minimax-m2, tiny-qwen35moe, tiny-qwen35 (small twins).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Keep only the first N layers (to fit a disk; MTP blocks stay after them).

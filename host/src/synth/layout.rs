@@ -16,6 +16,8 @@
 //!   norms, partial rotary with M-RoPE sections), every layer MoE with a
 //!   softmax router (no selection bias) and a sigmoid-gated shared expert;
 //!   the MTP block (`nextn`) after the trunk, counted in `block_count`.
+//! - qwen35 (Qwen3.6 27B): the same hybrid with a dense SwiGLU FFN in every
+//!   layer (`ffn_gate` / `ffn_up` / `ffn_down`) and no expert keys.
 
 use pulsar_gguf::{GgmlType, Value};
 
@@ -61,7 +63,7 @@ impl DeltaNet {
 }
 
 /// The architectures `synth` writes.
-pub const FAMILIES: [&str; 5] = ["qwen3moe", "deepseek2", "hy_v3", "minimax-m2", "qwen35moe"];
+pub const FAMILIES: [&str; 6] = ["qwen3moe", "deepseek2", "hy_v3", "minimax-m2", "qwen35moe", "qwen35"];
 
 /// The named geometries of the families other than qwen3moe. `base` is a
 /// qwen3moe-shaped spec whose defaults the presets override.
@@ -160,6 +162,23 @@ pub fn preset(name: &str, base: SynthSpec) -> Option<SynthSpec> {
             tok_pre: "qwen35",
             ..base.clone()
         },
+        // Qwen3.6-27B's released config (qwen3_5 text): 64 layers of 5120, full
+        // attention every 4th with 24 q / 4 kv heads of 256 (64 rotated), delta
+        // net 16 k / 48 v heads of 128, a dense FFN of 17408, one MTP layer.
+        "qwen3.6-27b" => SynthSpec {
+            arch: "qwen35".into(),
+            n_layers: 64,
+            n_embd: 5120,
+            n_head: 24,
+            n_kv_head: 4,
+            n_expert: 0,
+            n_expert_used: 0,
+            n_ff_exp: 0,
+            n_ff: 17408,
+            n_shared: 0,
+            delta: Some(DeltaNet { full_every: 4, conv_kernel: 4, k_heads: 16, v_heads: 48, k_dim: 128, v_dim: 128, n_mtp: 1 }),
+            ..preset("qwen3.6-35b-a3b", base.clone())?
+        },
         // Small twins of the same dialects, for tests and quick runs.
         "tiny-deepseek2" => tiny(SynthSpec {
             n_ff_exp: 64,
@@ -190,8 +209,12 @@ pub fn preset(name: &str, base: SynthSpec) -> Option<SynthSpec> {
             n_ff_exp: 64,
             n_vocab: 300,
             delta: Some(DeltaNet { full_every: 2, conv_kernel: 4, k_heads: 2, v_heads: 4, k_dim: 32, v_dim: 32, n_mtp: 1 }),
-            ..preset("qwen3.6-35b-a3b", base)?
+            ..preset("qwen3.6-35b-a3b", base.clone())?
         }),
+        // The dense sibling of the same shape.
+        "tiny-qwen35" => {
+            SynthSpec { arch: "qwen35".into(), n_expert: 0, n_expert_used: 0, n_ff_exp: 0, n_shared: 0, n_ff: 128, ..preset("tiny-qwen35moe", base)? }
+        }
         _ => return None,
     })
 }
@@ -210,7 +233,7 @@ fn set(kv: &mut Vec<(String, Value)>, arch: &str, key: &str, v: Value) {
 pub fn metadata(s: &SynthSpec, kv: &mut Vec<(String, Value)>) {
     let a = s.arch.as_str();
     if a == "qwen35moe" {
-        // Its converter writes no dense FFN width.
+        // Its converter writes no dense FFN width (qwen35's is its FFN).
         let ff = format!("{a}.feed_forward_length");
         kv.retain(|(k, _)| *k != ff);
     }
@@ -218,8 +241,9 @@ pub fn metadata(s: &SynthSpec, kv: &mut Vec<(String, Value)>) {
     if s.n_ff > 0 {
         put(".feed_forward_length", s.n_ff.into());
     }
-    // qwen35moe routes by softmax and its converter writes no gating func.
-    if a != "qwen35moe" {
+    // qwen35moe routes by softmax and its converter writes no gating func;
+    // qwen35 has no router.
+    if a != "qwen35moe" && a != "qwen35" {
         put(".expert_gating_func", 2u32.into());
     }
     if s.n_rot > 0 {
@@ -256,11 +280,13 @@ pub fn metadata(s: &SynthSpec, kv: &mut Vec<(String, Value)>) {
             put(".expert_weights_scale", s.weights_scale.into());
             put(".expert_weights_norm", true.into());
         }
-        "qwen35moe" => {
-            let d = s.delta.expect("qwen35moe presets carry the delta net's widths");
+        "qwen35moe" | "qwen35" => {
+            let d = s.delta.expect("qwen35 presets carry the delta net's widths");
             let n_blocks = s.n_layers + d.n_mtp;
             put(".block_count", n_blocks.into());
-            put(".expert_shared_feed_forward_length", (s.n_ff_exp * s.n_shared).into());
+            if s.n_expert > 0 {
+                put(".expert_shared_feed_forward_length", (s.n_ff_exp * s.n_shared).into());
+            }
             put(".nextn_predict_layers", d.n_mtp.into());
             put(".ssm.conv_kernel", d.conv_kernel.into());
             put(".ssm.state_size", d.k_dim.into());
@@ -358,13 +384,14 @@ pub fn tensors(s: &SynthSpec, n_vocab: u64) -> Vec<TensorPlan> {
 }
 
 /// qwen35moe's tensors: delta-net and full-attention layers, each with the
-/// MoE FFN, then the MTP blocks (a full-attention block plus `nextn.*`).
+/// MoE FFN (qwen35: a dense one), then the MTP blocks (a full-attention
+/// block plus `nextn.*`).
 /// The delta net stays stable under random weights: its decay `ssm_a` is
 /// negative (-exp(A_log) as the converter stores it), `ssm_dt.bias` small,
 /// the gated norm 1, the 4-tap conv scaled by its fan-in.
 fn hybrid_tensors(s: &SynthSpec, d: DeltaNet, n_vocab: u64) -> Vec<TensorPlan> {
     let (e, hd, h, hkv) = (s.n_embd as u64, s.head_dim as u64, s.n_head as u64, s.n_kv_head as u64);
-    let (nx, ffx, fs) = (s.n_expert as u64, s.n_ff_exp as u64, (s.n_ff_exp * s.n_shared) as u64);
+    let (nx, ffx, fs, ff) = (s.n_expert as u64, s.n_ff_exp as u64, (s.n_ff_exp * s.n_shared) as u64, s.n_ff as u64);
     let (hv, nv, kc) = (d.v_heads as u64, (d.v_heads * d.v_dim) as u64, d.conv_kernel as u64);
     let ch = 2 * (d.k_heads * d.k_dim) as u64 + nv;
     let lin = |fan_in: u64| (3.0 / fan_in as f32).sqrt();
@@ -404,15 +431,21 @@ fn hybrid_tensors(s: &SynthSpec, d: DeltaNet, n_vocab: u64) -> Vec<TensorPlan> {
         }
         // The FFN's pre-norm.
         v.push(norm(n("post_attention_norm.weight"), e));
-        v.push(TensorPlan { role: PlanRole::Router, ..f32(n("ffn_gate_inp.weight"), vec![e, nx], lin(e), false) });
-        v.push(t(n("ffn_gate_exps.weight"), vec![e, ffx, nx], xt, lin(e)));
-        v.push(t(n("ffn_up_exps.weight"), vec![e, ffx, nx], xt, lin(e)));
-        v.push(t(n("ffn_down_exps.weight"), vec![ffx, e, nx], xt, lin(ffx) * damp));
-        v.push(t(n("ffn_gate_shexp.weight"), vec![e, fs], dt, lin(e)));
-        v.push(t(n("ffn_up_shexp.weight"), vec![e, fs], dt, lin(e)));
-        v.push(t(n("ffn_down_shexp.weight"), vec![fs, e], dt, lin(fs) * damp));
-        // The shared expert's sigmoid gate.
-        v.push(f32(n("ffn_gate_inp_shexp.weight"), vec![e, 1], lin(e), false));
+        if nx == 0 {
+            v.push(t(n("ffn_gate.weight"), vec![e, ff], dt, lin(e)));
+            v.push(t(n("ffn_up.weight"), vec![e, ff], dt, lin(e)));
+            v.push(t(n("ffn_down.weight"), vec![ff, e], dt, lin(ff) * damp));
+        } else {
+            v.push(TensorPlan { role: PlanRole::Router, ..f32(n("ffn_gate_inp.weight"), vec![e, nx], lin(e), false) });
+            v.push(t(n("ffn_gate_exps.weight"), vec![e, ffx, nx], xt, lin(e)));
+            v.push(t(n("ffn_up_exps.weight"), vec![e, ffx, nx], xt, lin(e)));
+            v.push(t(n("ffn_down_exps.weight"), vec![ffx, e, nx], xt, lin(ffx) * damp));
+            v.push(t(n("ffn_gate_shexp.weight"), vec![e, fs], dt, lin(e)));
+            v.push(t(n("ffn_up_shexp.weight"), vec![e, fs], dt, lin(e)));
+            v.push(t(n("ffn_down_shexp.weight"), vec![fs, e], dt, lin(fs) * damp));
+            // The shared expert's sigmoid gate.
+            v.push(f32(n("ffn_gate_inp_shexp.weight"), vec![e, 1], lin(e), false));
+        }
         if l >= s.n_layers {
             v.push(t(n("nextn.eh_proj.weight"), vec![2 * e, e], dt, lin(2 * e)));
             for x in ["nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"] {

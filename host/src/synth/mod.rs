@@ -110,7 +110,7 @@ pub fn preset(name: &str) -> anyhow::Result<SynthSpec> {
 }
 
 /// Every preset name, with its architecture.
-pub const PRESETS: [&str; 13] = [
+pub const PRESETS: [&str; 15] = [
     "tiny",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
@@ -119,11 +119,13 @@ pub const PRESETS: [&str; 13] = [
     "hy3-295b",
     "minimax-m2-230b",
     "qwen3.6-35b-a3b",
+    "qwen3.6-27b",
     "tiny-deepseek2",
     "tiny-kimi-k2",
     "tiny-hy3",
     "tiny-minimax-m2",
     "tiny-qwen35moe",
+    "tiny-qwen35",
 ];
 
 /// 256 byte tokens and the three specials.
@@ -225,7 +227,9 @@ pub fn header(s: &SynthSpec) -> anyhow::Result<(Vec<(String, Value)>, Vec<(Strin
 }
 
 fn plan(s: &SynthSpec) -> anyhow::Result<(Vec<(String, Value)>, Vec<TensorPlan>)> {
-    if s.n_kv_head == 0 || s.n_head % s.n_kv_head != 0 || s.n_expert_used == 0 || s.n_expert_used > s.n_expert {
+    // A dense model (qwen35) has no experts and a dense FFN width instead.
+    let experts_ok = if s.n_expert == 0 { s.n_expert_used == 0 && s.n_ff > 0 } else { s.n_expert_used > 0 && s.n_expert_used <= s.n_expert };
+    if s.n_kv_head == 0 || s.n_head % s.n_kv_head != 0 || !experts_ok {
         anyhow::bail!("inconsistent geometry: {s:?}");
     }
     let mut tokens: Vec<String> = (0..=255u8).map(byte_token).collect();
@@ -252,9 +256,6 @@ fn plan(s: &SynthSpec) -> anyhow::Result<(Vec<(String, Value)>, Vec<TensorPlan>)
         (format!("{a}.attention.value_length"), s.head_dim.into()),
         (format!("{a}.attention.layer_norm_rms_epsilon"), 1e-6f32.into()),
         (format!("{a}.rope.freq_base"), s.rope_base.into()),
-        (format!("{a}.expert_count"), s.n_expert.into()),
-        (format!("{a}.expert_used_count"), s.n_expert_used.into()),
-        (format!("{a}.expert_feed_forward_length"), s.n_ff_exp.into()),
         ("tokenizer.ggml.model".into(), "gpt2".into()),
         ("tokenizer.ggml.pre".into(), s.tok_pre.into()),
         ("tokenizer.ggml.tokens".into(), Value::from(tokens.iter().map(String::as_str).collect::<Vec<&str>>())),
@@ -264,6 +265,17 @@ fn plan(s: &SynthSpec) -> anyhow::Result<(Vec<(String, Value)>, Vec<TensorPlan>)
         ("tokenizer.ggml.bos_token_id".into(), 256u32.into()),
         ("tokenizer.ggml.add_bos_token".into(), false.into()),
     ];
+    if s.n_expert > 0 {
+        let at = kv.iter().position(|(k, _)| k.starts_with("tokenizer.")).unwrap_or(kv.len());
+        kv.splice(
+            at..at,
+            [
+                (format!("{a}.expert_count"), s.n_expert.into()),
+                (format!("{a}.expert_used_count"), s.n_expert_used.into()),
+                (format!("{a}.expert_feed_forward_length"), s.n_ff_exp.into()),
+            ],
+        );
+    }
     if s.arch != "qwen3moe" {
         layout::metadata(s, &mut kv);
     }
