@@ -1,7 +1,25 @@
 //! What the CLI drives, whichever backend runs it.
 
-use crate::cuda::CudaEngine;
+use crate::cpu::Snapshot;
+use crate::cuda::{CudaEngine, CudaSnapshot};
 use crate::engine::{Engine, EngineError};
+
+/// A session's state at one position (its recurrent states and where it
+/// was), to go back to: for a family with a recurrent state, the only way to
+/// reuse a prefix shorter than the history.
+pub enum Checkpoint {
+    Cpu(Snapshot),
+    Cuda(CudaSnapshot),
+}
+
+impl Checkpoint {
+    pub fn n_past(&self) -> usize {
+        match self {
+            Checkpoint::Cpu(s) => s.n_past,
+            Checkpoint::Cuda(s) => s.n_past,
+        }
+    }
+}
 
 /// A single-sequence model session: a KV cache and a position.
 pub trait Session {
@@ -15,6 +33,12 @@ pub trait Session {
     fn n_ctx(&self) -> usize;
     fn history(&self) -> &[u32];
     fn set_ubatch(&mut self, n: usize);
+    /// Whether the state can go back only through a [`Checkpoint`].
+    fn has_recurrent(&self) -> bool;
+    /// The state now, to [`Session::rewind`] to later.
+    fn checkpoint(&self) -> Result<Checkpoint, EngineError>;
+    /// Go back to `c`, taken from this session at or before now.
+    fn rewind(&mut self, c: &Checkpoint) -> Result<(), EngineError>;
     /// The per-op GPU time table, when the session profiles its ops.
     fn op_profile(&self) -> Option<String> {
         None
@@ -43,6 +67,18 @@ impl Session for Engine<'_> {
     fn set_ubatch(&mut self, n: usize) {
         self.ubatch = n.max(1);
     }
+    fn has_recurrent(&self) -> bool {
+        self.kv.has_recurrent()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint, EngineError> {
+        Ok(Checkpoint::Cpu(self.snapshot()))
+    }
+    fn rewind(&mut self, c: &Checkpoint) -> Result<(), EngineError> {
+        match c {
+            Checkpoint::Cpu(s) => self.restore(s),
+            Checkpoint::Cuda(_) => Err(EngineError::Forward("a CUDA checkpoint cannot restore a CPU session".into())),
+        }
+    }
 }
 
 impl Session for CudaEngine<'_> {
@@ -67,6 +103,18 @@ impl Session for CudaEngine<'_> {
     }
     fn set_ubatch(&mut self, n: usize) {
         self.ubatch = n.max(1);
+    }
+    fn has_recurrent(&self) -> bool {
+        !self.kv.recurrent.is_empty()
+    }
+    fn checkpoint(&self) -> Result<Checkpoint, EngineError> {
+        Ok(Checkpoint::Cuda(self.snapshot()?))
+    }
+    fn rewind(&mut self, c: &Checkpoint) -> Result<(), EngineError> {
+        match c {
+            Checkpoint::Cuda(s) => self.restore(s),
+            Checkpoint::Cpu(_) => Err(EngineError::Forward("a CPU checkpoint cannot restore a CUDA session".into())),
+        }
     }
     fn op_profile(&self) -> Option<String> {
         self.profile_report()
@@ -114,6 +162,35 @@ pub fn open_device(choice: DeviceChoice) -> anyhow::Result<Option<pulsar_cuda::C
                     Ok(None)
                 }
             }
+        }
+    }
+}
+
+/// Checkpoints a chat keeps for a family with a recurrent state (each is that
+/// state's size: tens of MiB at a real geometry).
+pub const CHAT_CHECKPOINTS: usize = 2;
+
+/// Make `s` ready to run `ids` after as much of its cached history as can be
+/// reused, and return how many leading tokens of `ids` are already in: the
+/// shared prefix when the state can go back to it (no recurrent state, or the
+/// whole history is shared), else the latest of `checkpoints` inside the
+/// shared prefix, else none (a restart: never a wrong state). Checkpoints
+/// past the point gone back to are dropped (they no longer match the history).
+pub fn reuse_prefix(s: &mut dyn Session, ids: &[u32], checkpoints: &mut Vec<Checkpoint>) -> Result<usize, EngineError> {
+    // At least the last token runs, so there are logits.
+    let common = s.history().iter().zip(ids).take_while(|(x, y)| x == y).count().min(ids.len().saturating_sub(1));
+    if !s.has_recurrent() || common == s.n_past() {
+        return Ok(s.truncate(common));
+    }
+    checkpoints.retain(|c| c.n_past() <= common);
+    match checkpoints.last() {
+        Some(c) => {
+            s.rewind(c)?;
+            Ok(c.n_past())
+        }
+        None => {
+            s.reset();
+            Ok(0)
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::config::{self, Setting};
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
 use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
-use crate::session::{open_device, Session};
+use crate::session::{open_device, reuse_prefix, Session, CHAT_CHECKPOINTS};
 use crate::model::Model;
 use crate::sample::{argmax, Sampler, SamplerConfig};
 
@@ -373,6 +373,7 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, samp
     }
     let stops = stop_ids(model, tok);
     let mut sampler = Sampler::new(sampling);
+    let mut checkpoints = Vec::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     eprintln!("chat with {} (template: {}); an empty line or EOF ends it", model.arch, tpl.source);
@@ -391,11 +392,19 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, samp
         let text = tpl.render(&messages, true)?;
         // The template adds BOS itself when the family wants one.
         let ids = tok.encode(&text, false, true);
-        // Reuse the cached prefix shared with the previous turns.
-        let common = engine.history().iter().zip(&ids).take_while(|(x, y)| x == y).count().min(ids.len() - 1);
-        let common = engine.truncate(common);
+        // Reuse the cached prefix shared with the previous turns (for a
+        // recurrent state, up to the latest checkpoint inside it).
+        let common = reuse_prefix(engine, &ids, &mut checkpoints)?;
         let t0 = Instant::now();
         let mut logits = engine.forward(&ids[common..], false)?.pop().expect("one row");
+        if engine.has_recurrent() {
+            // The next turn's render may differ from this reply's tokens
+            // (thinking stripped, whitespace): keep the state at the prompt's end.
+            checkpoints.push(engine.checkpoint()?);
+            if checkpoints.len() > CHAT_CHECKPOINTS {
+                checkpoints.remove(0);
+            }
+        }
         let prefill = (ids.len() - common, t0.elapsed().as_secs_f64());
         let mut reply = Vec::new();
         let mut dec = tok.stream_decoder(true);

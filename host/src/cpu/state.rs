@@ -155,7 +155,8 @@ impl SeqState {
         }
     }
 
-    fn has_recurrent(&self) -> bool {
+    /// Whether any state (a recurrent or conv one) cannot go back without a snapshot.
+    pub fn has_recurrent(&self) -> bool {
         self.slots.iter().any(|s| matches!(s, Some(Slot::Recurrent(_))))
     }
 

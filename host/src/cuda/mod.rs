@@ -37,7 +37,7 @@ use crate::model::Model;
 pub use measure::measure_h2d;
 pub use pinned::{PinnedAllocator, PinnedRanges};
 pub use pool::{ExpertPool, LayerPlan, LayerRequest, PoolStats};
-pub use step::CudaEngine;
+pub use step::{CudaEngine, CudaSnapshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaBackendError {

@@ -122,6 +122,12 @@ struct DecodeGraph {
 }
 
 /// A model session on one GPU.
+/// What a CUDA rollback needs: the position and every recurrent state.
+pub struct CudaSnapshot {
+    pub n_past: usize,
+    recurrent: Vec<(usize, Vec<f32>)>,
+}
+
 pub struct CudaEngine<'m> {
     pub model: &'m Model,
     pub cm: &'m CudaModel,
@@ -217,6 +223,34 @@ impl<'m> CudaEngine<'m> {
         self.history.truncate(self.n_past);
     }
 
+    /// The sequence's recurrent states and position now, copied to the host,
+    /// for [`CudaEngine::restore`] (a recurrent state cannot go back without one).
+    pub fn snapshot(&self) -> Result<CudaSnapshot, EngineError> {
+        let stream = self.cm.dev.compute();
+        let mut recurrent = Vec::with_capacity(self.kv.recurrent.len());
+        for (&i, b) in &self.kv.recurrent {
+            let mut v = vec![0f32; b.len()];
+            b.download(stream, &mut v).map_err(|e| EngineError::Forward(format!("snapshot of state {i}: {e}")))?;
+            recurrent.push((i, v));
+        }
+        Ok(CudaSnapshot { n_past: self.n_past, recurrent })
+    }
+
+    /// Go back to `snap` (taken from this engine at or before now).
+    pub fn restore(&mut self, snap: &CudaSnapshot) -> Result<(), EngineError> {
+        if snap.n_past > self.n_past {
+            return Err(EngineError::Forward(format!("a snapshot at position {} is ahead of the sequence ({})", snap.n_past, self.n_past)));
+        }
+        let stream = self.cm.dev.compute();
+        for (i, v) in &snap.recurrent {
+            let b = self.kv.recurrent.get_mut(i).ok_or_else(|| EngineError::Forward(format!("the snapshot's state {i} is not a recurrent state of this model")))?;
+            b.upload(stream, v).map_err(|e| EngineError::Forward(format!("restoring state {i}: {e}")))?;
+        }
+        self.n_past = snap.n_past;
+        self.history.truncate(snap.n_past);
+        Ok(())
+    }
+
     /// Device buffers allocated so far (stops growing after the first steps).
     pub fn allocations(&self) -> u64 {
         let p = &self.pools;
@@ -263,6 +297,11 @@ impl<'m> CudaEngine<'m> {
     }
 
     fn step(&mut self, tokens: &[u32], positions: &[u32], all: bool) -> R<Vec<Vec<f32>>> {
+        let p = &mut self.pools;
+        // `|` not `||`: every flag is read and cleared.
+        if p.f32.take_trimmed() | p.u8.take_trimmed() | p.u32.take_trimmed() | p.i32.take_trimmed() | p.u64.take_trimmed() {
+            self.graph = None;
+        }
         let dev = &self.cm.dev;
         let stream = dev.compute().clone();
         let decode = tokens.len() == 1;
