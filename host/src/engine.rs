@@ -131,6 +131,10 @@ struct Slot {
     history: Vec<u32>,
     /// Step counter when last used (least recently used slots are reused first).
     last_used: u64,
+    /// Families with a recurrent state: the state at the end of the slot's
+    /// last multi-token step (a prompt), the one point short of the history's
+    /// end it can go back to.
+    checkpoint: Option<Snapshot>,
 }
 
 /// Several sequences over one model, each with its own KV cache, decoded
@@ -184,21 +188,50 @@ impl<'m> BatchEngine<'m> {
     /// the prompt's length, so the last token runs and gives logits).
     pub fn alloc(&mut self, prompt: &[u32]) -> Option<(SeqId, usize)> {
         let common = |h: &[u32]| h.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len().saturating_sub(1));
-        let best = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| !s.in_use)
-            // Longest shared prefix first; among equals, the least recently used.
-            .max_by_key(|(_, s)| (common(&s.history), std::cmp::Reverse(s.last_used)))
-            .map(|(i, _)| i)?;
+        let best = (0..self.slots.len())
+            .filter(|&i| !self.slots[i].in_use)
+            // Longest reusable prefix first; among equals, the least recently used.
+            .max_by_key(|&i| (self.reusable(i, common(&self.slots[i].history)), std::cmp::Reverse(self.slots[i].last_used)))?;
+        let keep = self.go_back(best, common(&self.slots[best].history));
         let slot = &mut self.slots[best];
-        let keep = self.kvs[best].keepable(common(&slot.history), slot.history.len());
         slot.in_use = true;
-        slot.history.truncate(keep);
         self.clock += 1;
         slot.last_used = self.clock;
         Some((SeqId(best as u32), keep))
+    }
+
+    /// How many of slot `i`'s cached positions can stay when the first `want`
+    /// are wanted: all `want` unless a recurrent state would have to go back,
+    /// then its checkpoint's position when that is within `want`, else 0.
+    fn reusable(&self, i: usize, want: usize) -> usize {
+        let have = self.slots[i].history.len();
+        match self.kvs[i].keepable(want, have) {
+            k if k < want.min(have) => self.slots[i].checkpoint.as_ref().map(|c| c.n_past).filter(|&n| n <= want).unwrap_or(k),
+            k => k,
+        }
+    }
+
+    /// Keep [`BatchEngine::reusable`] positions of slot `i` (restoring its
+    /// checkpoint when that is the way back); returns how many.
+    fn go_back(&mut self, i: usize, want: usize) -> usize {
+        let (keep, plain) = (self.reusable(i, want), self.kvs[i].keepable(want, self.slots[i].history.len()));
+        let slot = &mut self.slots[i];
+        if keep != plain {
+            // The checkpoint is the way back.
+            if let Some(c) = &slot.checkpoint {
+                // Only fails for a snapshot of another model's states: then restart.
+                if self.kvs[i].restore(c).is_err() {
+                    slot.history.clear();
+                    slot.checkpoint = None;
+                    return 0;
+                }
+            }
+        }
+        slot.history.truncate(keep);
+        if slot.checkpoint.as_ref().is_some_and(|c| c.n_past > keep) {
+            slot.checkpoint = None;
+        }
+        keep
     }
 
     /// Give a slot back; its cache and history stay for prefix reuse.
@@ -229,12 +262,11 @@ impl<'m> BatchEngine<'m> {
     }
 
     /// Keep at most the first `n` cached positions of `seq` (fewer when a
-    /// recurrent state cannot go back); returns how many stay.
+    /// recurrent state cannot go back that far: its checkpoint, or none);
+    /// returns how many stay.
     pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<usize, EngineError> {
-        let have = self.slot(seq)?.history.len();
-        let keep = self.kvs[seq.0 as usize].keepable(n, have);
-        self.slots[seq.0 as usize].history.truncate(keep);
-        Ok(keep)
+        self.slot(seq)?;
+        Ok(self.go_back(seq.0 as usize, n))
     }
 
     /// One forward step over every item's tokens (each after its sequence's
@@ -265,9 +297,14 @@ impl<'m> BatchEngine<'m> {
         }
         self.clock += 1;
         for it in items {
-            let slot = &mut self.slots[it.seq.0 as usize];
+            let (slot, kv) = (&mut self.slots[it.seq.0 as usize], &self.kvs[it.seq.0 as usize]);
             slot.history.extend_from_slice(it.tokens);
             slot.last_used = self.clock;
+            if it.tokens.len() > 1 && kv.has_recurrent() {
+                // A prompt (or a chunk of one): the next request's render of
+                // this turn may differ from the reply's tokens.
+                slot.checkpoint = Some(kv.snapshot(slot.history.len()));
+            }
         }
         Ok(m.data.chunks(m.cols.max(1)).map(|r| r.to_vec()).collect())
     }

@@ -120,3 +120,61 @@ fn slots_prefix_reuse_and_errors() {
     be.free(s3);
     assert!(matches!(be.step(&[BatchItem { seq: s3, tokens: &[1] }]), Err(EngineError::NoSuchSeq(_))));
 }
+
+/// Prefix reuse on a delta-net hybrid (qwen35moe fixture): a slot's state can
+/// go back only to its checkpoint (the end of its last prompt) or stay at the
+/// history's end. A conversation that goes on reuses all of it; a next turn
+/// whose render of the reply differs goes back to the checkpoint; a prompt
+/// sharing less than that recomputes from the start: never a wrong state.
+/// Each gives the logits of a run that never shared a slot.
+#[test]
+fn hybrid_prefix_reuse_only_from_a_state_checkpoint() {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/qwen35moe/model-f32.gguf");
+    let (name, module) = common::plugin("qwen35moe");
+    let model = Model::open(&p, &name, module).unwrap();
+    let cpu = CpuBackend::new(2).unwrap();
+    // A run alone, its tokens fed in the given pieces (the same steps, so the
+    // same order of sums as the batched engine's).
+    let alone = |pieces: &[&[u32]]| {
+        let mut e = Engine::new(&model, &cpu, &MappedExperts, 64);
+        let mut last = Vec::new();
+        for p in pieces {
+            last = e.forward(p, false).unwrap().pop().unwrap();
+        }
+        last
+    };
+    let mut be = BatchEngine::new(&model, &cpu, &MappedExperts, 64, 2);
+    let conv: Vec<u32> = (10..20).collect();
+    let (s0, c0) = be.alloc(&conv).unwrap();
+    assert_eq!(c0, 0);
+    be.step(&[BatchItem { seq: s0, tokens: &conv }]).unwrap();
+    be.free(s0);
+    // The conversation goes on: the whole history is reused.
+    let mut longer = conv.clone();
+    longer.extend([30, 31, 32]);
+    let (s1, c1) = be.alloc(&longer).unwrap();
+    assert_eq!((s1, c1), (s0, conv.len()));
+    let got = be.step(&[BatchItem { seq: s1, tokens: &longer[c1..] }]).unwrap().pop().unwrap();
+    assert!(got == alone(&[&conv, &longer[c1..]]), "continuing a reused hybrid history differs from a run alone");
+    // A two-token reply, decoded one by one.
+    for t in [5u32, 6] {
+        be.step(&[BatchItem { seq: s1, tokens: &[t] }]).unwrap();
+    }
+    be.free(s1);
+    // The next turn renders the reply otherwise: back to the prompt's end.
+    let mut next = longer.clone();
+    next.extend([70, 71]);
+    let (s2, c2) = be.alloc(&next).unwrap();
+    assert_eq!((s2, c2), (s0, longer.len()), "the slot did not go back to its checkpoint");
+    let got = be.step(&[BatchItem { seq: s2, tokens: &next[c2..] }]).unwrap().pop().unwrap();
+    assert!(got == alone(&[&conv, &longer[conv.len()..], &next[c2..]]), "a turn resumed from a checkpoint differs from a run alone");
+    be.free(s2);
+    // A prompt sharing only the first five tokens: nothing is reused.
+    let mut other = conv[..5].to_vec();
+    other.extend([40, 41]);
+    let (s3, c3) = be.alloc(&other).unwrap();
+    assert_eq!(c3, 0, "a recurrent state was kept past the point the prompts diverge");
+    let got = be.step(&[BatchItem { seq: s3, tokens: &other }]).unwrap().pop().unwrap();
+    assert!(got == alone(&[&other]), "a recomputed hybrid prompt differs from a run alone");
+}
+
