@@ -393,6 +393,86 @@ fn a_rolled_back_hybrid_sequence_continues_bit_identically() {
     }
 }
 
+/// A chat turn on a hybrid whose rendered history diverges from the tokens
+/// the model generated (as when a template strips thinking) goes back to the
+/// checkpoint taken at the end of the previous prompt, not to the start, and
+/// continues exactly as a run that prefilled to that point and went on.
+#[test]
+fn a_hybrid_chat_turn_rewinds_to_the_last_prompt_checkpoint() {
+    use pulsar_host::session::{reuse_prefix, Session};
+    let s = pulsar_host::synth::preset("tiny-qwen35moe").unwrap();
+    let Some((name, module)) = plugin(&s.arch) else { panic!("the qwen35 plugin is not staged") };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q35.gguf");
+    pulsar_host::synth::write(&s, &path, false).unwrap();
+    let model = Model::from_file(GgufFile::open(&path).unwrap(), &name, module).unwrap();
+    let cpu = CpuBackend::new(2).unwrap();
+    let turn1: Vec<u32> = (40..52).collect();
+    let mut e = Engine::new(&model, &cpu, &MappedExperts, 64);
+    let mut cps = Vec::new();
+    assert_eq!(reuse_prefix(&mut e, &turn1, &mut cps).unwrap(), 0);
+    e.forward(&turn1, false).unwrap();
+    cps.push(e.checkpoint().unwrap());
+    for t in [7u32, 8, 9] {
+        e.forward(&[t], false).unwrap(); // the "reply"
+    }
+    // The next prompt re-renders the reply differently: it shares only turn 1.
+    let mut turn2 = turn1.clone();
+    turn2.extend([60u32, 61, 62, 63]);
+    let kept = reuse_prefix(&mut e, &turn2, &mut cps).unwrap();
+    assert_eq!(kept, turn1.len(), "the hybrid did not go back to its prompt checkpoint");
+    let got = e.forward(&turn2[kept..], false).unwrap().pop().unwrap();
+    let mut want = Engine::new(&model, &cpu, &MappedExperts, 64);
+    want.forward(&turn1, false).unwrap();
+    assert!(got == want.forward(&turn2[kept..], false).unwrap().pop().unwrap(), "the rewound turn differs from a run that never went past the checkpoint");
+    // Diverging before every checkpoint: a restart, and the stale checkpoint is dropped.
+    let turn3 = [40u32, 41, 99];
+    assert_eq!(reuse_prefix(&mut e, &turn3, &mut cps).unwrap(), 0);
+    assert!(cps.is_empty() && e.n_past() == 0);
+    // Without a checkpoint a shorter shared prefix restarts (a recurrent state is never truncated).
+    let mut d = Engine::new(&model, &cpu, &MappedExperts, 64);
+    assert!(Session::has_recurrent(&d));
+    d.forward(&turn1, false).unwrap();
+    assert_eq!(reuse_prefix(&mut d, &turn1[..5], &mut Vec::new()).unwrap(), 0);
+    assert_eq!(d.n_past(), 0);
+}
+
+/// The hybrids' prefill split into steps of 1, 7, 64 or 256 tokens (the
+/// recurrent form, short chunked steps, whole 64-token chunks, several chunks
+/// in one step) gives the same logits at every position of a 300-token prompt,
+/// to rounding (the chunked and recurrent forms order the sums differently:
+/// within the parity bound, 1e-4 of the largest logit), with the same argmax.
+#[test]
+fn hybrid_prefill_chunk_sizes_give_the_same_logits() {
+    let cpu = CpuBackend::new(2).unwrap();
+    let toks: Vec<u32> = (0..300u32).map(|i| (i * 37 + 11) % 381).collect();
+    for arch in ["qwen35moe", "qwen35"] {
+        let Some((name, module)) = plugin(arch) else { panic!("the qwen35 plugin is not staged") };
+        let model = Model::from_file(GgufFile::open(&fixtures().join(arch).join("model-f32.gguf")).unwrap(), &name, module).unwrap();
+        let rows = |ubatch: usize| {
+            let mut e = Engine::new(&model, &cpu, &MappedExperts, 512);
+            e.ubatch = ubatch;
+            e.forward(&toks, true).unwrap()
+        };
+        let want = rows(256);
+        assert_eq!(want.len(), toks.len());
+        for ubatch in [1, 7, 64] {
+            let got = rows(ubatch);
+            let mut worst = (0f32, 0);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let (d, m) = g.iter().zip(w).fold((0f32, 0f32), |(d, m), (x, y)| (d.max((x - y).abs()), m.max(y.abs())));
+                assert_eq!(pulsar_host::sample::argmax(g), pulsar_host::sample::argmax(w), "{arch}: ubatch {ubatch}, position {i}: argmax differs");
+                if d / m.max(1.0) > worst.0 {
+                    worst = (d / m.max(1.0), i);
+                }
+            }
+            println!("{arch}: ubatch {ubatch} vs 256 over {} positions: max |d| / max |logit| {:e} (position {})", toks.len(), worst.0, worst.1);
+            // The parity bound (against the reference): the two forms' rounding grows with the state's age.
+            assert!(worst.0 < 1e-4, "{arch}: ubatch {ubatch}, position {}: {:e} relative to ubatch 256", worst.1, worst.0);
+        }
+    }
+}
+
 /// The deepseek2 (DeepSeek and Kimi), hy_v3 and minimax-m2 plugins' fallback
 /// chat templates (for GGUFs without one) render plain conversations as the
 /// model authors' published templates do (their renders by transformers, in

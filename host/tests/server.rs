@@ -1,6 +1,7 @@
 //! `pulsar-host serve` end to end over loopback, in process, on a tiny
 //! synthetic qwen3moe: the OpenAI routes with and without streaming, 64
-//! concurrent streaming clients against a sequential run, a client that
+//! concurrent streaming clients against a sequential run (also on the
+//! qwen35moe fixture, a delta-net hybrid), a client that
 //! disconnects mid-stream, bad requests, and graceful shutdown.
 
 #[path = "server/common.rs"]
@@ -14,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use http::{content, Client};
 use pulsar_host::cpu::{CpuBackend, MappedExperts};
+use pulsar_host::model::Model;
 use pulsar_host::server::{Backend, ServeOptions, Server, ShutdownHook, TierStats};
 use serde_json::{json, Value};
 
@@ -28,7 +30,11 @@ fn start_with(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_st
 }
 
 fn start_opts(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_stats: Option<TierStats>, grace: Duration) -> Server {
-    let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats };
+    start_model(common::tiny_model(), parallel, n_ctx, hook, tier_stats, grace)
+}
+
+fn start_model(model: Model, parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_stats: Option<TierStats>, grace: Duration) -> Server {
+    let backend = Backend { model: Arc::new(model), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats };
     let opts = ServeOptions {
         port: 0,
         api_key: Some(KEY.into()),
@@ -149,7 +155,21 @@ fn routes_streaming_and_not() {
 
 #[test]
 fn sixty_four_concurrent_streams_match_a_sequential_run() {
-    let srv = start(8, 256, None);
+    sixty_four_streams_against_sequential(start(8, 256, None));
+}
+
+/// The same on the qwen35moe fixture: every slot carries a recurrent and a
+/// conv state besides its KV cache, and sequences that share a step must not
+/// share (or leak into) each other's state.
+#[test]
+fn sixty_four_concurrent_streams_on_a_delta_net_hybrid_match_a_sequential_run() {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/qwen35moe/model-f32.gguf");
+    let (name, module) = common::plugin("qwen35moe");
+    let model = Model::open(&p, &name, module).unwrap();
+    sixty_four_streams_against_sequential(start_model(model, 8, 256, None, None, Duration::from_secs(1)));
+}
+
+fn sixty_four_streams_against_sequential(srv: Server) {
     let c = Client::new(srv.addr(), Some(KEY));
     // Greedy for even clients, seeded temperature sampling for odd ones.
     let body = |i: usize, stream: bool| {
