@@ -374,7 +374,8 @@ fn prefill_and_decode_agree_and_a_snapshot_rolls_the_state_back() {
 /// On a machine with a GPU (else it says so and passes: CI has none; the GPU
 /// machine runs this binary), the same family through the CUDA backend: its
 /// rows state, scan and custom router on the device equal the CPU's logits
-/// bit for bit, prefill and decode alike.
+/// bit for bit, prefill and decode alike; a snapshot restored on the device
+/// continues as a sequence that never advanced.
 #[test]
 fn on_a_gpu_the_test_family_equals_the_cpu_bit_for_bit() {
     let Ok(dev) = pulsar_cuda::CudaDevice::open(0) else {
@@ -396,4 +397,15 @@ fn on_a_gpu_the_test_family_equals_the_cpu_bit_for_bit() {
         let row = dec.forward(&[tok], false).unwrap().remove(0);
         assert_eq!(row, want[t], "decode position {t}: CUDA logits differ from the CPU prefill's");
     }
+    // A rollback on the device: tokens run after a snapshot leave no trace
+    // once it is restored (the recurrent state comes back from the host copy).
+    let mut rb = pulsar_host::cuda::CudaEngine::new(&f.model, &cm, 32).unwrap();
+    rb.forward(&TOKENS[..3], false).unwrap();
+    let snap = rb.snapshot().unwrap();
+    rb.forward(&[30, 30], false).unwrap();
+    rb.restore(&snap).unwrap();
+    assert_eq!(rb.history, TOKENS[..3]);
+    let mut straight = pulsar_host::cuda::CudaEngine::new(&f.model, &cm, 32).unwrap();
+    straight.forward(&TOKENS[..3], false).unwrap();
+    assert_eq!(rb.forward(&TOKENS[3..], true).unwrap(), straight.forward(&TOKENS[3..], true).unwrap(), "a restored CUDA sequence differs from one that never advanced");
 }
