@@ -43,10 +43,21 @@ pub struct FileConfig {
     pub host_cache_gb: Option<f64>,
 }
 
+/// One line for a config file's parse error: where, the line itself (so the
+/// key is named), and what is wrong.
+fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
+    let msg = e.message().trim_end();
+    let Some(at) = e.span().map(|s| s.start.min(text.len())) else { return msg.to_string() };
+    let line_no = text[..at].matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+    let keys = if msg.contains("expected one of") { "" } else { "; the keys are threads, ctx, plugin_dirs and host_cache_gb" };
+    format!("line {line_no} `{line}`: {msg}{keys}")
+}
+
 impl FileConfig {
     pub fn load(path: &Path) -> anyhow::Result<FileConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("config file {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| anyhow::anyhow!("config file {}: {}", path.display(), e.to_string().lines().next().unwrap_or("")))
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("config file {}: {}", path.display(), describe_toml_error(&text, &e)))
     }
 
     /// `$XDG_CONFIG_HOME/pulsar/config.toml` or `~/.config/pulsar/config.toml`.

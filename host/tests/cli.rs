@@ -346,3 +346,37 @@ fn absurd_threads_and_a_fifo_model_are_refused_at_once() {
         assert!(err.contains(want) && !err.contains("panicked") && err.trim().lines().count() == 1, "{args:?}: {err}");
     }
 }
+
+/// A newcomer's first mistakes each get one line naming the thing and the
+/// way out: a missing model file, a family with no plugin (the installed ones
+/// listed), a config file's bad key or value (the line shown), and a warning
+/// for a context longer than the model was trained on.
+#[test]
+fn first_mistakes_get_one_line_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let one_line = |args: &[&std::ffi::OsStr], want: &[&str]| {
+        let o = bin().args(args).arg("--plugin-dir").arg(staged_plugins()).env_remove("PULSAR_CONFIG").output().unwrap();
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded: {err}");
+        assert!(want.iter().all(|w| err.contains(w)) && !err.contains("panicked") && err.trim().lines().count() == 1, "{args:?}: {err}");
+        assert!(!err.contains("entity not found"), "{args:?}: {err}");
+    };
+    let missing = dir.path().join("nope.gguf");
+    one_line(&["run".as_ref(), "-m".as_ref(), missing.as_os_str(), "-p".as_ref(), "hi".as_ref()], &["nope.gguf: no such file", "-m"]);
+    // deepseek4 has a fixture and no plugin yet.
+    let ds4 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/deepseek4/model-q8_0.gguf");
+    one_line(&["run".as_ref(), "-m".as_ref(), ds4.as_os_str(), "-p".as_ref(), "hi".as_ref()], &["no plugin serves architecture `deepseek4`", "installed: ", "qwen3moe", "pulsar-host archs", "--plugin-dir"]);
+    for (text, want) in [
+        ("thread = 2\n", &["line 1 `thread = 2`", "unknown field `thread`", "`threads`"][..]),
+        ("threads = \"two\"\n", &["line 1 `threads = \"two\"`", "invalid type", "the keys are"][..]),
+        ("ctx = 512\n[bad\n", &["line 2 `[bad`"][..]),
+    ] {
+        let cfg = dir.path().join("config.toml");
+        std::fs::write(&cfg, text).unwrap();
+        one_line(&["--config".as_ref(), cfg.as_os_str(), "archs".as_ref()], want);
+    }
+    let o = bin().args(["run", "-m"]).arg(&m).args(["-p", "hi", "-n", "1", "--ctx", "100000", "--device", "cpu", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--ctx 100000 is beyond the"), "{}", stderr(&o));
+}

@@ -219,7 +219,17 @@ impl Registry {
         let Some(first) = claims.first().copied() else {
             let broken: Vec<String> =
                 self.plugins.iter().filter(|p| p.architectures().iter().any(|a| a == arch)).map(|p| p.line()).collect();
-            let hint = if broken.is_empty() { String::new() } else { format!("; found but unusable: {}", broken.join("; ")) };
+            let hint = if broken.is_empty() {
+                let mut served: Vec<String> = self.ok().flat_map(|p| p.architectures()).collect();
+                served.sort();
+                served.dedup();
+                let served = if served.is_empty() { "none".to_string() } else { served.join(", ") };
+                let dirs: Vec<String> = self.searched.iter().filter(|(_, found)| *found).map(|(d, _)| d.display().to_string()).collect();
+                let dirs = if dirs.is_empty() { "no plugin folder was found".to_string() } else { format!("searched {}", dirs.join(", ")) };
+                format!(" (installed: {served}; {dirs}); `pulsar-host archs` lists the plugins, `--plugin-dir DIR` adds a folder")
+            } else {
+                format!("; found but unusable: {}", broken.join("; "))
+            };
             return Err(SelectError::NoPluginForArch { arch: arch.into(), hint });
         };
         let warning = (claims.len() > 1).then(|| {

@@ -15,12 +15,10 @@ pub type Result<T, E = GgufError> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum GgufError {
     /// An operating-system error, with what was being done.
-    #[error("{context}: {source}")]
-    Io {
-        context: String,
-        #[source]
-        source: io::Error,
-    },
+    /// (The OS error is part of the message, not a `source`: a chain printer
+    /// would print it twice.)
+    #[error("{context}: {error}")]
+    Io { context: String, error: io::Error },
 
     /// The first four bytes are not `GGUF`.
     #[error("not a GGUF file: magic at offset 0 is {found:02x?}, expected \"GGUF\"")]
@@ -143,11 +141,8 @@ impl GgufError {
         }
     }
 
-    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
-        GgufError::Io {
-            context: context.into(),
-            source,
-        }
+    pub(crate) fn io(context: impl Into<String>, error: io::Error) -> Self {
+        GgufError::Io { context: context.into(), error }
     }
 
     pub(crate) fn malformed(what: impl Into<String>, offset: u64, reason: impl Into<String>) -> Self {

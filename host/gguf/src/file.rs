@@ -130,7 +130,7 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
         let (backing, header) = load_file(path, 0)?.ok_or_else(|| {
-            GgufError::io(format!("opening {}", path.display()), io::ErrorKind::NotFound.into())
+            GgufError::io(format!("opening {}", path.display()), io::Error::new(io::ErrorKind::NotFound, "no such file"))
         })?;
         let Some(keys) = split_keys(&header.metadata).map_err(|e| in_file(path, e))? else {
             return Self::assemble(vec![(Some(path.to_path_buf()), backing, header)]);

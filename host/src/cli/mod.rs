@@ -122,6 +122,15 @@ impl GpuArgs {
     }
 }
 
+/// A context longer than the model was trained on runs, but the positions
+/// past it are out of distribution (text degrades): say so once.
+pub fn warn_past_trained_ctx(model: &Model, n_ctx: usize) {
+    let trained = model.plan.n_ctx_train as usize;
+    if trained > 0 && n_ctx > trained {
+        tracing::warn!("--ctx {n_ctx} is beyond the {trained} positions {} was trained on: text past them degrades", model.arch);
+    }
+}
+
 pub struct Ctx {
     pub cfg: Config,
     pub file: FileConfig,
@@ -140,7 +149,7 @@ impl Ctx {
     /// Open a model with the plugin its `general.architecture` selects (or
     /// the one `--arch-plugin` names).
     pub fn open_model(&self, path: &Path, arch_plugin: Option<&str>) -> anyhow::Result<Model> {
-        let file = pulsar_gguf::GgufFile::open(path).with_context(|| format!("cannot open model {}", path.display()))?;
+        let file = pulsar_gguf::GgufFile::open(path).context("cannot open the model (-m)")?;
         let arch = file.architecture().with_context(|| format!("{}", path.display()))?.to_string();
         let reg = self.registry();
         for p in reg.plugins.iter().filter(|p| p.status != pulsar_registry::Status::Ok) {

@@ -168,6 +168,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let model = ctx.open_model(&model_path, a.arch_plugin.as_deref())?;
     let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
+    super::warn_past_trained_ctx(&model, n_ctx);
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let device = open_device(a.gpu.resolve_device(&model, ctx.print_config)?)?;
     // On a GPU the host cache is page-locked, so its slabs upload by DMA.

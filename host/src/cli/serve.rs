@@ -184,6 +184,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     if n_ctx == 0 {
         anyhow::bail!("ctx 0 (from {}): at least one position", ctx.cfg.ctx.source);
     }
+    super::warn_past_trained_ctx(&model, n_ctx);
     check_memory(a.parallel, n_ctx, model.memory_plan().kv_bytes_per_token)?;
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
