@@ -135,6 +135,11 @@ pub struct Common {
     pub max_completion_tokens: Option<i64>,
     pub stop: Option<Stop>,
     pub n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// llama.cpp's server names.
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -178,6 +183,14 @@ impl Common {
             top_p: self.top_p.unwrap_or(1.0),
             min_p: self.min_p.unwrap_or(0.0),
             seed: self.seed.map(|s| s as u64).unwrap_or(default_seed),
+            repeat_penalty: self.repeat_penalty.unwrap_or(1.0),
+            repeat_last_n: match self.repeat_last_n {
+                None => 64,
+                Some(n) if n >= 0 => n as usize,
+                Some(n) => return Err(ApiError::invalid_param("repeat_last_n", format!("repeat_last_n must be >= 0, got {n}"))),
+            },
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
         };
         if cfg.temperature > 2.0 {
             return Err(ApiError::invalid_param("temperature", format!("temperature must be in [0, 2], got {}", cfg.temperature)));
@@ -266,5 +279,13 @@ mod tests {
         assert!(r.messages[0].text().is_err());
         let bad = Common { temperature: Some(-1.0), ..Default::default() };
         assert_eq!(bad.sampling(1).unwrap_err().status, StatusCode::BAD_REQUEST);
+        // The penalties reach the sampler, and out-of-range ones are refused.
+        let r: ChatRequest = serde_json::from_str(r#"{"messages":[],"presence_penalty":0.5,"frequency_penalty":-0.25,"repeat_penalty":1.1,"repeat_last_n":32}"#).unwrap();
+        let c = r.common.sampling(1).unwrap();
+        assert_eq!((c.presence_penalty, c.frequency_penalty, c.repeat_penalty, c.repeat_last_n), (0.5, -0.25, 1.1, 32));
+        for body in [r#"{"messages":[],"presence_penalty":3}"#, r#"{"messages":[],"repeat_penalty":0}"#, r#"{"messages":[],"repeat_last_n":-2}"#] {
+            let r: ChatRequest = serde_json::from_str(body).unwrap();
+            assert_eq!(r.common.sampling(1).unwrap_err().status, StatusCode::BAD_REQUEST, "{body}");
+        }
     }
 }

@@ -18,8 +18,10 @@
 //! Request fields used: `messages` / `prompt` (one), `stream`,
 //! `stream_options.include_usage`, `temperature` (default 1), `top_p`,
 //! `min_p`, `top_k`, `seed`, `max_tokens` / `max_completion_tokens` (clamped to
-//! the context), `stop` (string or up to 16), `n` (1 only). Others (`model`,
-//! penalties, `logit_bias`, tools, ...) are accepted and ignored. Responses
+//! the context), `stop` (string or up to 16), `n` (1 only),
+//! `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2]) and
+//! llama.cpp's `repeat_penalty` / `repeat_last_n` (64 by default). Others
+//! (`model`, `logit_bias`, tools, ...) are accepted and ignored. Responses
 //! add `usage.prompt_tokens_details.cached_tokens` (prefix reuse) and a
 //! `timings` object.
 

@@ -265,13 +265,16 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
             m.queue_depth.fetch_sub(1, Relaxed);
             m.prompt_tokens_cached_total.fetch_add(cached as u64, Relaxed);
             tracing::debug!("sequence {}: {} prompt tokens, {cached} cached", seq.0, job.prompt.len());
+            // The penalties look at the prompt's tokens too, as llama.cpp's do.
+            let mut sampler = Sampler::new(job.sampling.clone());
+            sampler.accept_all(&job.prompt);
             active.push(Active {
                 todo: job.prompt[cached..].to_vec(),
                 seq,
                 prefilled: false,
                 cached,
                 generated: 0,
-                sampler: Sampler::new(job.sampling.clone()),
+                sampler,
                 dec: tok.stream_decoder(true),
                 stops: StopMatcher::new(job.stops.clone()),
                 admitted: Instant::now(),
