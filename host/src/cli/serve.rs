@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, env = "PULSAR_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Context length per sequence (default: the model's, capped at 4096).
-    #[arg(long, env = "PULSAR_CTX")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", env = "PULSAR_CTX")]
     pub ctx: Option<usize>,
     /// Sequences decoded at once, each with its own KV cache; more requests queue.
     #[arg(long, default_value_t = 4)]
@@ -184,8 +184,10 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     if n_ctx == 0 {
         anyhow::bail!("ctx 0 (from {}): at least one position", ctx.cfg.ctx.source);
     }
-    super::warn_past_trained_ctx(&model, n_ctx);
+    // Refuse impossible sizes before warning about merely unwise ones, so a
+    // refusal stays one line.
     check_memory(a.parallel, n_ctx, model.memory_plan().kv_bytes_per_token)?;
+    super::warn_past_trained_ctx(&model, n_ctx);
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
     let opts = ServeOptions {
