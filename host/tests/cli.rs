@@ -148,19 +148,21 @@ fn bench_json_has_every_field_and_the_store_carries_traffic() {
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.iter().map(|r| r["name"].as_str().unwrap()).collect::<Vec<_>>(), ["cold", "warm"]);
     for r in runs {
-        for t in ["pp", "tg"] {
-            let rate = &r[t];
+        let tests = r["tests"].as_array().unwrap();
+        assert_eq!(tests.iter().map(|t| t["test"].as_str().unwrap()).collect::<Vec<_>>(), ["pp16", "tg4"]);
+        for t in tests {
+            let rate = &t["rate"];
             assert_eq!(rate["samples"].as_array().unwrap().len(), 2, "{t}");
             assert!(rate["mean"].as_f64().unwrap() > 0.0);
             assert!(rate["sd"].as_f64().is_some());
         }
         for k in ["disk_bytes_per_token", "host_bytes_per_token", "mapped_bytes_per_token", "host_hit_rate", "disk_gbps", "prefetch_precision"] {
-            assert!(r["tg_traffic"].get(k).is_some(), "missing tg_traffic.{k}");
+            assert!(tests[1]["traffic"].get(k).is_some(), "missing traffic.{k}");
         }
-        assert!(r.get("floor_tg_tok_s").is_some());
+        assert!(tests[1].get("floor_tg_tok_s").is_some());
     }
     // A budget this small makes the disk tier work in the cold run.
-    assert!(runs[0]["tg_traffic"]["disk_bytes_per_token"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(runs[0]["tests"][1]["traffic"]["disk_bytes_per_token"].as_f64().unwrap() > 0.0, "{v}");
     // The table form prints llama-bench rows.
     let o = bin().args(["bench", "-m"]).arg(&m).args(["-p", "8", "-n", "2", "-r", "1", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
     let t = String::from_utf8_lossy(&o.stdout);
@@ -379,4 +381,114 @@ fn first_mistakes_get_one_line_naming_the_fix() {
     let o = bin().args(["run", "-m"]).arg(&m).args(["-p", "hi", "-n", "1", "--ctx", "100000", "--device", "cpu", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("--ctx 100000 is beyond the"), "{}", stderr(&o));
+}
+
+/// #27: the chat REPL in a real pseudo-terminal (driven by
+/// tests/repl_pty.py): Ctrl-C stops a reply and not the chat, /clear, the
+/// up arrow recalls a line, /bye exits 0, the history is kept.
+#[test]
+fn chat_repl_in_a_pty_stops_clears_recalls_and_leaves() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/repl_pty.py");
+    let o = Command::new("python3")
+        .arg(&script)
+        .arg(env!("CARGO_BIN_EXE_pulsar-host"))
+        .arg(&m)
+        .arg(staged_plugins())
+        .arg(dir.path().join("state"))
+        .output()
+        .expect("python3 runs (scripts/test.sh needs it)");
+    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+}
+
+/// #27: llama.cpp's flags work where they mean the same thing, and those
+/// that mean something else get one line naming ours.
+#[test]
+fn llama_cpp_flags_work_or_name_ours() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let prompt = dir.path().join("prompt.txt");
+    std::fs::write(&prompt, "hello from a file").unwrap();
+    let run = |args: &[&std::ffi::OsStr]| bin().arg("run").arg("-m").arg(&m).args(["--device", "cpu", "--plugin-dir"]).arg(staged_plugins()).args(args).output().unwrap();
+    let os = |v: &[&str]| v.iter().map(|s| std::ffi::OsString::from(*s)).collect::<Vec<_>>();
+    let o = run(&os(&["-c", "64", "-s", "3", "-n", "4", "--temperature", "0.8", "--repeat-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.2", "--ignore-eos", "-f"]).iter().map(|s| s.as_os_str()).chain([prompt.as_os_str()]).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("hello from a file"), "{}", String::from_utf8_lossy(&o.stdout));
+    // The stop reason, then the load time with the rates.
+    let err = stderr(&o);
+    assert!(err.contains("[length]") && err.contains("load: ") && err.contains("decode: 3 tokens"), "{err}");
+    // -n -1: until end of turn or a full context (ignore-eos makes it the context).
+    let o = run(&os(&["--ctx-size", "24", "-p", "hi", "-n", "-1", "--ignore-eos"]).iter().map(|s| s.as_os_str()).collect::<Vec<_>>());
+    assert!(o.status.success() && stderr(&o).contains("[context full]"), "{}", stderr(&o));
+    // Same seed, same text; the sampler settings reach the sampler.
+    let sampled = |seed: &str| String::from_utf8_lossy(&run(&os(&["-p", "hi", "-n", "12", "--temp", "1", "-s", seed]).iter().map(|s| s.as_os_str()).collect::<Vec<_>>()).stdout).into_owned();
+    assert_eq!(sampled("7"), sampled("7"));
+    for (args, want) in [
+        (&["run", "-ngl", "99"][..], "--vram-budget"),
+        (&["run", "-hf", "org/repo"][..], "download the GGUF"),
+        (&["serve", "-np", "4"][..], "--parallel"),
+        (&["run", "-fa"][..], "always fused"),
+    ] {
+        let o = bin().args(args).output().unwrap();
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains(want) && err.contains("llama.cpp flag") && err.trim().lines().count() == 1, "{args:?}: {err}");
+    }
+    for (args, want) in [(&["-n", "-3", "-p", "x"][..], "-n -3"), (&["-p", "x", "--repeat-penalty", "0"][..], "repeat_penalty"), (&["-f", "/nonexistent/p.txt"][..], "prompt file")] {
+        let o = run(&os(args).iter().map(|s| s.as_os_str()).collect::<Vec<_>>());
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains(want) && err.trim().lines().count() == 1, "{args:?}: {err}");
+    }
+    // --help groups the flags under headings.
+    let o = bin().args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    for h in ["Model:", "Generation:", "Sampling:", "Memory and streaming:", "Advanced GPU:", "Global:"] {
+        assert!(help.contains(h), "no {h} in run --help:\n{help}");
+    }
+}
+
+/// #27: bench takes llama-bench's lists and prints its formats.
+#[test]
+fn bench_takes_lists_and_prints_llama_bench_formats() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let bench = |args: &[&str]| {
+        let o = bin().args(["bench", "-m"]).arg(&m).args(["-r", "1", "--device", "cpu", "--plugin-dir"]).arg(staged_plugins()).args(args).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let csv = bench(&["-p", "8,16", "-n", "2", "-o", "csv"]);
+    let lines: Vec<&str> = csv.lines().collect();
+    let head: Vec<&str> = lines[0].split(',').collect();
+    for c in ["build_commit", "cpu_info", "model_filename", "model_type", "model_size", "model_n_params", "n_threads", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "run"] {
+        assert!(head.contains(&c), "no {c} column: {}", lines[0]);
+    }
+    // llama-bench's columns come first, ours after.
+    assert!(head.iter().position(|c| *c == "stddev_ts") < head.iter().position(|c| *c == "run"), "{}", lines[0]);
+    // Two runs (cold, warm) of three tests.
+    assert_eq!(lines.len(), 1 + 6, "{csv}");
+    assert!(lines[1].contains("\"qwen3moe ") && lines[1].contains("\"8\",\"0\",\"0\""), "{}", lines[1]);
+    let jsonl = bench(&["-p", "8", "-n", "0", "-d", "0,4", "-o", "jsonl"]);
+    let rows: Vec<serde_json::Value> = jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4, "{jsonl}");
+    assert_eq!(rows.iter().map(|r| r["n_depth"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 4, 0, 4]);
+    assert!(rows.iter().all(|r| r["samples_ts"].as_array().unwrap().len() == 1 && r["avg_ts"].as_f64().unwrap() > 0.0));
+    let json: serde_json::Value = serde_json::from_str(&bench(&["-p", "0", "-n", "2", "-o", "json"])).unwrap();
+    assert_eq!(json.as_array().unwrap().len(), 2);
+    let md = bench(&["-p", "8", "-n", "2", "-d", "0,4"]);
+    assert!(md.starts_with("| model | size | params | backend | threads | test | t/s | run |"), "{md}");
+    assert!(md.contains("| pp8 |") && md.contains("| tg2 @ d4 |"), "{md}");
+    // A CPU run has no GPU tiers: no column for them.
+    assert!(!md.contains("uploaded MiB/t") && !md.contains("zero-copy"), "{md}");
+    // The issue's own check: gemma-3-270m, the real model the tests use.
+    let gemma = std::env::var_os("PULSAR_GEMMA_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pulsar/models/gemma-3-270m-Q4_K_M.gguf"));
+    assert!(gemma.is_file(), "{} is missing: run scripts/fetch-gemma.sh", gemma.display());
+    let o = bin().args(["bench", "-m"]).arg(&gemma).args(["-p", "64,128", "-n", "16", "-r", "1", "-o", "csv", "--device", "cpu", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let csv = String::from_utf8_lossy(&o.stdout);
+    assert!(csv.lines().next().unwrap().starts_with("build_commit,build_number,cpu_info,gpu_info,backends,model_filename,model_type,model_size,model_n_params"), "{csv}");
+    assert_eq!(csv.lines().count(), 1 + 6, "{csv}");
+    assert!(csv.contains("\"gemma3 268M Q4_K - Medium\""), "{csv}");
 }

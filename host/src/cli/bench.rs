@@ -27,28 +27,34 @@ pub struct Args {
     /// The GGUF model.
     #[arg(short = 'm', long = "model")]
     pub model: PathBuf,
-    /// Prompt tokens for the pp test (0 = skip).
-    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
-    pub n_prompt: usize,
-    /// Generated tokens for the tg test (0 = skip).
-    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
-    pub n_gen: usize,
-    /// Context tokens prefilled (untimed) before each test, as llama-bench's
-    /// `-d`: decode speed at a long context (KV caches grow, recurrent states do not).
-    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
-    pub n_depth: usize,
+    /// Prompt tokens of the pp tests: one or a list (`-p 128,512`, or -p
+    /// repeated); 0 = none.
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512", value_name = "N,...")]
+    pub n_prompt: Vec<usize>,
+    /// Generated tokens of the tg tests: one or a list; 0 = none.
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128", value_name = "N,...")]
+    pub n_gen: Vec<usize>,
+    /// Context tokens prefilled (untimed) before each test, one or a list, as
+    /// llama-bench's `-d`: speed at a long context (KV caches grow, recurrent states do not).
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0", value_name = "N,...")]
+    pub n_depth: Vec<usize>,
     /// Repeats per test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
     pub repeats: usize,
+    /// Output format: llama-bench's md (the default), csv, json or jsonl,
+    /// with Pulsar's columns (run, per-tier traffic) after llama-bench's.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "md")]
+    pub output: super::bench_out::Format,
+    /// Print Pulsar's full report instead, one JSON document: every tier,
+    /// link and the cold-path cost model.
+    #[arg(long)]
+    pub json: bool,
     /// Host RAM for the expert cache, GiB (default: experts resident when they fit).
     #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB")]
     pub host_cache: Option<f64>,
     /// Largest prefill chunk.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, visible_alias = "ubatch-size", default_value_t = 512)]
     pub ubatch: usize,
-    /// Emit one JSON document instead of the table.
-    #[arg(long)]
-    pub json: bool,
     /// CUDA: time every op of the steps on the GPU (each alone, no graph)
     /// and print a table per step kind to stderr; rates then include the
     /// profiling's synchronisation.
@@ -108,15 +114,28 @@ pub struct Traffic {
     pub vram_warm_loaded: u64,
 }
 
+/// One pp or tg test at one depth: llama-bench's row.
+#[derive(Serialize, Clone, Debug)]
+pub struct Test {
+    /// llama-bench's name: `pp512`, `tg128 @ d4096`.
+    pub test: String,
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    pub n_depth: usize,
+    pub rate: Rate,
+    /// When the test ended (UTC, RFC 3339, as llama-bench's `test_time`).
+    pub test_time: String,
+    /// tg tests: expert traffic per generated token, by tier.
+    pub traffic: Option<Traffic>,
+    /// tg tests: tok/s the measured links allow for that traffic.
+    pub floor_tg_tok_s: Option<f64>,
+}
+
 #[derive(Serialize, Clone, Debug)]
 pub struct Run {
     /// "cold" (empty caches) or "warm" (caches as the cold run left them).
     pub name: String,
-    pub pp: Option<Rate>,
-    pub tg: Option<Rate>,
-    pub tg_traffic: Traffic,
-    /// tg tok/s the measured links allow for this run's per-token traffic.
-    pub floor_tg_tok_s: Option<f64>,
+    pub tests: Vec<Test>,
     /// GPU backends: the cold-path cost model as the run left it (the
     /// ceilings measured at load, the lane's rates as refined by real steps).
     pub cold_cost: Option<crate::cold::CostModel>,
@@ -141,12 +160,18 @@ pub struct Report {
     pub expert_bytes: u64,
     pub resident_bytes: u64,
     pub backend: String,
+    /// llama-bench's `cpu_info` / `gpu_info` (empty without a GPU).
+    pub cpu_info: String,
+    pub gpu_info: String,
     pub threads: usize,
-    pub n_prompt: usize,
-    pub n_gen: usize,
+    /// llama-bench's model column: family, size, file type.
+    pub model_type: String,
+    pub n_prompt: Vec<usize>,
+    pub n_gen: Vec<usize>,
     /// Context tokens before each test.
-    pub n_depth: usize,
+    pub n_depth: Vec<usize>,
     pub repeats: usize,
+    pub ubatch: usize,
     pub host_cache_bytes: Option<u64>,
     pub vram_budget_bytes: Option<u64>,
     pub links: Links,
@@ -193,6 +218,28 @@ fn disk_gbps(model: &Model) -> Option<f64> {
 }
 
 
+/// The CPU's model name (`/proc/cpuinfo`), as llama-bench's `cpu_info`.
+fn cpu_info() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    info.lines().find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim().to_string())).unwrap_or_default()
+}
+
+/// Now, UTC, RFC 3339 to the second (days to civil date after H. Hinnant).
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
 fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
     let mut r = Rng::new(seed);
     (0..n).map(|_| (r.next_u64() % vocab as u64) as u32).collect()
@@ -216,10 +263,9 @@ impl Bench<'_> {
         Ok(s)
     }
 
-    fn pp(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
+    fn pp(&self, source: &dyn ExpertSource, n_prompt: usize, depth: usize) -> anyhow::Result<Rate> {
         let vocab = self.model.plan.n_vocab.max(2);
-        let depth = self.args.n_depth;
-        let mut eng = self.session(source, depth + self.args.n_prompt + 8)?;
+        let mut eng = self.session(source, depth + n_prompt + 8)?;
         eng.forward(&random_tokens(8, vocab, 7), false)?; // warm-up, untimed
         let mut s = Vec::new();
         for r in 0..self.args.repeats {
@@ -227,10 +273,10 @@ impl Bench<'_> {
             if depth > 0 {
                 eng.forward(&random_tokens(depth, vocab, 500 + r as u64), false)?; // the context, untimed
             }
-            let toks = random_tokens(self.args.n_prompt, vocab, 100 + r as u64);
+            let toks = random_tokens(n_prompt, vocab, 100 + r as u64);
             let t = Instant::now();
             eng.forward(&toks, false)?;
-            s.push(self.args.n_prompt as f64 / t.elapsed().as_secs_f64());
+            s.push(n_prompt as f64 / t.elapsed().as_secs_f64());
         }
         if let Some(t) = eng.op_profile() {
             eprintln!("{t}");
@@ -238,20 +284,20 @@ impl Bench<'_> {
         Ok(Rate::of(s))
     }
 
-    fn tg(&self, source: &dyn ExpertSource) -> anyhow::Result<Rate> {
+    fn tg(&self, source: &dyn ExpertSource, n_gen: usize, depth: usize) -> anyhow::Result<Rate> {
         let vocab = self.model.plan.n_vocab.max(2);
-        let ctx = self.args.n_depth.max(1);
-        let mut eng = self.session(source, ctx + self.args.n_gen + 8)?;
+        let ctx = depth.max(1);
+        let mut eng = self.session(source, ctx + n_gen + 8)?;
         let mut s = Vec::new();
         for r in 0..self.args.repeats {
             eng.reset();
-            let toks = random_tokens(ctx + self.args.n_gen, vocab, 900 + r as u64);
+            let toks = random_tokens(ctx + n_gen, vocab, 900 + r as u64);
             eng.forward(&toks[..ctx], false)?; // the context, untimed
             let t = Instant::now();
             for &tok in &toks[ctx..] {
                 eng.forward(&[tok], false)?;
             }
-            s.push(self.args.n_gen as f64 / t.elapsed().as_secs_f64());
+            s.push(n_gen as f64 / t.elapsed().as_secs_f64());
         }
         if let Some(t) = eng.op_profile() {
             eprintln!("{t}");
@@ -277,12 +323,71 @@ fn traffic(before: &pulsar_store::StoreStats, after: &pulsar_store::StoreStats, 
     }
 }
 
+/// A tg test's expert traffic per token: the store's tiers and, on a GPU,
+/// the VRAM pool's (snapshots before the test and now).
+fn tg_traffic(
+    store: Option<&StoreExperts>,
+    before: Option<&pulsar_store::StoreStats>,
+    pool_before: Option<&crate::cuda::PoolStats>,
+    cuda: Option<&CudaModel>,
+    tokens: f64,
+) -> Traffic {
+    let mut t = match (store, before) {
+        (Some(s), Some(b)) => traffic(b, &s.store.stats(), tokens),
+        _ => Traffic::default(),
+    };
+    if let (Some(b), Some(after)) = (pool_before, cuda.and_then(|c| c.pool_stats())) {
+        let per = |x: u64, y: u64| (y - x) as f64 / tokens.max(1.0);
+        t.vram_upload_bytes_per_token = per(b.uploaded_bytes, after.uploaded_bytes);
+        t.vram_zero_copy_bytes_per_token = per(b.zero_copy_bytes, after.zero_copy_bytes);
+        t.vram_admissions_per_token = per(b.admissions, after.admissions);
+        t.vram_cpu_lane_bytes_per_token = per(b.cpu_lane_bytes, after.cpu_lane_bytes);
+        let lane_secs = after.cpu_lane_seconds - b.cpu_lane_seconds;
+        let ms = |x: f64, y: f64| 1e3 * (y - x) / tokens.max(1.0);
+        t.cpu_lane_ms_per_token = ms(b.cpu_lane_seconds, after.cpu_lane_seconds);
+        t.link_wait_ms_per_token = ms(b.link_wait_seconds, after.link_wait_seconds);
+        t.route_wait_ms_per_token = ms(b.route_wait_seconds, after.route_wait_seconds);
+        t.cpu_lane_gbps = if lane_secs > 0.0 { (after.cpu_lane_bytes - b.cpu_lane_bytes) as f64 / lane_secs / 1e9 } else { 0.0 };
+        let pf = (after.prefetched - b.prefetched) as f64;
+        t.vram_prefetch_precision = if pf > 0.0 { (after.prefetch_hits - b.prefetch_hits) as f64 / pf } else { 0.0 };
+        t.vram_warm_loaded = after.warm_loaded;
+        let (h, m) = ((after.hits - b.hits) as f64, (after.misses - b.misses + after.zero_copy - b.zero_copy + after.cpu_lane - b.cpu_lane) as f64);
+        t.vram_hit_rate = if h + m > 0.0 { h / (h + m) } else { 0.0 };
+        let secs = after.upload_seconds - b.upload_seconds;
+        t.h2d_gbps = if secs > 0.0 { (after.uploaded_bytes - b.uploaded_bytes) as f64 / secs / 1e9 } else { 0.0 };
+    }
+    t
+}
+
+/// The tok/s the measured links allow for a test's per-token traffic: each
+/// link's share of a token at its measured rate, summed (no overlap assumed).
+fn floor_tok_s(t: &Traffic, links: &Links, gpu: bool) -> Option<f64> {
+    let link_bytes = t.vram_upload_bytes_per_token + t.vram_zero_copy_bytes_per_token;
+    let mut secs = 0.0;
+    let mut known = false;
+    if let (true, Some(g)) = (link_bytes > 0.0, links.h2d_pinned_gbps) {
+        secs += link_bytes / (g * 1e9);
+        known = true;
+    }
+    if let (true, Some(g)) = (t.disk_bytes_per_token > 0.0, links.disk_read_gbps) {
+        secs += t.disk_bytes_per_token / (g * 1e9);
+        if !gpu {
+            secs += t.host_bytes_per_token / (links.host_copy_gbps * 1e9);
+        }
+        known = true;
+    }
+    (known && secs > 0.0).then(|| 1.0 / secs)
+}
+
 pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     if ctx.print_config {
         eprint!("{}", ctx.cfg.print());
     }
     if a.repeats == 0 {
         anyhow::bail!("-r must be at least 1");
+    }
+    if a.n_prompt.iter().chain(&a.n_gen).all(|&n| n == 0) {
+        anyhow::bail!("nothing to measure: -p and -n are all 0");
     }
     let model = ctx.open_model(&a.model, None)?;
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
@@ -294,13 +399,15 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         h2d_pinned_gbps: None,
     };
     let device = open_device(a.gpu.resolve_device(&model, ctx.print_config)?)?;
-    let n_ctx = a.n_depth + a.n_prompt.max(a.n_gen) + 16;
+    let max = |v: &[usize]| v.iter().copied().max().unwrap_or(0);
+    let n_ctx = max(&a.n_depth) + max(&a.n_prompt).max(max(&a.n_gen)) + 16;
     let h2d = device.as_ref().and_then(|d| crate::cuda::measure_h2d(d).ok());
     let links = Links { h2d_pinned_gbps: h2d, ..links };
     let backend = match &device {
         Some(d) => format!("cuda ({}, {})", d.name(), d.arch()),
         None => format!("cpu ({})", cpu.kernels.isa().name()),
     };
+    let gpu_info = device.as_ref().map_or(String::new(), |d| d.name().to_string());
     let ordinal = device.as_ref().map(|d| d.ordinal());
     let mut device = device;
     let pinned = device.as_ref().map(|d| crate::cuda::PinnedAllocator::new(d.context().clone()));
@@ -335,59 +442,30 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
             None => None,
         };
         let bench = Bench { model: &model, store: store.as_ref(), cpu: &cpu, cuda: cuda_model.as_ref(), args: &a };
-        let pp = (a.n_prompt > 0).then(|| bench.pp(source)).transpose()?;
-        let before = store.as_ref().map(|s| s.store.stats());
-        let pool_before = cuda_model.as_ref().and_then(|c| c.pool_stats());
-        let tg = (a.n_gen > 0).then(|| bench.tg(source)).transpose()?;
-        let tokens = (a.n_gen * a.repeats) as f64;
-        let mut tg_traffic = match (&store, &before, &cuda_model) {
-            (Some(s), Some(b), _) => traffic(b, &s.store.stats(), tokens),
-            _ => Traffic::default(),
-        };
-        if let (Some(b), Some(after)) = (pool_before, cuda_model.as_ref().and_then(|c| c.pool_stats())) {
-            let per = |x: u64, y: u64| (y - x) as f64 / tokens.max(1.0);
-            tg_traffic.vram_upload_bytes_per_token = per(b.uploaded_bytes, after.uploaded_bytes);
-            tg_traffic.vram_zero_copy_bytes_per_token = per(b.zero_copy_bytes, after.zero_copy_bytes);
-            tg_traffic.vram_admissions_per_token = per(b.admissions, after.admissions);
-            tg_traffic.vram_cpu_lane_bytes_per_token = per(b.cpu_lane_bytes, after.cpu_lane_bytes);
-            let lane_secs = after.cpu_lane_seconds - b.cpu_lane_seconds;
-            let ms = |x: f64, y: f64| 1e3 * (y - x) / tokens.max(1.0);
-            tg_traffic.cpu_lane_ms_per_token = ms(b.cpu_lane_seconds, after.cpu_lane_seconds);
-            tg_traffic.link_wait_ms_per_token = ms(b.link_wait_seconds, after.link_wait_seconds);
-            tg_traffic.route_wait_ms_per_token = ms(b.route_wait_seconds, after.route_wait_seconds);
-            tg_traffic.cpu_lane_gbps = if lane_secs > 0.0 { (after.cpu_lane_bytes - b.cpu_lane_bytes) as f64 / lane_secs / 1e9 } else { 0.0 };
-            let pf = (after.prefetched - b.prefetched) as f64;
-            tg_traffic.vram_prefetch_precision = if pf > 0.0 { (after.prefetch_hits - b.prefetch_hits) as f64 / pf } else { 0.0 };
-            tg_traffic.vram_warm_loaded = after.warm_loaded;
-            let (h, m) = ((after.hits - b.hits) as f64, (after.misses - b.misses + after.zero_copy - b.zero_copy + after.cpu_lane - b.cpu_lane) as f64);
-            tg_traffic.vram_hit_rate = if h + m > 0.0 { h / (h + m) } else { 0.0 };
-            let secs = after.upload_seconds - b.upload_seconds;
-            tg_traffic.h2d_gbps = if secs > 0.0 { (after.uploaded_bytes - b.uploaded_bytes) as f64 / secs / 1e9 } else { 0.0 };
-        }
-        // Seconds per token the links need for this traffic, at their measured rates.
-        let link_bytes = tg_traffic.vram_upload_bytes_per_token + tg_traffic.vram_zero_copy_bytes_per_token;
-        // Each link's share of a token at its measured rate, summed (no overlap assumed).
-        let mut secs = 0.0;
-        let mut known = false;
-        if let (true, Some(g)) = (link_bytes > 0.0, links.h2d_pinned_gbps) {
-            secs += link_bytes / (g * 1e9);
-            known = true;
-        }
-        if let (true, Some(g)) = (tg_traffic.disk_bytes_per_token > 0.0, links.disk_read_gbps) {
-            secs += tg_traffic.disk_bytes_per_token / (g * 1e9);
-            if cuda_model.is_none() {
-                secs += tg_traffic.host_bytes_per_token / (links.host_copy_gbps * 1e9);
+        let mut tests = Vec::new();
+        for &d in &a.n_depth {
+            let at = if d > 0 { format!(" @ d{d}") } else { String::new() };
+            for &p in a.n_prompt.iter().filter(|&&p| p > 0) {
+                let rate = bench.pp(source, p, d)?;
+                tests.push(Test { test: format!("pp{p}{at}"), n_prompt: p, n_gen: 0, n_depth: d, rate, test_time: utc_now(), traffic: None, floor_tg_tok_s: None });
             }
-            known = true;
+            for &n in a.n_gen.iter().filter(|&&n| n > 0) {
+                let before = store.as_ref().map(|s| s.store.stats());
+                let pool_before = cuda_model.as_ref().and_then(|c| c.pool_stats());
+                let rate = bench.tg(source, n, d)?;
+                let tokens = (n * a.repeats) as f64;
+                let t = tg_traffic(store.as_ref(), before.as_ref(), pool_before.as_ref(), cuda_model.as_ref(), tokens);
+                let floor = floor_tok_s(&t, &links, cuda_model.is_some());
+                tests.push(Test { test: format!("tg{n}{at}"), n_prompt: 0, n_gen: n, n_depth: d, rate, test_time: utc_now(), traffic: Some(t), floor_tg_tok_s: floor });
+            }
         }
-        let floor = (known && secs > 0.0).then(|| 1.0 / secs);
         if let Some(cm) = &cuda_model {
             if let Err(e) = cm.save_census(&a.model, &model) {
                 tracing::warn!("could not save the census: {e:#}");
             }
         }
         let cold_cost = cuda_model.as_ref().map(|c| c.cost.lock().unwrap_or_else(|e| e.into_inner()).clone());
-        runs.push(Run { name: name.into(), pp, tg, tg_traffic, floor_tg_tok_s: floor, cold_cost });
+        runs.push(Run { name: name.into(), tests, cold_cost });
     }
     if let (Some(s), None) = (&store, ordinal) {
         if let Err(e) = s.save_census(&a.model, &model) {
@@ -402,12 +480,16 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
         expert_bytes: mem.expert_bytes,
         resident_bytes: mem.resident_bytes,
         backend,
+        cpu_info: cpu_info(),
+        gpu_info,
         threads: cpu.pool.current_num_threads(),
         vram_budget_bytes: a.gpu.vram_budget_bytes(),
-        n_prompt: a.n_prompt,
-        n_gen: a.n_gen,
-        n_depth: a.n_depth,
+        model_type: super::bench_out::model_type(&model),
+        n_prompt: a.n_prompt.clone(),
+        n_gen: a.n_gen.clone(),
+        n_depth: a.n_depth.clone(),
         repeats: a.repeats,
+        ubatch: a.ubatch,
         host_cache_bytes: budget,
         links,
         runs,
@@ -415,68 +497,7 @@ pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", table(&report));
+        print!("{}", super::bench_out::render(&report, a.output)?);
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// llama-bench's Markdown table, plus a traffic line per run.
-pub fn table(r: &Report) -> String {
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let mut s = format!(
-        "| model | size | params | backend | threads | run | test | t/s |\n|---|---:|---:|---|---:|---|---|---:|\n"
-    );
-    for run in &r.runs {
-        let at = if r.n_depth > 0 { format!(" @ d{}", r.n_depth) } else { String::new() };
-        for (test, rate) in [(format!("pp{}{at}", r.n_prompt), &run.pp), (format!("tg{}{at}", r.n_gen), &run.tg)] {
-            if let Some(rate) = rate {
-                s.push_str(&format!(
-                    "| {} | {:.2} GiB | {:.2} B | {} | {} | {} | {test} | {:.2} ± {:.2} |\n",
-                    r.arch,
-                    gib(r.file_bytes),
-                    r.params as f64 / 1e9,
-                    r.backend,
-                    r.threads,
-                    run.name,
-                    rate.mean,
-                    rate.sd
-                ));
-            }
-        }
-    }
-    for run in &r.runs {
-        let t = &run.tg_traffic;
-        s.push_str(&format!(
-            "\n{} tg: per token {:.2} MiB uploaded to VRAM (pool hit rate {:.1}%, {:.1} GB/s), {:.2} MiB zero-copy, {:.2} MiB CPU lane ({:.1} GB/s, {:.2} ms), host waits {:.2} ms link / {:.2} ms routing, prefetch precision {:.0}%, {:.2} MiB disk ({:.2} GB/s), {:.2} MiB host cache (hit rate {:.1}%), {:.2} MiB resident; floor {}",
-            run.name,
-            t.vram_upload_bytes_per_token / 1048576.0,
-            100.0 * t.vram_hit_rate,
-            t.h2d_gbps,
-            t.vram_zero_copy_bytes_per_token / 1048576.0,
-            t.vram_cpu_lane_bytes_per_token / 1048576.0,
-            t.cpu_lane_gbps,
-            t.cpu_lane_ms_per_token,
-            t.link_wait_ms_per_token,
-            t.route_wait_ms_per_token,
-            100.0 * t.vram_prefetch_precision,
-            t.disk_bytes_per_token / 1048576.0,
-            t.disk_gbps,
-            t.host_bytes_per_token / 1048576.0,
-            100.0 * t.host_hit_rate,
-            t.mapped_bytes_per_token / 1048576.0,
-            run.floor_tg_tok_s.map_or("n/a (no disk traffic)".into(), |f| format!("{f:.1} tok/s")),
-        ));
-    }
-    for run in &r.runs {
-        if let Some(c) = run.cold_cost.as_ref().filter(|c| !c.cpu_dot_gbs.is_empty()) {
-            s.push_str(&format!("\n{} cold-path model after the run:\n{}", run.name, c.summary()));
-        }
-    }
-    s.push_str(&format!(
-        "\nlinks: disk {} GB/s, host copy {:.1} GB/s, pinned host-to-device {} GB/s\n",
-        r.links.disk_read_gbps.map_or("n/a".into(), |g| format!("{g:.2}")),
-        r.links.host_copy_gbps,
-        r.links.h2d_pinned_gbps.map_or("n/a".into(), |g| format!("{g:.1}"))
-    ));
-    s
 }

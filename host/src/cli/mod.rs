@@ -2,9 +2,11 @@
 
 pub mod archs;
 pub mod bench;
+mod bench_out;
 pub mod hotlist;
 pub mod inspect;
 pub mod opcheck;
+mod repl;
 pub mod run;
 pub mod serve;
 pub mod synth;
@@ -17,52 +19,51 @@ use pulsar_registry::{Registry, SearchPath};
 use crate::config::{Config, FileConfig};
 use crate::model::Model;
 
-/// What every subcommand gets.
 /// Where and how a run places the model on a GPU: shared by `run` and `bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct GpuArgs {
     /// cpu, cuda, cuda:N, or auto (CUDA when a GPU is there).
-    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto")]
+    #[arg(long, env = "PULSAR_DEVICE", default_value = "auto", help_heading = "Memory and streaming")]
     pub device: crate::session::DeviceChoice,
     /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
-    #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB")]
+    #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB", help_heading = "Memory and streaming")]
     pub vram_budget: Option<f64>,
     /// How cold experts (not in VRAM) are served in decode: upload them, let
     /// the kernels read them in place from page-locked memory (zerocopy),
     /// compute them on the CPU (cpu), or auto (split between the link and the
     /// CPU lane by cost, measured at load and refined as it runs).
-    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto")]
+    #[arg(long, env = "PULSAR_COLD_PATH", default_value = "auto", help_heading = "Memory and streaming")]
     pub cold_path: crate::cold::ColdPolicy,
     /// CPU lane threads for cold experts (default: half the cores; 0: none).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help_heading = "Advanced GPU")]
     pub cpu_lane_threads: Option<usize>,
     /// Run the CPU lane's decode jobs on the host thread, which waits for
     /// each (by default the GPU waits for the lane on a host flag while the
     /// host goes on; this is for measuring the difference).
-    #[arg(long)]
+    #[arg(long, help_heading = "Advanced GPU")]
     pub cpu_lane_sync: bool,
     /// Never page-lock the model file in host memory (uploads go pageable).
-    #[arg(long)]
+    #[arg(long, help_heading = "Advanced GPU")]
     pub no_pin: bool,
     /// Do not copy the next layer's predicted experts ahead during decode.
-    #[arg(long)]
+    #[arg(long, help_heading = "Advanced GPU")]
     pub no_prefetch: bool,
     /// Launch every decode step kernel by kernel instead of replaying a
     /// captured CUDA graph (graphs are used when the experts are resident).
-    #[arg(long)]
+    #[arg(long, help_heading = "Advanced GPU")]
     pub no_cuda_graphs: bool,
     /// Launch each kernel only after the previous one has finished (no
     /// programmatic dependent launch; it is used on sm_90+ GPUs)
-    #[arg(long)]
+    #[arg(long, help_heading = "Advanced GPU")]
     pub no_pdl: bool,
     /// Stream experts on this GPU (default: the fastest measured link).
-    #[arg(long, env = "PULSAR_GPU", value_name = "N")]
+    #[arg(long, env = "PULSAR_GPU", value_name = "N", help_heading = "Memory and streaming")]
     pub gpu: Option<usize>,
     /// Put attention and KV on this GPU (planned; default: measured).
-    #[arg(long, env = "PULSAR_ATTN_GPU", value_name = "N")]
+    #[arg(long, env = "PULSAR_ATTN_GPU", value_name = "N", help_heading = "Advanced GPU")]
     pub attn_gpu: Option<usize>,
     /// Resident expert tiers on spare GPUs (planned).
-    #[arg(long, env = "PULSAR_TIERS", default_value = "on", value_parser = ["on", "off"])]
+    #[arg(long, env = "PULSAR_TIERS", default_value = "on", value_parser = ["on", "off"], help_heading = "Advanced GPU")]
     pub tiers: String,
 }
 
@@ -129,6 +130,35 @@ pub fn warn_past_trained_ctx(model: &Model, n_ctx: usize) {
     if trained > 0 && n_ctx > trained {
         tracing::warn!("--ctx {n_ctx} is beyond the {trained} positions {} was trained on: text past them degrades", model.arch);
     }
+}
+
+/// llama.cpp flags that mean something else here: the one-line hint for
+/// each (flags that mean the same are aliases on the subcommands instead).
+const LLAMA_CPP_HINTS: &[(&[&str], &str)] = &[
+    (
+        &["-ngl", "--n-gpu-layers", "--gpu-layers"],
+        "pulsar places the layers itself (everything on the GPU when it fits, experts streaming when not): cap its VRAM with --vram-budget GB, or run on the CPU with --device cpu",
+    ),
+    (&["-hf", "-hfr", "--hf-repo", "-hff", "--hf-file"], "pulsar reads local GGUF files: download the GGUF first (e.g. `huggingface-cli download REPO FILE.gguf`), then pass -m FILE.gguf"),
+    (&["-fa", "--flash-attn"], "attention is always fused here: drop the flag"),
+    (&["-cnv"], "use --chat (or --conversation)"),
+    (&["-np"], "use --parallel N"),
+    (&["-b", "--batch-size", "-ub"], "use --ubatch N (the largest prefill chunk)"),
+    (&["--mlock", "--no-mmap"], "pulsar maps the file and pages experts itself: drop the flag (--host-cache GB bounds the RAM it keeps)"),
+];
+
+/// The hint for the first llama.cpp-only flag among the arguments (before a `--`).
+pub fn llama_cpp_hint(args: &[std::ffi::OsString]) -> Option<String> {
+    for a in args.iter().skip(1).take_while(|a| *a != "--") {
+        let a = a.to_str()?;
+        let flag = a.split('=').next().unwrap_or(a);
+        for (names, hint) in LLAMA_CPP_HINTS {
+            if names.contains(&flag) {
+                return Some(format!("{flag} is a llama.cpp flag: {hint}"));
+            }
+        }
+    }
+    None
 }
 
 pub struct Ctx {

@@ -1,6 +1,6 @@
 //! `pulsar-host run`: generate, chat, or check a model.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -10,78 +10,133 @@ use pulsar_tokenizer::Tokenizer;
 
 use super::Ctx;
 use crate::chat::{ChatTemplate, Message};
-use crate::config::{self, Setting};
+use crate::config;
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
 use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
 use crate::session::{open_device, reuse_prefix, Session, CHAT_CHECKPOINTS};
 use crate::model::Model;
 use crate::sample::{argmax, Sampler, SamplerConfig};
+use super::repl::Input;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The GGUF model (default: a built-in tiny synthetic model, created on first use).
-    #[arg(short = 'm', long = "model")]
+    #[arg(short = 'm', long = "model", help_heading = "Model")]
     pub model: Option<PathBuf>,
-    /// Prompt text.
-    #[arg(short = 'p', long = "prompt")]
-    pub prompt: Option<String>,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 32)]
-    pub n_predict: usize,
+    /// Use this plugin instead of the one `general.architecture` selects.
+    #[arg(long, value_name = "NAME", help_heading = "Model")]
+    pub arch_plugin: Option<String>,
     /// Context length (default: the model's, capped at 4096).
-    #[arg(long, env = "PULSAR_CTX")]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", env = "PULSAR_CTX", help_heading = "Model")]
     pub ctx: Option<usize>,
-    /// Do not add the vocabulary's BOS token to the prompt.
-    #[arg(long)]
-    pub no_bos: bool,
-    /// Prompt as token ids (`1,2,3`) instead of text; used as given.
-    #[arg(long, value_delimiter = ',')]
-    pub tokens: Option<Vec<u32>>,
-    /// Sampling temperature (0 = greedy, the default).
-    #[arg(long, default_value_t = 0.0)]
-    pub temp: f32,
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    pub min_p: f32,
-    #[arg(long, default_value_t = 0x5eed)]
-    pub seed: u64,
-    /// Interactive multi-turn chat on stdin (the KV cache is kept across turns).
-    #[arg(long)]
+
+    /// Prompt text.
+    #[arg(short = 'p', long = "prompt", conflicts_with = "file", help_heading = "Generation")]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(short = 'f', long = "file", value_name = "FILE", help_heading = "Generation")]
+    pub file: Option<PathBuf>,
+    /// Tokens to generate; -1: until end of turn or a full context (default:
+    /// 32, and -1 in --chat).
+    #[arg(short = 'n', long = "n-predict", visible_alias = "predict", allow_negative_numbers = true, value_name = "N", help_heading = "Generation")]
+    pub n_predict: Option<i64>,
+    /// Interactive multi-turn chat (line editing and history; the KV cache is
+    /// kept across turns; /help lists the commands).
+    #[arg(long, visible_alias = "conversation", help_heading = "Generation")]
     pub chat: bool,
     /// System prompt for --chat.
-    #[arg(long)]
+    #[arg(long, visible_alias = "system-prompt", help_heading = "Generation")]
     pub system: Option<String>,
-    /// Write the logits of every prompt position to a NumPy .npy [n_tokens, n_vocab].
-    #[arg(long, value_name = "FILE")]
-    pub dump_logits: Option<PathBuf>,
-    /// Print, per prompt position, the token and the five highest next-token logits (JSON Lines).
-    #[arg(long)]
-    pub teacher_force: bool,
-    /// Decode N tokens, prefill the same sequence fresh, report max |Δlogit|.
-    #[arg(long, value_name = "N")]
-    pub decode_consistency: Option<usize>,
-    /// Use this plugin instead of the one `general.architecture` selects.
-    #[arg(long, value_name = "NAME")]
-    pub arch_plugin: Option<String>,
-    /// Largest prefill chunk.
-    #[arg(long, default_value_t = 256)]
-    pub ubatch: usize,
+    /// Do not add the vocabulary's BOS token to the prompt.
+    #[arg(long, help_heading = "Generation")]
+    pub no_bos: bool,
+    /// Prompt as token ids (`1,2,3`) instead of text; used as given.
+    #[arg(long, value_delimiter = ',', help_heading = "Generation")]
+    pub tokens: Option<Vec<u32>>,
+    /// Keep generating past end-of-turn tokens (for measurements and checks).
+    #[arg(long, help_heading = "Generation")]
+    pub ignore_eos: bool,
+
+    /// Sampling temperature (0 = greedy, the default).
+    #[arg(long, visible_alias = "temperature", default_value_t = 0.0, help_heading = "Sampling")]
+    pub temp: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0, help_heading = "Sampling")]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = off).
+    #[arg(long, default_value_t = 1.0, help_heading = "Sampling")]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0, help_heading = "Sampling")]
+    pub min_p: f32,
+    /// Seed of the sampler (same seed, same text).
+    #[arg(short = 's', long, default_value_t = 0x5eed, help_heading = "Sampling")]
+    pub seed: u64,
+    /// Penalize tokens among the last --repeat-last-n (1 = off; llama.cpp's).
+    #[arg(long, default_value_t = 1.0, help_heading = "Sampling")]
+    pub repeat_penalty: f32,
+    /// How many recent tokens (prompt and reply) the penalties look at (0 = off).
+    #[arg(long, default_value_t = 64, help_heading = "Sampling")]
+    pub repeat_last_n: usize,
+    /// Subtract this from the logit of every recent token (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, help_heading = "Sampling")]
+    pub presence_penalty: f32,
+    /// Subtract this per occurrence of a recent token (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, help_heading = "Sampling")]
+    pub frequency_penalty: f32,
+
     /// Host RAM for the expert cache, in GiB (default: everything resident when
     /// the experts fit in available memory, else a budget solved from MemAvailable).
-    #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB")]
+    #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB", help_heading = "Memory and streaming")]
     pub host_cache: Option<f64>,
+    /// Largest prefill chunk, in tokens.
+    #[arg(long, visible_alias = "ubatch-size", default_value_t = 256, help_heading = "Memory and streaming")]
+    pub ubatch: usize,
     /// Print per-token expert-store traffic (bytes and hits per tier) and a summary.
-    #[arg(long)]
+    #[arg(long, help_heading = "Memory and streaming")]
     pub stats: bool,
     #[command(flatten)]
     pub gpu: super::GpuArgs,
-    /// Keep generating past end-of-turn tokens (for measurements and checks).
-    #[arg(long)]
-    pub ignore_eos: bool,
+
+    /// Write the logits of every prompt position to a NumPy .npy [n_tokens, n_vocab].
+    #[arg(long, value_name = "FILE", help_heading = "Checks")]
+    pub dump_logits: Option<PathBuf>,
+    /// Print, per prompt position, the token and the five highest next-token logits (JSON Lines).
+    #[arg(long, help_heading = "Checks")]
+    pub teacher_force: bool,
+    /// Decode N tokens, prefill the same sequence fresh, report max |Δlogit|.
+    #[arg(long, value_name = "N", help_heading = "Checks")]
+    pub decode_consistency: Option<usize>,
+}
+
+impl Args {
+    /// The token budget of one reply: `None` runs to end of turn (or a full context).
+    fn budget(&self) -> anyhow::Result<Option<usize>> {
+        match self.n_predict {
+            None if self.chat => Ok(None),
+            None => Ok(Some(32)),
+            Some(-1) => Ok(None),
+            Some(n) if n >= 0 => Ok(Some(n as usize)),
+            Some(n) => anyhow::bail!("-n {n}: give a count of tokens, or -1 for \"until end of turn\""),
+        }
+    }
+
+    fn sampling(&self) -> anyhow::Result<SamplerConfig> {
+        let s = SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+        };
+        s.validate().map_err(|e| anyhow::anyhow!("sampling: {e}"))?;
+        Ok(s)
+    }
 }
 
 
@@ -120,6 +175,8 @@ fn stats_line(s: &pulsar_store::StoreStats) -> String {
 }
 
 struct Timing {
+    /// Model load time, on the first line a run prints.
+    load_secs: Option<f64>,
     prefill_tokens: usize,
     prefill_secs: f64,
     decode_tokens: usize,
@@ -129,8 +186,9 @@ struct Timing {
 impl Timing {
     fn line(&self) -> String {
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        let load = self.load_secs.map_or(String::new(), |s| format!("load: {s:.2} s | "));
         format!(
-            "prefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+            "{load}prefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
             self.prefill_tokens,
             rate(self.prefill_tokens, self.prefill_secs),
             self.decode_tokens,
@@ -152,6 +210,13 @@ fn prompt_tokens(a: &Args, tok: &Tokenizer, text: &str) -> Vec<u32> {
 }
 
 pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
+    // Flags that need no model are checked before one loads.
+    let budget = a.budget()?;
+    let sampling = a.sampling()?;
+    let prompt_text = match &a.file {
+        Some(f) => Some(std::fs::read_to_string(f).with_context(|| format!("cannot read the prompt file (-f) {}", f.display()))?),
+        None => a.prompt.clone(),
+    };
     let model_path = match &a.model {
         Some(p) => p.clone(),
         None => {
@@ -226,11 +291,13 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         cpu.pool.current_num_threads(),
         cpu.kernels.isa().name(),
     );
-    let sampling = SamplerConfig { temperature: a.temp, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, seed: a.seed };
-    sampling.validate().map_err(|e| anyhow::anyhow!(e))?;
-    let _ = Setting { value: (), source: config::Source::Default };
-
-    let code = if a.chat { chat(&a, &model, &tok, engine, sampling)? } else { generate(&a, &model, &tok, engine, sampling, store.as_ref())? };
+    let load_secs = t_load.elapsed().as_secs_f64();
+    let code = if a.chat {
+        chat(&a, &model, &tok, engine, sampling, budget)?
+    } else {
+        let job = Generate { text: prompt_text.unwrap_or_default(), budget, sampling, load_secs };
+        generate(&a, &model, &tok, engine, job, store.as_ref())?
+    };
     if let (Some(cm), true) = (&cuda_model, a.stats) {
         if let Some(p) = cm.pool_stats() {
             eprintln!("vram expert pool: {}", serde_json::to_string(&p)?);
@@ -254,15 +321,16 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
-fn generate(
-    a: &Args,
-    model: &Model,
-    tok: &Tokenizer,
-    engine: &mut dyn Session,
+/// What one `run` without `--chat` generates from.
+struct Generate {
+    text: String,
+    budget: Option<usize>,
     sampling: SamplerConfig,
-    store: Option<&crate::experts::StoreExperts>,
-) -> anyhow::Result<ExitCode> {
-    let text = a.prompt.clone().unwrap_or_default();
+    load_secs: f64,
+}
+
+fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, job: Generate, store: Option<&crate::experts::StoreExperts>) -> anyhow::Result<ExitCode> {
+    let Generate { text, budget, sampling, load_secs } = job;
     let prompt = prompt_tokens(a, tok, &text);
     if prompt.is_empty() {
         anyhow::bail!("the prompt is empty: give -p TEXT or --tokens (the vocabulary adds no BOS)");
@@ -289,10 +357,11 @@ fn generate(
             let top: Vec<(usize, f32)> = idx.iter().take(5).map(|&i| (i, row[i])).collect();
             writeln!(out, "{}", serde_json::json!({"pos": pos, "token": token, "top": top}))?;
         }
-        eprintln!("{}", Timing { prefill_tokens: prompt.len(), prefill_secs, decode_tokens: 0, decode_secs: 0.0 }.line());
+        eprintln!("{}", Timing { load_secs: Some(load_secs), prefill_tokens: prompt.len(), prefill_secs, decode_tokens: 0, decode_secs: 0.0 }.line());
         return Ok(ExitCode::SUCCESS);
     }
     let mut sampler = Sampler::new(sampling);
+    sampler.accept_all(&prompt);
     let mut next = sampler.sample(logits.last().expect("one row"));
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -303,14 +372,21 @@ fn generate(
     let t1 = Instant::now();
     let mut generated = 0;
     let stops = stop_ids(model, tok);
-    while generated < a.n_predict {
+    let limit = budget.unwrap_or(usize::MAX);
+    let mut reason = Stop::Length;
+    while generated < limit {
         if !a.ignore_eos && stops.contains(&next) {
+            reason = Stop::EndOfText;
             break;
         }
         write!(out, "{}", dec.push(next))?;
         out.flush()?;
         generated += 1;
-        if generated == a.n_predict || engine.n_past() + 1 > engine.n_ctx() {
+        if generated == limit {
+            break;
+        }
+        if engine.n_past() + 1 > engine.n_ctx() {
+            reason = Stop::ContextFull;
             break;
         }
         let before = store.filter(|_| a.stats).map(|s| s.store.stats());
@@ -324,7 +400,8 @@ fn generate(
     let decode_secs = t1.elapsed().as_secs_f64();
     // The first generated token comes from the prefill's logits.
     let decode_tokens = generated.saturating_sub(1);
-    eprintln!("{}", Timing { prefill_tokens: prompt.len(), prefill_secs, decode_tokens, decode_secs }.line());
+    eprintln!("[{}]", reason.label());
+    eprintln!("{}", Timing { load_secs: Some(load_secs), prefill_tokens: prompt.len(), prefill_secs, decode_tokens, decode_secs }.line());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -364,38 +441,62 @@ fn decode_consistency(engine: &mut dyn Session, prompt: &[u32], n: usize) -> any
     Ok(ExitCode::SUCCESS)
 }
 
-fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, sampling: SamplerConfig) -> anyhow::Result<ExitCode> {
+fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, sampling: SamplerConfig, budget: Option<usize>) -> anyhow::Result<ExitCode> {
     let gguf_tpl = model.file.metadata().get_str("tokenizer.chat_template")?;
     let piece = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or("").to_string();
     let tpl = ChatTemplate::new(gguf_tpl, model.chat.fallback_template.as_ref().map(|s| s.as_str()).into_option(), &piece(tok.bos()), &piece(tok.eos()))?;
-    let mut messages = Vec::new();
-    if let Some(s) = &a.system {
-        messages.push(Message { role: "system".into(), content: s.clone() });
+    if gguf_tpl.is_none() {
+        eprintln!(
+            "warning: the file has no chat template (a base model?): the {} plugin's fallback template is used, and a model not tuned for it may not stop",
+            model.arch
+        );
     }
+    let system: Vec<Message> = a.system.iter().map(|s| Message { role: "system".into(), content: s.clone() }).collect();
+    let mut messages = system.clone();
     let stops = stop_ids(model, tok);
     let mut sampler = Sampler::new(sampling);
     let mut checkpoints = Vec::new();
-    let stdin = std::io::stdin();
+    let mut repl = super::repl::Repl::new()?;
+    let ctrl_c = super::repl::StopOnCtrlC::install();
     let mut out = std::io::stdout();
-    eprintln!("chat with {} (template: {}); an empty line or EOF ends it", model.arch, tpl.source);
+    eprintln!("chat with {} (template: {}); /help for commands, /bye or Ctrl-D to leave, Ctrl-C stops a reply", model.arch, tpl.source);
     loop {
-        write!(out, "> ")?;
-        out.flush()?;
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            break;
-        }
+        let line = match repl.read()? {
+            Input::Bye => break,
+            Input::Help => {
+                eprintln!("{}", super::repl::HELP);
+                continue;
+            }
+            Input::Clear => {
+                messages = system.clone();
+                engine.reset();
+                checkpoints.clear();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            Input::Unknown(c) => {
+                eprintln!("unknown command {c}: /help lists them");
+                continue;
+            }
+            Input::Message(m) => m,
+        };
         // A model file copied over in place while the chat waited would fault the next read.
         if let Some(why) = model.file.changed_in_place() {
             anyhow::bail!("{why}: start the chat again to load it");
         }
-        messages.push(Message { role: "user".into(), content: line.trim_end().to_string() });
+        messages.push(Message { role: "user".into(), content: line });
         let text = tpl.render(&messages, true)?;
         // The template adds BOS itself when the family wants one.
         let ids = tok.encode(&text, false, true);
+        if ids.len() + 1 > engine.n_ctx() {
+            eprintln!("[the conversation ({} tokens) fills the context of {}: /clear to start again]", ids.len(), engine.n_ctx());
+            messages.pop();
+            continue;
+        }
         // Reuse the cached prefix shared with the previous turns (for a
         // recurrent state, up to the latest checkpoint inside it).
         let common = reuse_prefix(engine, &ids, &mut checkpoints)?;
+        ctrl_c.take();
         let t0 = Instant::now();
         let mut logits = engine.forward(&ids[common..], false)?.pop().expect("one row");
         if engine.has_recurrent() {
@@ -407,27 +508,57 @@ fn chat(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, samp
             }
         }
         let prefill = (ids.len() - common, t0.elapsed().as_secs_f64());
+        sampler.forget();
+        sampler.accept_all(&ids);
         let mut reply = Vec::new();
         let mut dec = tok.stream_decoder(true);
         let t1 = Instant::now();
-        for _ in 0..a.n_predict {
+        let limit = budget.unwrap_or(usize::MAX);
+        let mut reason = Stop::Length;
+        while reply.len() < limit {
+            if ctrl_c.take() {
+                reason = Stop::Interrupted;
+                break;
+            }
             let next = sampler.sample(&logits);
-            if stops.contains(&next) {
+            if !a.ignore_eos && stops.contains(&next) {
+                reason = Stop::EndOfText;
                 break;
             }
             reply.push(next);
             write!(out, "{}", dec.push(next))?;
             out.flush()?;
             if engine.n_past() + 1 > engine.n_ctx() {
-                eprintln!("\n[context full]");
+                reason = Stop::ContextFull;
                 break;
             }
             logits = engine.forward(&[next], false)?.pop().expect("one row");
         }
         writeln!(out, "{}", dec.finish())?;
-        let timing = Timing { prefill_tokens: prefill.0, prefill_secs: prefill.1, decode_tokens: reply.len(), decode_secs: t1.elapsed().as_secs_f64() };
-        eprintln!("[{}]", timing.line());
+        let timing = Timing { load_secs: None, prefill_tokens: prefill.0, prefill_secs: prefill.1, decode_tokens: reply.len(), decode_secs: t1.elapsed().as_secs_f64() };
+        eprintln!("[{}] {}", reason.label(), timing.line());
+        // A stopped reply stays in the conversation as far as it got.
         messages.push(Message { role: "assistant".into(), content: tok.decode(&reply) });
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Why a reply ended, printed after it as llama.cpp does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    EndOfText,
+    Length,
+    ContextFull,
+    Interrupted,
+}
+
+impl Stop {
+    fn label(self) -> &'static str {
+        match self {
+            Stop::EndOfText => "end of text",
+            Stop::Length => "length",
+            Stop::ContextFull => "context full",
+            Stop::Interrupted => "stopped",
+        }
+    }
 }
