@@ -33,7 +33,8 @@ pub struct Setting<T> {
     pub source: Source,
 }
 
-/// Keys a config file may set (TOML, every key optional).
+/// Keys a config file may set (TOML, every key optional); docs/config.md
+/// lists them with their flags and defaults.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
@@ -41,7 +42,21 @@ pub struct FileConfig {
     pub ctx: Option<usize>,
     pub plugin_dirs: Option<Vec<PathBuf>>,
     pub host_cache_gb: Option<f64>,
+    pub device: Option<crate::session::DeviceChoice>,
+    pub vram_budget_gb: Option<f64>,
+    pub temp: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
 }
+
+/// The keys, for error messages.
+pub const FILE_KEYS: &str = "threads, ctx, plugin_dirs, host_cache_gb, device, vram_budget_gb, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty";
 
 /// One line for a config file's parse error: where, the line itself (so the
 /// key is named), and what is wrong.
@@ -50,7 +65,7 @@ fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
     let Some(at) = e.span().map(|s| s.start.min(text.len())) else { return msg.to_string() };
     let line_no = text[..at].matches('\n').count() + 1;
     let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
-    let keys = if msg.contains("expected one of") { "" } else { "; the keys are threads, ctx, plugin_dirs and host_cache_gb" };
+    let keys = if msg.contains("expected one of") { String::new() } else { format!("; the keys are {FILE_KEYS}") };
     format!("line {line_no} `{line}`: {msg}{keys}")
 }
 
@@ -99,6 +114,8 @@ pub struct Config {
     pub plugin_dirs: Setting<Vec<PathBuf>>,
     pub plugin_path_env: Option<String>,
     pub config_file: Option<PathBuf>,
+    /// The subcommand's own settings, as resolved (name, value, source).
+    pub rows: Vec<(String, String, Source)>,
 }
 
 impl Config {
@@ -115,7 +132,25 @@ impl Config {
             "config_file",
             self.config_file.as_ref().map_or("(none)".into(), |p| p.display().to_string())
         ));
+        for (k, v, src) in &self.rows {
+            row(&mut s, k, v.clone(), *src);
+        }
         s
+    }
+
+    /// Resolve one of the subcommand's settings (flag or env > file >
+    /// the flag's default), record it for `--print-config`, return it.
+    pub fn settle<T: Clone + fmt::Display>(&mut self, m: &ArgMatches, id: &str, key: &str, cli: T, file: Option<T>) -> T {
+        let s = resolve(m, id, Some(cli.clone()), file, || cli);
+        self.rows.push((key.to_string(), s.value.to_string(), s.source));
+        s.value
+    }
+
+    /// `settle` for a setting that may be unset (`None` prints as `unset`).
+    pub fn settle_opt<T: Clone + fmt::Display>(&mut self, m: &ArgMatches, id: &str, key: &str, cli: Option<T>, file: Option<T>) -> Option<T> {
+        let s = resolve(m, id, cli.map(Some), file.map(Some), || None);
+        self.rows.push((key.to_string(), s.value.as_ref().map_or("unset".into(), |v| v.to_string()), s.source));
+        s.value
     }
 }
 

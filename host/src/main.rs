@@ -81,16 +81,17 @@ fn main() -> ExitCode {
             plugin_dirs: config::resolve(&matches, "plugin_dir", Some(cli.plugin_dir.clone()), file.plugin_dirs.clone(), Vec::new),
             plugin_path_env: std::env::var("PULSAR_PLUGIN_PATH").ok(),
             config_file,
+            rows: Vec::new(),
         };
         config::check_threads(&cfg.threads).map_err(anyhow::Error::msg)?;
         let sub = matches.subcommand().map(|(_, m)| m.clone()).unwrap_or_default();
-        let ctx = cli::Ctx { cfg, file, verbose: cli.verbose, print_config: cli.print_config, sub };
+        let mut ctx = cli::Ctx { cfg, file, verbose: cli.verbose, print_config: cli.print_config, sub };
         match cli.cmd {
             Cmd::Archs(a) => cli::archs::main(&ctx, a),
             Cmd::Inspect(a) => cli::inspect::main(&ctx, a),
             Cmd::Run(a) => cli::run::main(ctx, *a),
             Cmd::Synth(a) => cli::synth::main(&ctx, a),
-            Cmd::Bench(a) => cli::bench::main(&ctx, *a),
+            Cmd::Bench(a) => cli::bench::main(&mut ctx, *a),
             Cmd::Hotlist(a) => cli::hotlist::main(&ctx, a),
             Cmd::Serve(a) => cli::serve::main(ctx, *a),
             Cmd::Opcheck(a) => cli::opcheck::main(&ctx, a),

@@ -129,6 +129,23 @@ pub enum DeviceChoice {
     Cuda(usize),
 }
 
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceChoice::Auto => f.write_str("auto"),
+            DeviceChoice::Cpu => f.write_str("cpu"),
+            DeviceChoice::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DeviceChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl std::str::FromStr for DeviceChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

@@ -492,3 +492,42 @@ fn bench_takes_lists_and_prints_llama_bench_formats() {
     assert_eq!(csv.lines().count(), 1 + 6, "{csv}");
     assert!(csv.contains("\"gemma3 268M Q4_K - Medium\""), "{csv}");
 }
+
+/// #27: a config file's keys apply, and `--print-config` shows every
+/// resolved setting with where it came from.
+#[test]
+fn config_file_settings_apply_and_print_config_shows_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny_model(dir.path());
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, "device = \"cpu\"\ntemp = 0.5\nhost_cache_gb = 1.5\nrepeat_penalty = 1.2\n").unwrap();
+    let o = bin()
+        .args(["--config"])
+        .arg(&cfg)
+        .args(["--print-config", "run", "-m"])
+        .arg(&m)
+        .args(["-p", "hi", "-n", "1", "--seed", "9", "--plugin-dir"])
+        .arg(staged_plugins())
+        .env_remove("PULSAR_DEVICE")
+        .env_remove("PULSAR_CACHE_GB")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let row = |k: &str| err.lines().find(|l| l.split_whitespace().next() == Some(k)).unwrap_or_else(|| panic!("no {k} row in:\n{err}")).to_string();
+    for (k, v, src) in [
+        ("device", "cpu", "(config file)"),
+        ("temp", "0.5", "(config file)"),
+        ("host_cache_gb", "1.5", "(config file)"),
+        ("repeat_penalty", "1.2", "(config file)"),
+        ("seed", "9", "(flag)"),
+        ("top_k", "0", "(default)"),
+        ("vram_budget_gb", "unset", "(default)"),
+        ("cold_path", "auto", "(default)"),
+    ] {
+        let r = row(k);
+        assert!(r.contains(v) && r.ends_with(src), "{k}: {r}");
+    }
+    // The file's device took effect: no CUDA notice, the CPU ran it.
+    assert!(!err.contains("no CUDA driver"), "{err}");
+}

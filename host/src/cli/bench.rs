@@ -379,7 +379,9 @@ fn floor_tok_s(t: &Traffic, links: &Links, gpu: bool) -> Option<f64> {
     (known && secs > 0.0).then(|| 1.0 / secs)
 }
 
-pub fn main(ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
+pub fn main(ctx: &mut Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
+    a.host_cache = ctx.cfg.settle_opt(&ctx.sub, "host_cache", "host_cache_gb", a.host_cache, ctx.file.host_cache_gb);
+    a.gpu.settle(&mut ctx.cfg, &ctx.sub, &ctx.file);
     if ctx.print_config {
         eprint!("{}", ctx.cfg.print());
     }

@@ -68,6 +68,14 @@ pub struct GpuArgs {
 }
 
 impl GpuArgs {
+    /// Resolve the settings a config file may also give (`device`,
+    /// `vram_budget_gb`) and record them for `--print-config`.
+    pub fn settle(&mut self, cfg: &mut Config, m: &clap::ArgMatches, file: &FileConfig) {
+        self.device = cfg.settle(m, "device", "device", self.device, file.device);
+        self.vram_budget = cfg.settle_opt(m, "vram_budget", "vram_budget_gb", self.vram_budget, file.vram_budget_gb);
+        self.cold_path = cfg.settle(m, "cold_path", "cold_path", self.cold_path, None);
+    }
+
     /// The device to run on, and the role plan for the visible GPUs: measured
     /// when there are several (or `print` asks for it). One GPU, or no plan
     /// wanted: the choice as given, nothing probed.

@@ -209,7 +209,8 @@ fn prompt_tokens(a: &Args, tok: &Tokenizer, text: &str) -> Vec<u32> {
     ids
 }
 
-pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
+pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
+    settle(&mut ctx, &mut a);
     // Flags that need no model are checked before one loads.
     let budget = a.budget()?;
     let sampling = a.sampling()?;
@@ -319,6 +320,24 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(code)
+}
+
+/// Flag or env > config file > default, for what a config file may set;
+/// each resolved value is kept for `--print-config`.
+fn settle(ctx: &mut Ctx, a: &mut Args) {
+    let (cfg, m, f) = (&mut ctx.cfg, &ctx.sub, &ctx.file);
+    a.temp = cfg.settle(m, "temp", "temp", a.temp, f.temp);
+    a.top_k = cfg.settle(m, "top_k", "top_k", a.top_k, f.top_k);
+    a.top_p = cfg.settle(m, "top_p", "top_p", a.top_p, f.top_p);
+    a.min_p = cfg.settle(m, "min_p", "min_p", a.min_p, f.min_p);
+    a.seed = cfg.settle(m, "seed", "seed", a.seed, f.seed);
+    a.repeat_penalty = cfg.settle(m, "repeat_penalty", "repeat_penalty", a.repeat_penalty, f.repeat_penalty);
+    a.repeat_last_n = cfg.settle(m, "repeat_last_n", "repeat_last_n", a.repeat_last_n, f.repeat_last_n);
+    a.presence_penalty = cfg.settle(m, "presence_penalty", "presence_penalty", a.presence_penalty, f.presence_penalty);
+    a.frequency_penalty = cfg.settle(m, "frequency_penalty", "frequency_penalty", a.frequency_penalty, f.frequency_penalty);
+    a.host_cache = cfg.settle_opt(m, "host_cache", "host_cache_gb", a.host_cache, f.host_cache_gb);
+    a.ubatch = cfg.settle(m, "ubatch", "ubatch", a.ubatch, None);
+    a.gpu.settle(cfg, m, f);
 }
 
 /// What one `run` without `--chat` generates from.
