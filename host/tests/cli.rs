@@ -381,6 +381,9 @@ fn first_mistakes_get_one_line_naming_the_fix() {
     let o = bin().args(["run", "-m"]).arg(&m).args(["-p", "hi", "-n", "1", "--ctx", "100000", "--device", "cpu", "--plugin-dir"]).arg(staged_plugins()).output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("--ctx 100000 is beyond the"), "{}", stderr(&o));
+    // hotlist on a dense model: nothing to rank, not "run the model once".
+    let dense = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/qwen35/model-q8_0.gguf");
+    one_line(&["hotlist".as_ref(), "-m".as_ref(), dense.as_os_str()], &["no routed experts", "dense"]);
 }
 
 /// #27: the chat REPL in a real pseudo-terminal (driven by

@@ -20,6 +20,10 @@ pub struct Args {
 
 pub fn main(_ctx: &Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let f = pulsar_gguf::GgufFile::open(&a.model).with_context(|| format!("cannot open {}", a.model.display()))?;
+    // A dense model never gets a census: say so rather than "run it once".
+    if !f.tensors().iter().any(|t| t.n_experts().is_some() && t.name.contains("_exps")) {
+        anyhow::bail!("{} has no routed experts (a dense model): there is no hotlist to make", a.model.display());
+    }
     let side = pulsar_store::sidecar_path(&a.model);
     let census = match pulsar_store::load_sidecar(&side, &f.fingerprint()) {
         pulsar_store::SidecarLoad::Loaded(c) => c,
