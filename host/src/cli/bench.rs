@@ -72,7 +72,7 @@ pub struct Rate {
 }
 
 impl Rate {
-    fn of(samples: Vec<f64>) -> Rate {
+    pub(crate) fn of(samples: Vec<f64>) -> Rate {
         let n = samples.len().max(1) as f64;
         let mean = samples.iter().sum::<f64>() / n;
         let var = if samples.len() > 1 { samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };

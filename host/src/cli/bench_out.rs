@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde_json::{json, Value};
 
-use super::bench::{Report, Test, Traffic};
+use super::bench::{Rate, Report, Test, Traffic};
 use crate::model::Model;
 use pulsar_gguf::GgmlType;
 use pulsar_plugin_api::Role;
@@ -232,13 +232,6 @@ fn ns(tokens: usize, ts: f64) -> f64 {
     }
 }
 
-fn mean_sd(v: &[f64]) -> (f64, f64) {
-    let n = v.len().max(1) as f64;
-    let m = v.iter().sum::<f64>() / n;
-    let var = if v.len() > 1 { v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
-    (m, var.sqrt())
-}
-
 /// A record as one JSON object, its fields in order (serde_json's map sorts them).
 fn object(rec: &[(&'static str, Value)], indent: &str, close: &str) -> String {
     let sep = if indent.is_empty() { ", " } else { "," };
@@ -250,7 +243,8 @@ fn object(rec: &[(&'static str, Value)], indent: &str, close: &str) -> String {
 fn record(r: &Report, run: &str, t: &Test) -> Vec<(&'static str, Value)> {
     let tokens = t.n_prompt + t.n_gen;
     let samples_ns: Vec<f64> = t.rate.samples.iter().map(|&ts| ns(tokens, ts)).collect();
-    let (avg_ns, sd_ns) = mean_sd(&samples_ns);
+    let ns_rate = Rate::of(samples_ns.clone());
+    let (avg_ns, sd_ns) = (ns_rate.mean, ns_rate.sd);
     let mut m = Vec::new();
     let mut put = |k: &'static str, v: Value| m.push((k, v));
     put("build_commit", json!(concat!("pulsar-", env!("CARGO_PKG_VERSION"))));
