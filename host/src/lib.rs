@@ -14,6 +14,7 @@ pub mod graph;
 pub mod model;
 pub mod npy;
 pub mod opcheck;
+pub mod progress;
 pub mod sample;
 pub mod server;
 pub mod session;

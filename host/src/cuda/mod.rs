@@ -178,6 +178,8 @@ impl CudaModel {
                 _ => None,
             })
             .collect();
+        let to_upload: u64 = model.weights.iter().filter(|w| !(w.role == Role::RoutedExpert && stream_experts)).map(|w| w.bytes).sum();
+        let bar = crate::progress::bytes_bar(to_upload, format!("uploading to {}", dev.name()));
         for (wi, w) in model.weights.iter().enumerate() {
             let expert = w.role == Role::RoutedExpert;
             let raw = if expert && stream_experts {
@@ -187,6 +189,7 @@ impl CudaModel {
                 let mut b = dev.alloc::<u8>(bytes.len())?;
                 b.upload(&stream, bytes)?;
                 resident += bytes.len() as u64;
+                bar.inc(bytes.len() as u64);
                 Some(b)
             };
             let f32 = if w.dims.len() == 1 || as_values.contains(&(wi as u32)) {
@@ -201,6 +204,7 @@ impl CudaModel {
             };
             weights.push(DevWeight { ty: w.ty, dims: w.dims.clone(), raw, f32 });
         }
+        bar.finish_and_clear();
         // The YaRN ropes' frequency tables, by the CPU's formula.
         let mut rope_freq: Vec<(Rope, DeviceBuf<f32>)> = Vec::new();
         for op in [&model.steps.decode, &model.steps.prefill].iter().flat_map(|p| p.ops.iter()) {

@@ -13,7 +13,6 @@
 use std::path::Path;
 
 use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
 use pulsar_gguf::{GgmlType, GgufWriter, Value};
 use rayon::prelude::*;
 
@@ -293,13 +292,7 @@ pub fn write(s: &SynthSpec, path: &Path, progress: bool) -> anyhow::Result<()> {
         w.add_tensor(t.name.clone(), &t.dims, t.ty)?;
     }
     let total: u64 = plan.iter().map(|t| pulsar_gguf::tensor_bytes(t.ty, &t.dims).unwrap_or(0)).sum();
-    let bar = if progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
-    bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(format!("synth {}", path.display()));
+    let bar = if progress { crate::progress::bytes_bar(total, format!("synth {}", path.display())) } else { indicatif::ProgressBar::hidden() };
     if path.is_dir() {
         anyhow::bail!("{} is a directory: give the output file's name", path.display());
     }
