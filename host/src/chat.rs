@@ -27,12 +27,18 @@ pub const RENDER_FUEL: u64 = 5_000_000;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's own text.
+    text: String,
     pub source: &'static str,
     bos: String,
     eos: String,
 }
 
 impl ChatTemplate {
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
     /// `gguf_template` wins over `fallback`; `source` says which was used.
     pub fn new(gguf_template: Option<&str>, fallback: Option<&str>, bos: &str, eos: &str) -> anyhow::Result<ChatTemplate> {
         let (text, source) = match (gguf_template, fallback) {
@@ -51,8 +57,8 @@ impl ChatTemplate {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
         env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
-        env.add_template_owned("chat", text).map_err(|e| anyhow::anyhow!("chat template ({source}) does not parse: {e}"))?;
-        Ok(ChatTemplate { env, source, bos: bos.to_string(), eos: eos.to_string() })
+        env.add_template_owned("chat", text.clone()).map_err(|e| anyhow::anyhow!("chat template ({source}) does not parse: {e}"))?;
+        Ok(ChatTemplate { env, text, source, bos: bos.to_string(), eos: eos.to_string() })
     }
 
     /// Render a conversation given as JSON: `{"messages": [...], "tools":

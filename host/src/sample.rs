@@ -55,6 +55,12 @@ impl Default for SamplerConfig {
 }
 
 impl SamplerConfig {
+    /// llama-server's defaults: what a request without sampling fields gets
+    /// when the GGUF names none (`general.sampling.*`).
+    pub fn llama_server() -> SamplerConfig {
+        SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, ..SamplerConfig::default() }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(format!("temperature must be >= 0, got {}", self.temperature));

@@ -454,3 +454,71 @@ fn a_queued_request_whose_client_leaves_is_dropped_from_the_queue() {
     poll("A kept its slot", &|m| m["active_sequences"] == 0 && m["requests_cancelled"] == 2);
     srv.shutdown().unwrap();
 }
+
+/// #24's server half: llama-server's /props, /tokenize, /detokenize and
+/// /apply-template; the sampling defaults a request gets; an unknown model
+/// is a 404 and an unimplemented field a 400 naming it.
+#[test]
+fn llama_server_routes_defaults_and_refusals() {
+    let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats: None };
+    let mut sampling = pulsar_host::sample::SamplerConfig::llama_server();
+    sampling.temperature = 0.0;
+    sampling.top_k = 7;
+    let opts = ServeOptions { port: 0, api_key: Some(KEY.into()), n_ctx: 256, parallel: 2, model_id: "tiny".into(), sampling, ..ServeOptions::default() };
+    let srv = Server::start(backend, opts, None).unwrap();
+    let c = Client::new(srv.addr(), Some(KEY));
+
+    let p = c.get("/props").json();
+    let d = &p["default_generation_settings"];
+    assert_eq!((d["n_ctx"].as_u64(), d["params"]["top_k"].as_u64(), d["params"]["temperature"].as_f64()), (Some(256), Some(7), Some(0.0)), "{p}");
+    assert!((d["params"]["top_p"].as_f64().unwrap() - 0.95).abs() < 1e-6 && p["total_slots"] == 2 && p["model_alias"] == "tiny", "{p}");
+    assert!(p["chat_template"].as_str().is_some_and(|t| !t.is_empty()), "{p}");
+
+    // Tokenize and back.
+    let t = c.post("/tokenize", &json!({"content": "Once upon a time"})).json();
+    let ids: Vec<u64> = t["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert!(!ids.is_empty(), "{t}");
+    let back = c.post("/detokenize", &json!({"tokens": ids})).json();
+    assert_eq!(back["content"], "Once upon a time");
+    let pieces = c.post("/tokenize", &json!({"content": "Once upon a time", "with_pieces": true})).json();
+    let joined: String = pieces["tokens"].as_array().unwrap().iter().map(|p| p["piece"].as_str().unwrap().to_string()).collect();
+    assert_eq!(joined, "Once upon a time", "{pieces}");
+    assert_eq!(pieces["tokens"][0]["id"].as_u64(), Some(ids[0]));
+    let bad = c.post("/detokenize", &json!({"tokens": [1, 99999999]}));
+    assert!(bad.status == 400 && bad.text().contains("99999999"), "{}", bad.text());
+
+    // apply-template gives the prompt a chat request runs: the same token count.
+    let msgs = json!([{"role": "user", "content": "Hello!"}]);
+    let prompt = c.post("/apply-template", &json!({"messages": msgs})).json()["prompt"].as_str().unwrap().to_string();
+    assert!(prompt.contains("Hello!"), "{prompt}");
+    let n_tpl = c.post("/tokenize", &json!({"content": prompt})).json()["tokens"].as_array().unwrap().len() as u64;
+    let r = c.post("/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 2})).json();
+    assert_eq!(r["usage"]["prompt_tokens"].as_u64(), Some(n_tpl), "{r}");
+
+    // Defaults: temperature 0 from the server, so a request without sampling fields is greedy.
+    let plain = |body: Value| content(&c.post("/v1/completions", &body), false).0;
+    let greedy = plain(json!({"prompt": "abc", "max_tokens": 12, "temperature": 0}));
+    assert_eq!(plain(json!({"prompt": "abc", "max_tokens": 12})), greedy);
+
+    // An unknown model: 404 in OpenAI's shape. The served one and none pass.
+    let r = c.post("/v1/chat/completions", &json!({"model": "gpt-4o", "messages": msgs, "max_tokens": 1}));
+    assert_eq!(r.status, 404, "{}", r.text());
+    let e = r.json();
+    assert!(e["error"]["code"] == "model_not_found" && e["error"]["message"].as_str().unwrap().contains("gpt-4o"), "{e}");
+    assert_eq!(c.post("/v1/completions", &json!({"model": "tiny", "prompt": "a", "max_tokens": 1})).status, 200);
+    // Unimplemented fields asking for something: a 400 naming the field.
+    for (body, field) in [
+        (json!({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}), "tools"),
+        (json!({"messages": msgs, "response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"prompt": "a", "logprobs": 5}), "logprobs"),
+    ] {
+        let path = if body.get("prompt").is_some() { "/v1/completions" } else { "/v1/chat/completions" };
+        let r = c.post(path, &body);
+        let e = r.json();
+        assert!(r.status == 400 && e["error"]["param"] == field, "{field}: {e}");
+    }
+    // Harmless values of the same fields pass.
+    let ok = c.post("/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 1, "tools": [], "logprobs": false, "response_format": {"type": "text"}}));
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    srv.shutdown().unwrap();
+}

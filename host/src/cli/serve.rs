@@ -67,6 +67,50 @@ pub struct Args {
     /// Use this plugin instead of the one `general.architecture` selects.
     #[arg(long, value_name = "NAME")]
     pub arch_plugin: Option<String>,
+    /// Default temperature of requests that give none (else the GGUF's
+    /// `general.sampling.temp`, else 0.8).
+    #[arg(long, visible_alias = "temperature", help_heading = "Sampling defaults")]
+    pub temp: Option<f32>,
+    /// Default top-k (else the GGUF's, else 40; 0 = off).
+    #[arg(long, help_heading = "Sampling defaults")]
+    pub top_k: Option<usize>,
+    /// Default top-p (else the GGUF's, else 0.95).
+    #[arg(long, help_heading = "Sampling defaults")]
+    pub top_p: Option<f32>,
+    /// Default min-p (else the GGUF's, else 0.05).
+    #[arg(long, help_heading = "Sampling defaults")]
+    pub min_p: Option<f32>,
+    /// Default repetition penalty (else the GGUF's, else 1 = off).
+    #[arg(long, help_heading = "Sampling defaults")]
+    pub repeat_penalty: Option<f32>,
+    /// Default presence penalty (0 = off).
+    #[arg(long, allow_negative_numbers = true, help_heading = "Sampling defaults")]
+    pub presence_penalty: Option<f32>,
+    /// Default frequency penalty (0 = off).
+    #[arg(long, allow_negative_numbers = true, help_heading = "Sampling defaults")]
+    pub frequency_penalty: Option<f32>,
+}
+
+/// The sampling a request gets for the fields it leaves out: the flag, else
+/// the GGUF's recommendation (`general.sampling.*`, as llama.cpp's converter
+/// writes it), else llama-server's defaults.
+fn sampling_defaults(a: &Args, meta: &pulsar_gguf::Metadata) -> anyhow::Result<crate::sample::SamplerConfig> {
+    let base = crate::sample::SamplerConfig::llama_server();
+    let f = |k: &str| meta.get_f32(&format!("general.sampling.{k}")).ok().flatten();
+    let u = |k: &str| meta.get_u32(&format!("general.sampling.{k}")).ok().flatten().map(|v| v as usize);
+    let s = crate::sample::SamplerConfig {
+        temperature: a.temp.or(f("temp")).unwrap_or(base.temperature),
+        top_k: a.top_k.or(u("top_k")).unwrap_or(base.top_k),
+        top_p: a.top_p.or(f("top_p")).unwrap_or(base.top_p),
+        min_p: a.min_p.or(f("min_p")).unwrap_or(base.min_p),
+        repeat_penalty: a.repeat_penalty.or(f("penalty_repeat")).unwrap_or(base.repeat_penalty),
+        repeat_last_n: u("penalty_last_n").unwrap_or(base.repeat_last_n),
+        presence_penalty: a.presence_penalty.unwrap_or(base.presence_penalty),
+        frequency_penalty: a.frequency_penalty.unwrap_or(base.frequency_penalty),
+        ..base
+    };
+    s.validate().map_err(|e| anyhow::anyhow!("sampling defaults: {e}"))?;
+    Ok(s)
 }
 
 async fn shutdown_signal() {
@@ -190,7 +234,17 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     super::warn_past_trained_ctx(&model, n_ctx);
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
+    let sampling = sampling_defaults(&a, model.file.metadata())?;
+    tracing::info!(
+        "sampling defaults: temperature {}, top-k {}, top-p {}, min-p {}, repeat penalty {}",
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.min_p,
+        sampling.repeat_penalty
+    );
     let opts = ServeOptions {
+        sampling,
         host: a.host.clone(),
         port: a.port,
         api_key: a.api_key.clone(),

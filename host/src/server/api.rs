@@ -28,7 +28,10 @@ impl ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
     }
     pub fn invalid_param(param: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { param: Some(param), ..ApiError::invalid(message) }
+        ApiError::invalid(message).with_param(param)
+    }
+    pub fn with_param(self, param: &'static str) -> ApiError {
+        ApiError { param: Some(param), ..self }
     }
     pub fn unauthorized(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", Some("invalid_api_key"), message)
@@ -140,6 +143,35 @@ pub struct Common {
     /// llama.cpp's server names.
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<i64>,
+    // Fields this server does not implement yet: refused when they ask for
+    // something (see `check_supported`), never silently ignored.
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub response_format: Option<Value>,
+    pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub logit_bias: Option<Value>,
+    pub echo: Option<Value>,
+    pub best_of: Option<Value>,
+    pub suffix: Option<Value>,
+    pub modalities: Option<Value>,
+    pub audio: Option<Value>,
+    pub prediction: Option<Value>,
+}
+
+/// Whether an unsupported field's value asks for something (absent, null,
+/// false, 0, "", [] and {} do not).
+fn asks(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -168,29 +200,55 @@ pub struct CompletionRequest {
 pub const MAX_STOPS: usize = 16;
 
 impl Common {
-    /// Sampling settings, checked; `default_seed` when the request gives none.
-    pub fn sampling(&self, default_seed: u64) -> Result<SamplerConfig, ApiError> {
+    /// A 400 naming the first field asked for that this server does not implement.
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        let is = |v: &Option<Value>, ok: &[Value]| v.as_ref().is_some_and(|x| ok.contains(x));
+        let fields: [(&'static str, bool, &str); 14] = [
+            ("tools", asks(&self.tools), "tool calls are not implemented"),
+            ("tool_choice", asks(&self.tool_choice) && !is(&self.tool_choice, &[json!("none"), json!("auto")]), "tool calls are not implemented"),
+            ("functions", asks(&self.functions), "function calls are not implemented"),
+            ("function_call", asks(&self.function_call) && !is(&self.function_call, &[json!("none"), json!("auto")]), "function calls are not implemented"),
+            ("response_format", asks(&self.response_format) && !is(&self.response_format, &[json!({"type": "text"})]), "only plain text responses are implemented"),
+            ("logprobs", asks(&self.logprobs), "log-probabilities are not implemented"),
+            ("top_logprobs", asks(&self.top_logprobs), "log-probabilities are not implemented"),
+            ("logit_bias", asks(&self.logit_bias), "logit bias is not implemented"),
+            ("echo", asks(&self.echo), "echoing the prompt is not implemented"),
+            ("best_of", asks(&self.best_of) && !is(&self.best_of, &[json!(1)]), "only one completion per request"),
+            ("suffix", asks(&self.suffix), "fill-in-the-middle is not implemented"),
+            ("modalities", asks(&self.modalities) && !is(&self.modalities, &[json!(["text"])]), "text only"),
+            ("audio", asks(&self.audio), "text only"),
+            ("prediction", asks(&self.prediction), "predicted outputs are not implemented"),
+        ];
+        match fields.iter().find(|f| f.1) {
+            Some((name, _, why)) => Err(ApiError::invalid_param(name, format!("`{name}` is not supported by this server ({why})"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Sampling settings, checked: `defaults` (the server's) for each field
+    /// the request leaves out, `default_seed` when it gives none.
+    pub fn sampling(&self, defaults: &SamplerConfig, default_seed: u64) -> Result<SamplerConfig, ApiError> {
         let top_k = match self.top_k {
-            None => 0,
+            None => defaults.top_k,
             Some(k) if k >= 0 => k as usize,
             // llama.cpp and others use -1 for "off".
             Some(-1) => 0,
             Some(k) => return Err(ApiError::invalid_param("top_k", format!("top_k must be >= 0, got {k}"))),
         };
         let cfg = SamplerConfig {
-            temperature: self.temperature.unwrap_or(1.0),
+            temperature: self.temperature.unwrap_or(defaults.temperature),
             top_k,
-            top_p: self.top_p.unwrap_or(1.0),
-            min_p: self.min_p.unwrap_or(0.0),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
             seed: self.seed.map(|s| s as u64).unwrap_or(default_seed),
-            repeat_penalty: self.repeat_penalty.unwrap_or(1.0),
+            repeat_penalty: self.repeat_penalty.unwrap_or(defaults.repeat_penalty),
             repeat_last_n: match self.repeat_last_n {
-                None => 64,
+                None => defaults.repeat_last_n,
                 Some(n) if n >= 0 => n as usize,
                 Some(n) => return Err(ApiError::invalid_param("repeat_last_n", format!("repeat_last_n must be >= 0, got {n}"))),
             },
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
         };
         if cfg.temperature > 2.0 {
             return Err(ApiError::invalid_param("temperature", format!("temperature must be in [0, 2], got {}", cfg.temperature)));
@@ -277,15 +335,39 @@ mod tests {
         let img = r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#;
         let r: ChatRequest = serde_json::from_str(img).unwrap();
         assert!(r.messages[0].text().is_err());
+        let d = SamplerConfig::llama_server();
         let bad = Common { temperature: Some(-1.0), ..Default::default() };
-        assert_eq!(bad.sampling(1).unwrap_err().status, StatusCode::BAD_REQUEST);
+        assert_eq!(bad.sampling(&d, 1).unwrap_err().status, StatusCode::BAD_REQUEST);
+        // Fields left out take the server's defaults.
+        let c = Common::default().sampling(&d, 5).unwrap();
+        assert_eq!((c.temperature, c.top_k, c.top_p, c.min_p, c.seed), (0.8, 40, 0.95, 0.05, 5));
         // The penalties reach the sampler, and out-of-range ones are refused.
         let r: ChatRequest = serde_json::from_str(r#"{"messages":[],"presence_penalty":0.5,"frequency_penalty":-0.25,"repeat_penalty":1.1,"repeat_last_n":32}"#).unwrap();
-        let c = r.common.sampling(1).unwrap();
+        let c = r.common.sampling(&d, 1).unwrap();
         assert_eq!((c.presence_penalty, c.frequency_penalty, c.repeat_penalty, c.repeat_last_n), (0.5, -0.25, 1.1, 32));
         for body in [r#"{"messages":[],"presence_penalty":3}"#, r#"{"messages":[],"repeat_penalty":0}"#, r#"{"messages":[],"repeat_last_n":-2}"#] {
             let r: ChatRequest = serde_json::from_str(body).unwrap();
-            assert_eq!(r.common.sampling(1).unwrap_err().status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(r.common.sampling(&d, 1).unwrap_err().status, StatusCode::BAD_REQUEST, "{body}");
+        }
+        // Unsupported fields: refused where they ask for something, named.
+        for (body, field) in [
+            (r#"{"messages":[],"tools":[{"type":"function","function":{"name":"f"}}]}"#, "tools"),
+            (r#"{"messages":[],"tool_choice":"required"}"#, "tool_choice"),
+            (r#"{"messages":[],"response_format":{"type":"json_object"}}"#, "response_format"),
+            (r#"{"messages":[],"logprobs":true}"#, "logprobs"),
+            (r#"{"messages":[],"logit_bias":{"50256":-100}}"#, "logit_bias"),
+            (r#"{"messages":[],"best_of":3}"#, "best_of"),
+        ] {
+            let r: ChatRequest = serde_json::from_str(body).unwrap();
+            let e = r.common.check_supported().unwrap_err();
+            assert!(e.status == StatusCode::BAD_REQUEST && e.param == Some(field) && e.message.contains(field), "{body}: {e:?}");
+        }
+        for body in [
+            r#"{"messages":[],"tools":[],"tool_choice":"auto","logprobs":false,"response_format":{"type":"text"},"best_of":1,"logit_bias":{},"modalities":["text"]}"#,
+            r#"{"messages":[],"tools":null,"logprobs":null,"top_logprobs":0}"#,
+        ] {
+            let r: ChatRequest = serde_json::from_str(body).unwrap();
+            assert!(r.common.check_supported().is_ok(), "{body}");
         }
     }
 }

@@ -34,6 +34,10 @@ pub fn router(st: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/props", get(props))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/apply-template", post(apply_template))
         .fallback(|| async { ApiError::not_found("no such route") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", Some("method_not_allowed"), "method not allowed on this route")
@@ -112,6 +116,81 @@ async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Resul
     Ok(Json(model_object(&st)))
 }
 
+/// llama-server's `/props`: the defaults a request gets, the context, the template.
+async fn props(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let d = &st.opts.sampling;
+    // 0.95, not f32's 0.949999988079071.
+    let f = |x: f32| x.to_string().parse::<f64>().unwrap_or(x as f64);
+    Json(json!({
+        "default_generation_settings": {
+            "n_ctx": st.opts.n_ctx,
+            "params": {
+                "temperature": f(d.temperature),
+                "top_k": d.top_k,
+                "top_p": f(d.top_p),
+                "min_p": f(d.min_p),
+                "repeat_penalty": f(d.repeat_penalty),
+                "repeat_last_n": d.repeat_last_n,
+                "presence_penalty": f(d.presence_penalty),
+                "frequency_penalty": f(d.frequency_penalty),
+            },
+        },
+        "total_slots": st.opts.parallel,
+        "model_alias": st.opts.model_id,
+        "chat_template": st.template.as_ref().map(|t| t.text()).ok(),
+    }))
+}
+
+#[derive(serde::Deserialize)]
+struct TokenizeRequest {
+    content: String,
+    #[serde(default)]
+    add_special: bool,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+/// llama-server's `/tokenize`: `{"tokens": [ids]}`, or `[{id, piece}]` with `with_pieces`.
+async fn tokenize(State(st): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let req: TokenizeRequest = parse(&st, body).await?;
+    let ids = encode(&st, req.content, req.add_special).await?;
+    if !req.with_pieces {
+        return Ok(Json(json!({ "tokens": ids })));
+    }
+    let tokens: Vec<Value> = ids.iter().map(|&id| json!({"id": id, "piece": st.tok.decode(&[id])})).collect();
+    Ok(Json(json!({ "tokens": tokens })))
+}
+
+#[derive(serde::Deserialize)]
+struct DetokenizeRequest {
+    tokens: Vec<i64>,
+}
+
+async fn detokenize(State(st): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let req: DetokenizeRequest = parse(&st, body).await?;
+    let n = st.tok.vocab_size() as i64;
+    let mut ids = Vec::with_capacity(req.tokens.len());
+    for t in req.tokens {
+        if !(0..n).contains(&t) {
+            return Err(ApiError::invalid_param("tokens", format!("token id {t} is outside the vocabulary (0 to {})", n - 1)));
+        }
+        ids.push(t as u32);
+    }
+    Ok(Json(json!({ "content": st.tok.decode(&ids) })))
+}
+
+#[derive(serde::Deserialize)]
+struct TemplateRequest {
+    messages: Vec<super::api::ChatMessage>,
+}
+
+/// llama-server's `/apply-template`: the prompt a chat request would run, not run.
+async fn apply_template(State(st): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
+    let req: TemplateRequest = parse(&st, body).await?;
+    let messages = messages_of(&st, &req.messages)?;
+    Ok(Json(json!({ "prompt": render(&st, messages).await? })))
+}
+
 /// A JSON body: 408 past the body deadline, 413 past the size limit, 400
 /// for anything that does not parse. The bytes arrive on the async worker;
 /// parsing them (megabytes, maybe) runs on a blocking thread so that
@@ -173,36 +252,64 @@ enum Kind {
     Completion,
 }
 
-async fn chat(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse(&st, body).await?;
-    if req.messages.is_empty() {
+/// A request's messages in the template's terms, checked.
+fn messages_of(st: &AppState, msgs: &[super::api::ChatMessage]) -> Result<Vec<Message>, ApiError> {
+    if msgs.is_empty() {
         return Err(ApiError::invalid_param("messages", "`messages` is empty"));
     }
     if let Err(e) = &st.template {
         return Err(ApiError::invalid(format!("this model has no chat template ({e}): use /v1/completions")));
     }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for m in &req.messages {
+    let mut messages = Vec::with_capacity(msgs.len());
+    for m in msgs {
         if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
             return Err(ApiError::invalid_param("messages", format!("unknown role `{}`", m.role)));
         }
         let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
         messages.push(Message { role, content: m.text()? });
     }
-    // Rendering a GGUF's template (bounded by its fuel) and tokenizing run
-    // off the async workers. The template adds BOS itself when the family wants one.
+    Ok(messages)
+}
+
+/// Render the chat template off the async workers (bounded by its fuel).
+async fn render(st: &Arc<AppState>, messages: Vec<Message>) -> Result<String, ApiError> {
     let s = st.clone();
-    let ids = blocking(&st, move || {
+    blocking(st, move || {
         let tpl = s.template.as_ref().map_err(|e| ApiError::invalid(e.clone()))?;
-        let text = tpl.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
-        Ok::<_, ApiError>(s.tok.encode(&text, false, true))
+        tpl.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))
     })
-    .await??;
+    .await?
+}
+
+/// `model` names the served model or nothing (OpenAI answers another name with a 404).
+fn check_model(st: &AppState, common: &Common) -> Result<(), ApiError> {
+    match common.model.as_deref().filter(|m| !m.is_empty()) {
+        Some(m) if m != st.opts.model_id => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!("the model `{m}` does not exist here: this server serves `{}`", st.opts.model_id),
+        )
+        .with_param("model")),
+        _ => Ok(()),
+    }
+}
+
+async fn chat(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(&st, body).await?;
+    check_model(&st, &req.common)?;
+    req.common.check_supported()?;
+    let messages = messages_of(&st, &req.messages)?;
+    // The template adds BOS itself when the family wants one.
+    let text = render(&st, messages).await?;
+    let ids = encode(&st, text, false).await?;
     generate(st, ids, req.common, Kind::Chat).await
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(&st, body).await?;
+    check_model(&st, &req.common)?;
+    req.common.check_supported()?;
     let text = match req.prompt {
         Prompt::One(s) => s,
         Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
@@ -219,7 +326,7 @@ async fn generate(st: Arc<AppState>, prompt: Vec<u32>, common: Common, kind: Kin
     };
     common.check_n().map_err(rejected)?;
     let seed = st.seeds.fetch_add(0x9e37_79b9_7f4a_7c15, Relaxed);
-    let sampling = common.sampling(seed).map_err(rejected)?;
+    let sampling = common.sampling(&st.opts.sampling, seed).map_err(rejected)?;
     let stops = common.stops().map_err(rejected)?;
     let n_ctx = st.opts.n_ctx;
     if prompt.is_empty() {
@@ -254,7 +361,7 @@ async fn generate(st: Arc<AppState>, prompt: Vec<u32>, common: Common, kind: Kin
     let meta = Meta {
         id: format!("{}-{n:08x}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
         created: super::api::now_secs(),
-        model: common.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| st.opts.model_id.clone()),
+        model: st.opts.model_id.clone(),
         kind,
         include_usage: common.include_usage(),
     };

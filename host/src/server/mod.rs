@@ -15,13 +15,23 @@
 //!      -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 //! ```
 //!
+//! Also llama-server's `GET /props` (the sampling defaults, the context, the
+//! chat template), `POST /tokenize` (`content`, `add_special`,
+//! `with_pieces`), `POST /detokenize` (`tokens`) and `POST /apply-template`
+//! (`messages`: the prompt the chat template renders, without generating).
+//!
 //! Request fields used: `messages` / `prompt` (one), `stream`,
 //! `stream_options.include_usage`, `temperature` (default 1), `top_p`,
 //! `min_p`, `top_k`, `seed`, `max_tokens` / `max_completion_tokens` (clamped to
-//! the context), `stop` (string or up to 16), `n` (1 only),
+//! the context), `stop` (string or up to 16), `n` (1 only), `model` (the
+//! served id or absent; another name is a 404),
 //! `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2]) and
-//! llama.cpp's `repeat_penalty` / `repeat_last_n` (64 by default). Others
-//! (`model`, `logit_bias`, tools, ...) are accepted and ignored. Responses
+//! llama.cpp's `repeat_penalty` / `repeat_last_n` (64 by default); a field
+//! left out takes the server's default (`serve --temp ...`, else the GGUF's
+//! `general.sampling.*`, else llama-server's 0.8 / 40 / 0.95 / 0.05).
+//! Fields not implemented yet (`tools`, `response_format`, `logprobs`,
+//! `logit_bias`, ...) are refused with a 400 naming the field when they ask
+//! for something; other unknown fields are ignored. Responses
 //! add `usage.prompt_tokens_details.cached_tokens` (prefix reuse) and a
 //! `timings` object.
 
@@ -85,6 +95,8 @@ pub struct ServeOptions {
     pub write_timeout: Duration,
     /// A request still waiting for a sequence slot after this gets 503.
     pub queue_timeout: Duration,
+    /// What a request gets for each sampling field it leaves out.
+    pub sampling: crate::sample::SamplerConfig,
 }
 
 impl Default for ServeOptions {
@@ -105,6 +117,7 @@ impl Default for ServeOptions {
             body_timeout: Duration::from_secs(60),
             write_timeout: Duration::from_secs(60),
             queue_timeout: Duration::from_secs(300),
+            sampling: crate::sample::SamplerConfig::llama_server(),
         }
     }
 }

@@ -105,6 +105,13 @@ async function main() {
     await page.dispatchEvent("#apikey", "change");
     await page.waitForFunction(() => /^model: gemma/.test(document.getElementById("model").textContent), null, { timeout: 10000 });
     check(true, "the page names the served model once the key is entered");
+    // The sampling fields a person has not set show the server's defaults (GET /props).
+    const props = await api("/props");
+    const dflt = props.default_generation_settings.params;
+    await page.waitForFunction((t) => document.getElementById("top_k").value === String(t), dflt.top_k, { timeout: 10000 }).catch(() => {});
+    const shownDefaults = await page.evaluate(() => ["temperature", "top_p", "top_k", "min_p"].map((k) => parseFloat(document.getElementById(k).value)));
+    check(JSON.stringify(shownDefaults) === JSON.stringify([dflt.temperature, dflt.top_p, dflt.top_k, dflt.min_p].map((v) => parseFloat(String(v)))),
+      "the page's sampling defaults are the server's: " + JSON.stringify(shownDefaults) + " vs " + JSON.stringify(dflt));
 
     // Markdown, from a conversation seeded in the page's storage format.
     await page.evaluate(({ md, user }) => {
