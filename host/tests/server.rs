@@ -520,5 +520,10 @@ fn llama_server_routes_defaults_and_refusals() {
     // Harmless values of the same fields pass.
     let ok = c.post("/v1/chat/completions", &json!({"messages": msgs, "max_tokens": 1, "tools": [], "logprobs": false, "response_format": {"type": "text"}}));
     assert_eq!(ok.status, 200, "{}", ok.text());
+    // /metrics: time to first token and the latest step's rows.
+    let mt = metrics(&c);
+    assert!(mt["mean_time_to_first_token_ms"].as_f64().unwrap() > 0.0 && mt["last_step_rows"].as_u64().unwrap() >= 1, "{mt}");
+    let prom = c.get("/metrics").text();
+    assert!(prom.contains("pulsar_time_to_first_token_ms ") && prom.contains("pulsar_last_step_rows "), "{prom}");
     srv.shutdown().unwrap();
 }

@@ -31,6 +31,11 @@ pub struct Metrics {
     pub steps_total: AtomicU64,
     pub step_rows_total: AtomicU64,
     pub step_seconds_total_us: AtomicU64,
+    /// Rows of the latest batched step.
+    pub last_step_rows: AtomicU64,
+    /// Time to first token (queued to first token), summed, and how many.
+    pub ttft_total_us: AtomicU64,
+    pub ttft_count: AtomicU64,
     /// Recent steps: (when, prompt rows, generated tokens).
     recent: Mutex<VecDeque<(Instant, u64, u64)>>,
     /// Sequence slots of the pool (fixed at start).
@@ -54,6 +59,10 @@ pub struct Snapshot {
     pub steps_total: u64,
     /// Mean rows per batched step (sequences sharing one forward pass).
     pub mean_rows_per_step: f64,
+    /// Rows of the latest step.
+    pub last_step_rows: u64,
+    /// Mean time from a request's arrival to its first token, ms (0 before one).
+    pub mean_time_to_first_token_ms: f64,
     /// Generated tokens per second over the last 10 s.
     pub generation_tokens_per_second: f64,
     /// Prompt tokens processed per second over the last 10 s.
@@ -71,6 +80,7 @@ impl Metrics {
     pub fn step(&self, rows: u64, prompt_rows: u64, generated: u64, took: Duration) {
         self.steps_total.fetch_add(1, Relaxed);
         self.step_rows_total.fetch_add(rows, Relaxed);
+        self.last_step_rows.store(rows, Relaxed);
         self.step_seconds_total_us.fetch_add(took.as_micros() as u64, Relaxed);
         self.prompt_tokens_total.fetch_add(prompt_rows, Relaxed);
         self.completion_tokens_total.fetch_add(generated, Relaxed);
@@ -80,6 +90,12 @@ impl Metrics {
         while r.front().is_some_and(|&(t, _, _)| now.duration_since(t) > WINDOW) {
             r.pop_front();
         }
+    }
+
+    /// Record a request's first token, `waited` after it was queued.
+    pub fn first_token(&self, waited: Duration) {
+        self.ttft_total_us.fetch_add(waited.as_micros() as u64, Relaxed);
+        self.ttft_count.fetch_add(1, Relaxed);
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -108,6 +124,11 @@ impl Metrics {
             completion_tokens_total: self.completion_tokens_total.load(Relaxed),
             steps_total: steps,
             mean_rows_per_step: if steps > 0 { self.step_rows_total.load(Relaxed) as f64 / steps as f64 } else { 0.0 },
+            last_step_rows: self.last_step_rows.load(Relaxed),
+            mean_time_to_first_token_ms: match self.ttft_count.load(Relaxed) {
+                0 => 0.0,
+                n => self.ttft_total_us.load(Relaxed) as f64 / n as f64 / 1e3,
+            },
             generation_tokens_per_second: g as f64 / secs,
             prompt_tokens_per_second: p as f64 / secs,
             expert_tier_hit_rates: self.tier_stats.as_ref().map(|f| f()),
@@ -133,6 +154,8 @@ impl Snapshot {
         put("completion_tokens_total", "counter", "Tokens generated.", self.completion_tokens_total as f64);
         put("steps_total", "counter", "Batched forward steps.", self.steps_total as f64);
         put("rows_per_step", "gauge", "Mean rows per batched step.", self.mean_rows_per_step);
+        put("last_step_rows", "gauge", "Rows of the latest batched step.", self.last_step_rows as f64);
+        put("time_to_first_token_ms", "gauge", "Mean time from a request's arrival to its first token.", self.mean_time_to_first_token_ms);
         put("generation_tokens_per_second", "gauge", "Generated tokens per second, last 10 s.", self.generation_tokens_per_second);
         put("prompt_tokens_per_second", "gauge", "Prompt tokens per second, last 10 s.", self.prompt_tokens_per_second);
         match self.expert_tier_hit_rates.as_ref().and_then(|v| v.as_object()) {

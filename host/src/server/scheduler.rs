@@ -339,6 +339,7 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
             if !a.prefilled {
                 a.prefilled = true;
                 a.first_token = Some(Instant::now());
+                m.first_token(a.job.enqueued.elapsed());
             }
             let t = a.sampler.sample(row);
             if p.stop_ids.contains(&t) {
