@@ -220,9 +220,6 @@ fn available_memory() -> Option<u64> {
 pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     check_flags(&a)?;
     ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
-    if ctx.print_config {
-        eprint!("{}", ctx.cfg.print());
-    }
     let model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     if n_ctx == 0 {
@@ -235,6 +232,20 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
     let sampling = sampling_defaults(&a, model.file.metadata())?;
+    if ctx.print_config {
+        // The sampling defaults come from the flags, then the model file.
+        let src = |given: bool| if given { crate::config::Source::Flag } else { crate::config::Source::Default };
+        for (k, v, given) in [
+            ("temp", sampling.temperature.to_string(), a.temp.is_some()),
+            ("top_k", sampling.top_k.to_string(), a.top_k.is_some()),
+            ("top_p", sampling.top_p.to_string(), a.top_p.is_some()),
+            ("min_p", sampling.min_p.to_string(), a.min_p.is_some()),
+            ("repeat_penalty", sampling.repeat_penalty.to_string(), a.repeat_penalty.is_some()),
+        ] {
+            ctx.cfg.rows.push((k.into(), v, src(given)));
+        }
+        eprint!("{}", ctx.cfg.print());
+    }
     tracing::info!(
         "sampling defaults: temperature {}, top-k {}, top-p {}, min-p {}, repeat penalty {}",
         sampling.temperature,
