@@ -13,6 +13,8 @@ pub enum Source {
     Flag,
     Env,
     File,
+    /// The model file's own recommendation (e.g. `general.sampling.*`).
+    Model,
     Default,
 }
 
@@ -22,6 +24,7 @@ impl fmt::Display for Source {
             Source::Flag => "flag",
             Source::Env => "env",
             Source::File => "config file",
+            Source::Model => "model file",
             Source::Default => "default",
         })
     }

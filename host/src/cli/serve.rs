@@ -234,15 +234,24 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
     let sampling = sampling_defaults(&a, model.file.metadata())?;
     if ctx.print_config {
         // The sampling defaults come from the flags, then the model file.
-        let src = |given: bool| if given { crate::config::Source::Flag } else { crate::config::Source::Default };
-        for (k, v, given) in [
-            ("temp", sampling.temperature.to_string(), a.temp.is_some()),
-            ("top_k", sampling.top_k.to_string(), a.top_k.is_some()),
-            ("top_p", sampling.top_p.to_string(), a.top_p.is_some()),
-            ("min_p", sampling.min_p.to_string(), a.min_p.is_some()),
-            ("repeat_penalty", sampling.repeat_penalty.to_string(), a.repeat_penalty.is_some()),
+        let meta = model.file.metadata();
+        let in_file = |k: &str| {
+            let key = format!("general.sampling.{k}");
+            meta.get_f32(&key).ok().flatten().is_some() || meta.get_u32(&key).ok().flatten().is_some()
+        };
+        let src = |given: bool, key: &str| match (given, in_file(key)) {
+            (true, _) => crate::config::Source::Flag,
+            (false, true) => crate::config::Source::Model,
+            _ => crate::config::Source::Default,
+        };
+        for (k, v, given, key) in [
+            ("temp", sampling.temperature.to_string(), a.temp.is_some(), "temp"),
+            ("top_k", sampling.top_k.to_string(), a.top_k.is_some(), "top_k"),
+            ("top_p", sampling.top_p.to_string(), a.top_p.is_some(), "top_p"),
+            ("min_p", sampling.min_p.to_string(), a.min_p.is_some(), "min_p"),
+            ("repeat_penalty", sampling.repeat_penalty.to_string(), a.repeat_penalty.is_some(), "penalty_repeat"),
         ] {
-            ctx.cfg.rows.push((k.into(), v, src(given)));
+            ctx.cfg.rows.push((k.into(), v, src(given, key)));
         }
         eprint!("{}", ctx.cfg.print());
     }
