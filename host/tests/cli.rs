@@ -187,14 +187,28 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
 
 #[test]
 fn serve_reports_store_tiers_and_saves_the_census_on_sigterm() {
-    use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_model(dir.path());
+    // Resident experts: the mapped tier serves them.
+    let tiers = serve_once(&m, &[]);
+    assert!(tiers["resident"].as_f64().unwrap() > 0.0, "{tiers}");
+    assert!(pulsar_store::sidecar_path(&m).is_file(), "no census sidecar after shutdown");
+    // --host-cache far below the experts: the disk tier reads them.
+    let tiers = serve_once(&m, &["--host-cache", "0.0006"]);
+    assert!(tiers["disk"].as_f64().unwrap() > 0.0 && tiers["resident"].as_f64().unwrap() == 0.0, "{tiers}");
+}
+
+/// Start `serve`, run one completion, read the expert tiers' hit rates from
+/// /metrics, stop it with SIGTERM (it must exit 0).
+fn serve_once(m: &Path, extra: &[&str]) -> serde_json::Value {
+    use std::io::BufRead;
     let mut child = bin()
         .args(["serve", "-m"])
-        .arg(&m)
+        .arg(m)
         .args(["--port", "0", "--plugin-dir"])
         .arg(staged_plugins())
+        .args(extra)
+        .env_remove("PULSAR_CACHE_GB")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -210,12 +224,10 @@ fn serve_reports_store_tiers_and_saves_the_census_on_sigterm() {
     let body = http(&addr, "POST", "/v1/completions", r#"{"prompt":"hello","max_tokens":4}"#);
     assert!(body.contains("\"choices\""), "{body}");
     let metrics: serde_json::Value = serde_json::from_str(&http(&addr, "GET", "/metrics?format=json", "")).unwrap();
-    let tiers = &metrics["expert_tier_hit_rates"];
-    assert!(tiers["resident"].as_f64().unwrap() > 0.0, "{metrics}");
     Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
     let st = child.wait().unwrap();
     assert!(st.success(), "serve exited with {st}");
-    assert!(pulsar_store::sidecar_path(&m).is_file(), "no census sidecar after shutdown");
+    metrics["expert_tier_hit_rates"].clone()
 }
 
 /// `serve` refuses at start, in one line naming the flag, what it used to

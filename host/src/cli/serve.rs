@@ -67,6 +67,11 @@ pub struct Args {
     /// Use this plugin instead of the one `general.architecture` selects.
     #[arg(long, value_name = "NAME")]
     pub arch_plugin: Option<String>,
+    /// Host RAM for the expert cache, in GiB (default: everything resident when
+    /// the experts fit in available memory, else a budget solved from
+    /// MemAvailable); experts beyond it are read from disk as requests route to them.
+    #[arg(long, env = "PULSAR_CACHE_GB", value_name = "GB")]
+    pub host_cache: Option<f64>,
     /// Default temperature of requests that give none (else the GGUF's
     /// `general.sampling.temp`, else 0.8).
     #[arg(long, visible_alias = "temperature", help_heading = "Sampling defaults")]
@@ -217,8 +222,9 @@ fn available_memory() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
+pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     check_flags(&a)?;
+    a.host_cache = ctx.cfg.settle_opt(&ctx.sub, "host_cache", "host_cache_gb", a.host_cache, ctx.file.host_cache_gb);
     ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
     let model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
@@ -281,7 +287,7 @@ pub fn main(mut ctx: Ctx, a: Args) -> anyhow::Result<ExitCode> {
         write_timeout: Duration::from_secs(a.write_timeout),
         queue_timeout: Duration::from_secs(a.queue_timeout),
     };
-    let store = crate::experts::experts_for(&model, None)?.map(Arc::new);
+    let store = crate::experts::experts_for(&model, a.host_cache)?.map(Arc::new);
     let experts: Arc<dyn crate::cpu::ExpertSource + Send + Sync> = match &store {
         Some(s) => s.clone(),
         None => Arc::new(MappedExperts),
