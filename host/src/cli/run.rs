@@ -14,6 +14,7 @@ use crate::config;
 use crate::cpu::{CpuBackend, ExpertSource, MappedExperts};
 use crate::cuda::{CudaEngine, CudaKv, CudaModel};
 use crate::engine::Engine;
+use crate::server::stop_ids;
 use crate::session::{open_device, reuse_prefix, Session, CHAT_CHECKPOINTS};
 use crate::model::Model;
 use crate::sample::{argmax, Sampler, SamplerConfig};
@@ -422,19 +423,6 @@ fn generate(a: &Args, model: &Model, tok: &Tokenizer, engine: &mut dyn Session, 
     eprintln!("[{}]", reason.label());
     eprintln!("{}", Timing { load_secs: Some(load_secs), prefill_tokens: prompt.len(), prefill_secs, decode_tokens, decode_secs }.line());
     Ok(ExitCode::SUCCESS)
-}
-
-/// Token ids that end a turn: the vocabulary's stops plus the plugin's markers.
-fn stop_ids(model: &Model, tok: &Tokenizer) -> Vec<u32> {
-    let mut v: Vec<u32> = tok.stop_tokens().to_vec();
-    for m in model.chat.stop_markers.iter() {
-        if let Some(id) = tok.token_id(m.as_str()) {
-            v.push(id);
-        }
-    }
-    v.sort_unstable();
-    v.dedup();
-    v
 }
 
 fn decode_consistency(engine: &mut dyn Session, prompt: &[u32], n: usize) -> anyhow::Result<ExitCode> {
