@@ -13,6 +13,8 @@ use rayon::ThreadPool;
 use crate::error::QuantError;
 use crate::isa::Kernels;
 use crate::quant::{check_dot, row_bytes, ActFormat, Activations};
+#[cfg(target_arch = "x86_64")]
+use crate::quant::gemm32;
 
 /// A `[rows x cols]` weight matrix of one GGUF type, rows laid end to end.
 #[derive(Clone, Copy, Debug)]
@@ -76,12 +78,29 @@ impl<'a> WeightMatrix<'a> {
     }
 }
 
+/// Tokens from which a 32-block weight tile is repacked once for the chunk
+/// ([`crate::quant::gemm32`]) instead of dotted row by row per token.
+const GEMM_MIN_TOKENS: usize = 4;
+
 /// Bytes of weight rows one task walks once per token (they stay in L2).
 const ROW_TILE_BYTES: usize = 64 * 1024;
 /// Below this many weight bytes, threads cost more than they save.
 const SERIAL_BYTES: usize = 256 * 1024;
 
 impl Kernels {
+    /// The repacking GEMM's format and activation sums, where it serves `w`
+    /// for `n` tokens at this ISA.
+    #[cfg(target_arch = "x86_64")]
+    fn gemm32(&self, w: &WeightMatrix<'_>, x: &Activations) -> Option<(gemm32::Fmt, gemm32::ActSums)> {
+        if x.rows() < GEMM_MIN_TOKENS || self.isa() != crate::isa::Isa::Avx512Vnni {
+            return None;
+        }
+        let fmt = gemm32::Fmt::of(w.ty())?;
+        let nb = w.row_bytes() / fmt.block_bytes();
+        let rows = (0..x.rows()).map(|t| x.row(t).expect("t < rows").bytes());
+        Some((fmt, gemm32::ActSums::new(rows, nb)))
+    }
+
     /// `y = W x` for one activation row (`x.rows() == 1`); `y` has `w.rows()` values.
     pub fn matvec(
         &self,
@@ -155,9 +174,24 @@ impl Kernels {
             .next_multiple_of(Kernels::DOT_ROWS_GROUP)
             .min(rows);
 
+        #[cfg(target_arch = "x86_64")]
+        let gemm = self.gemm32(w, x);
         let run = |r0: usize, outs: &mut [&mut [f32]]| {
             let r1 = (r0 + chunk).min(rows);
             let tile = &w.data()[r0 * w.row_bytes()..r1 * w.row_bytes()];
+            #[cfg(target_arch = "x86_64")]
+            if let Some((fmt, sums)) = &gemm {
+                let xs: Vec<&[u8]> = (0..n).map(|t| x.row(t).expect("t < n").bytes()).collect();
+                let mut packed = Vec::new();
+                let nb = w.row_bytes() / fmt.block_bytes();
+                // SAFETY: `gemm32` returned a format only at Avx512Vnni; the tile
+                // holds r1 - r0 rows of `nb` blocks and every token as many.
+                unsafe {
+                    gemm32::repack(*fmt, tile, r1 - r0, w.row_bytes(), &mut packed);
+                    gemm32::gemm(*fmt, &packed, nb, &xs, sums, outs);
+                }
+                return;
+            }
             for (t, out) in outs.iter_mut().enumerate() {
                 let xr = x.row(t).expect("t < n");
                 self.dot_rows_checked(w.ty(), tile, xr, out);

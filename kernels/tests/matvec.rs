@@ -143,3 +143,32 @@ fn shapes_and_formats_are_checked() {
         Err(QuantError::WrongActivationFormat { .. })
     ));
 }
+
+/// The prefill GEMM of the 32-value block formats (a tile repacked once for
+/// the chunk, sixteen rows per vector) against the scalar reference dot of
+/// every (row, token), across row tails and token tails.
+#[test]
+fn block32_gemm_is_the_scalar_dot_of_every_row_and_token() {
+    let pools = [pool(1), pool(2)];
+    let fast = Kernels::detect();
+    let scalar = Kernels::scalar();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1] {
+        for (rows, cols) in [(1, 32), (15, 96), (16, 640), (37, 320), (300, 640)] {
+            let data = random_blocks(ty, rows * cols / 32, 41 + rows as u64).unwrap();
+            let w = WeightMatrix::new(ty, &data, rows, cols).unwrap();
+            for n_tok in [4, 5, 7, 33] {
+                let x = random_values(n_tok * cols, 43 + n_tok as u64);
+                let a = Activations::for_weight(ty, &x, cols).unwrap();
+                let want: Vec<f32> = (0..n_tok)
+                    .flat_map(|t| (0..rows).map(move |r| (t, r)))
+                    .map(|(t, r)| scalar.dot(ty, w.row(r), a.row(t).unwrap()).unwrap())
+                    .collect();
+                for p in &pools {
+                    let mut y = vec![f32::NAN; n_tok * rows];
+                    fast.matmul(p, &w, &a, &mut y).unwrap();
+                    assert_eq!(bits(&y), bits(&want), "{ty} {rows}x{cols} n_tok={n_tok} {}", fast.isa());
+                }
+            }
+        }
+    }
+}

@@ -40,6 +40,8 @@ macro_rules! row_groups {
 mod activations;
 mod block32;
 mod fit;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod gemm32;
 pub(crate) mod float_dot;
 #[rustfmt::skip]
 pub(crate) mod iq_tables;

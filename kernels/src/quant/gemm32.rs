@@ -1,0 +1,245 @@
+//! Prefill GEMM for the 32-value block formats (q8_0, q4_0, q4_1, q5_0, q5_1
+//! against q8_0 activations): a tile of weight rows is decoded and repacked
+//! once, then every token of the chunk is dotted against it.
+//!
+//! Exactness: each output equals the format's scalar `dot` bit for bit. Per
+//! block the integer sum `s = sum(q y)` is exact in any order; the block
+//! value `(d_w * d_x) * s` (plus `(m_w * d_x) * sy`) is formed with separate
+//! vector `mul`/`add` (the reference has no FMA); and each (row, token) has
+//! its own f32 accumulator that takes the block values in block order. The
+//! lanes of a vector are sixteen rows, so there is no serial chain per row
+//! and no horizontal reduction at all.
+//!
+//! Repacked layout, per group of 16 rows and per block: eight 64-byte
+//! vectors, vector c lane j holding bytes `4c..4c+4` of row j's levels as
+//! unsigned bytes `q + offset` (`vpdpbusd` multiplies unsigned by signed
+//! bytes: `sum((q + o) y) - o * sum(y)` is the signed sum), then the 16
+//! rows' `d` as f32, then (formats with a min) the 16 rows' `m`.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use pulsar_gguf::GgmlType;
+
+use super::q8_0;
+use crate::simd::*;
+
+/// Rows per repacked group (the lanes of a 512-bit f32 vector).
+pub(crate) const GROUP: usize = 16;
+/// Tokens dotted against one load of a block's weight vectors.
+const TOKENS: usize = 4;
+
+/// A 32-value block format as the repacker needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fmt {
+    bytes: usize,
+    /// Added to each level to make it an unsigned byte.
+    offset: i32,
+    /// The block has an f16 min at byte 2 (value = d * q + m).
+    mins: bool,
+    kind: Kind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+}
+
+impl Fmt {
+    pub(crate) fn of(ty: GgmlType) -> Option<Fmt> {
+        let f = |bytes, offset, mins, kind| Some(Fmt { bytes, offset, mins, kind });
+        match ty {
+            GgmlType::Q8_0 => f(34, 128, false, Kind::Q8_0),
+            GgmlType::Q4_0 => f(18, 8, false, Kind::Q4_0),
+            GgmlType::Q4_1 => f(20, 0, true, Kind::Q4_1),
+            GgmlType::Q5_0 => f(22, 16, false, Kind::Q5_0),
+            GgmlType::Q5_1 => f(24, 0, true, Kind::Q5_1),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one weight block.
+    pub(crate) fn block_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Bytes of one repacked block of a group.
+    fn packed(&self) -> usize {
+        8 * 64 + 64 + if self.mins { 64 } else { 0 }
+    }
+
+    /// The 32 levels of the block at `w[ow..]` as unsigned bytes `q + offset`.
+    ///
+    /// # Safety
+    /// AVX-512 BW/VL; the block lies inside `w`.
+    #[inline(always)]
+    unsafe fn levels(&self, w: &[u8], ow: usize) -> __m256i {
+        unsafe {
+            let five = |qs: usize, qh: usize| {
+                let hi = _mm256_and_si256(_mm256_movm_epi8(ld_u32(w, ow + qh)), _mm256_set1_epi8(0x10));
+                _mm256_or_si256(nibbles_lo_hi(load128(w, ow + qs)), hi)
+            };
+            match self.kind {
+                Kind::Q8_0 => _mm256_xor_si256(load256(w, ow + 2), _mm256_set1_epi8(-128)),
+                Kind::Q4_0 => nibbles_lo_hi(load128(w, ow + 2)),
+                Kind::Q4_1 => nibbles_lo_hi(load128(w, ow + 4)),
+                Kind::Q5_0 => five(6, 2),
+                Kind::Q5_1 => five(8, 4),
+            }
+        }
+    }
+}
+
+/// Per token and block of the activations: `d_x` and the exact `sum(y)`.
+pub(crate) struct ActSums {
+    pub(crate) dx: Vec<f32>,
+    pub(crate) sy: Vec<i32>,
+}
+
+impl ActSums {
+    /// For `rows` of q8_0 activations of `nb` blocks each.
+    pub(crate) fn new<'a>(rows: impl Iterator<Item = &'a [u8]>, nb: usize) -> ActSums {
+        let (mut dx, mut sy) = (Vec::new(), Vec::new());
+        for x in rows {
+            for b in 0..nb {
+                let blk = &x[b * q8_0::BYTES..(b + 1) * q8_0::BYTES];
+                dx.push(super::rd_f16(blk, 0));
+                sy.push(blk[2..].iter().map(|&y| y as i8 as i32).sum());
+            }
+        }
+        ActSums { dx, sy }
+    }
+}
+
+/// Repack `n_rows` rows of `fmt` (`rb` bytes each, `nb` blocks) into `out`,
+/// in groups of 16 (rows past the end are zero and their lanes unused).
+///
+/// # Safety
+/// AVX-512 F/BW/VL; `w` holds `n_rows` rows of `rb` bytes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &mut Vec<u8>) {
+    let nb = rb / fmt.bytes;
+    let groups = n_rows.div_ceil(GROUP);
+    let pb = fmt.packed();
+    out.clear();
+    out.resize(groups * nb * pb, 0);
+    let mut lv = [[0u32; 8]; GROUP];
+    for g in 0..groups {
+        let rows = (n_rows - g * GROUP).min(GROUP);
+        for b in 0..nb {
+            let o = (g * nb + b) * pb;
+            let dst = &mut out[o..o + pb];
+            for (j, l) in lv.iter_mut().enumerate() {
+                if j < rows {
+                    let ow = (g * GROUP + j) * rb + b * fmt.bytes;
+                    // SAFETY: the block lies inside row g*16+j of `w`.
+                    unsafe { _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, fmt.levels(w, ow)) };
+                    let d = super::rd_f16(&w[ow..], 0);
+                    dst[512 + 4 * j..516 + 4 * j].copy_from_slice(&d.to_le_bytes());
+                    if fmt.mins {
+                        let m = super::rd_f16(&w[ow..], 2);
+                        dst[576 + 4 * j..580 + 4 * j].copy_from_slice(&m.to_le_bytes());
+                    }
+                } else {
+                    *l = [0; 8];
+                }
+            }
+            for c in 0..8 {
+                for (j, l) in lv.iter().enumerate() {
+                    let at = 64 * c + 4 * j;
+                    dst[at..at + 4].copy_from_slice(&l[c].to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// `outs[t][r] = dot(row r, token t)` for the rows repacked in `packed` (the
+/// first `outs[t].len()` of them) and the tokens `xs` (q8_0 rows of `nb`
+/// blocks) with their [`ActSums`] (token t's at index t).
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI; `packed` is [`repack`]'s output for at least
+/// `outs[t].len()` rows of `nb` blocks; every `xs[t]` holds `nb` blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn gemm(
+    fmt: Fmt,
+    packed: &[u8],
+    nb: usize,
+    xs: &[&[u8]],
+    sums: &ActSums,
+    outs: &mut [&mut [f32]],
+) {
+    let n_rows = outs.first().map_or(0, |o| o.len());
+    let mut t0 = 0;
+    // SAFETY: as the caller promises; each call stays in its tokens and groups.
+    unsafe {
+        while t0 < xs.len() {
+            let n = (xs.len() - t0).min(TOKENS);
+            for g in 0..n_rows.div_ceil(GROUP) {
+                let at = |k: usize| (xs[t0 + k], t0 + k);
+                match n {
+                    4 => group::<4>(fmt, packed, nb, g, [at(0), at(1), at(2), at(3)], sums, &mut outs[t0..t0 + 4]),
+                    3 => group::<3>(fmt, packed, nb, g, [at(0), at(1), at(2)], sums, &mut outs[t0..t0 + 3]),
+                    2 => group::<2>(fmt, packed, nb, g, [at(0), at(1)], sums, &mut outs[t0..t0 + 2]),
+                    _ => group::<1>(fmt, packed, nb, g, [at(0)], sums, &mut outs[t0..t0 + 1]),
+                }
+            }
+            t0 += n;
+        }
+    }
+}
+
+/// Group `g` of 16 rows against `T` tokens.
+#[inline(always)]
+unsafe fn group<const T: usize>(
+    fmt: Fmt,
+    packed: &[u8],
+    nb: usize,
+    g: usize,
+    xs: [(&[u8], usize); T],
+    sums: &ActSums,
+    outs: &mut [&mut [f32]],
+) {
+    let pb = fmt.packed();
+    // SAFETY: every load lies in group g's repacked blocks or in block b of a
+    // token's row (its quants at bytes 2..34).
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..nb {
+            let o = (g * nb + b) * pb;
+            let wv: [__m512i; 8] = std::array::from_fn(|c| load512(packed, o + 64 * c));
+            let dw = _mm512_loadu_ps(packed.as_ptr().add(o + 512) as *const f32);
+            for (t, &(x, si)) in xs.iter().enumerate() {
+                let ox = b * q8_0::BYTES + 2;
+                let mut s = _mm512_setzero_si512();
+                for (c, w) in wv.iter().enumerate() {
+                    s = _mm512_dpbusd_epi32(s, *w, _mm512_set1_epi32(ld_u32(x, ox + 4 * c) as i32));
+                }
+                let k = si * nb + b;
+                let sy = sums.sy[k];
+                if fmt.offset != 0 {
+                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(fmt.offset * sy));
+                }
+                let dx = _mm512_set1_ps(sums.dx[k]);
+                let mut v = _mm512_mul_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s));
+                if fmt.mins {
+                    let mw = _mm512_loadu_ps(packed.as_ptr().add(o + 576) as *const f32);
+                    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(mw, dx), _mm512_set1_ps(sy as f32)));
+                }
+                acc[t] = _mm512_add_ps(acc[t], v);
+            }
+        }
+        let r0 = g * GROUP;
+        for (t, out) in outs.iter_mut().enumerate() {
+            let n = (out.len() - r0).min(GROUP);
+            let mask: __mmask16 = if n == GROUP { 0xffff } else { (1u16 << n) - 1 };
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(r0), mask, acc[t]);
+        }
+    }
+}
