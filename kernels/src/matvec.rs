@@ -14,7 +14,14 @@ use crate::error::QuantError;
 use crate::isa::Kernels;
 use crate::quant::{check_dot, row_bytes, ActFormat, Activations};
 #[cfg(target_arch = "x86_64")]
-use crate::quant::gemm32;
+use crate::quant::{gemm32, gemm_k};
+
+/// A repacking prefill GEMM chosen for one matmul.
+#[cfg(target_arch = "x86_64")]
+enum Gemm {
+    B32(gemm32::Fmt, gemm32::ActSums),
+    K(gemm_k::Fmt),
+}
 
 /// A `[rows x cols]` weight matrix of one GGUF type, rows laid end to end.
 #[derive(Clone, Copy, Debug)]
@@ -78,8 +85,8 @@ impl<'a> WeightMatrix<'a> {
     }
 }
 
-/// Tokens from which a 32-block weight tile is repacked once for the chunk
-/// ([`crate::quant::gemm32`]) instead of dotted row by row per token.
+/// Tokens from which a weight tile is repacked once for the chunk
+/// (`quant::gemm32`, `quant::gemm_k`) instead of dotted row by row per token.
 const GEMM_MIN_TOKENS: usize = 4;
 
 /// Bytes of weight rows one task walks once per token (they stay in L2).
@@ -88,17 +95,19 @@ const ROW_TILE_BYTES: usize = 64 * 1024;
 const SERIAL_BYTES: usize = 256 * 1024;
 
 impl Kernels {
-    /// The repacking GEMM's format and activation sums, where it serves `w`
-    /// for `n` tokens at this ISA.
+    /// The repacking GEMM that serves `w` for the tokens `x` at this ISA, if any.
     #[cfg(target_arch = "x86_64")]
-    fn gemm32(&self, w: &WeightMatrix<'_>, x: &Activations) -> Option<(gemm32::Fmt, gemm32::ActSums)> {
+    fn gemm_for(&self, w: &WeightMatrix<'_>, x: &Activations) -> Option<Gemm> {
         if x.rows() < GEMM_MIN_TOKENS || self.isa() != crate::isa::Isa::Avx512Vnni {
             return None;
+        }
+        if let Some(fmt) = gemm_k::Fmt::of(w.ty()) {
+            return Some(Gemm::K(fmt));
         }
         let fmt = gemm32::Fmt::of(w.ty())?;
         let nb = w.row_bytes() / fmt.block_bytes();
         let rows = (0..x.rows()).map(|t| x.row(t).expect("t < rows").bytes());
-        Some((fmt, gemm32::ActSums::new(rows, nb)))
+        Some(Gemm::B32(fmt, gemm32::ActSums::new(rows, nb)))
     }
 
     /// `y = W x` for one activation row (`x.rows() == 1`); `y` has `w.rows()` values.
@@ -175,20 +184,27 @@ impl Kernels {
             .min(rows);
 
         #[cfg(target_arch = "x86_64")]
-        let gemm = self.gemm32(w, x);
+        let gemm = self.gemm_for(w, x);
         let run = |r0: usize, outs: &mut [&mut [f32]]| {
             let r1 = (r0 + chunk).min(rows);
             let tile = &w.data()[r0 * w.row_bytes()..r1 * w.row_bytes()];
             #[cfg(target_arch = "x86_64")]
-            if let Some((fmt, sums)) = &gemm {
+            if let Some(gemm) = &gemm {
                 let xs: Vec<&[u8]> = (0..n).map(|t| x.row(t).expect("t < n").bytes()).collect();
                 let mut packed = Vec::new();
-                let nb = w.row_bytes() / fmt.block_bytes();
-                // SAFETY: `gemm32` returned a format only at Avx512Vnni; the tile
-                // holds r1 - r0 rows of `nb` blocks and every token as many.
+                // SAFETY: `gemm_for` chose a GEMM only at Avx512Vnni; the tile
+                // holds r1 - r0 whole rows and every token row matches them.
                 unsafe {
-                    gemm32::repack(*fmt, tile, r1 - r0, w.row_bytes(), &mut packed);
-                    gemm32::gemm(*fmt, &packed, nb, &xs, sums, outs);
+                    match gemm {
+                        Gemm::B32(fmt, sums) => {
+                            gemm32::repack(*fmt, tile, r1 - r0, w.row_bytes(), &mut packed);
+                            gemm32::gemm(*fmt, &packed, w.row_bytes() / fmt.block_bytes(), &xs, sums, outs);
+                        }
+                        Gemm::K(fmt) => {
+                            gemm_k::repack(*fmt, tile, r1 - r0, w.row_bytes(), &mut packed);
+                            gemm_k::gemm(*fmt, &packed, w.row_bytes() / fmt.block_bytes(), &xs, outs);
+                        }
+                    }
                 }
                 return;
             }

@@ -144,17 +144,20 @@ fn shapes_and_formats_are_checked() {
     ));
 }
 
-/// The prefill GEMM of the 32-value block formats (a tile repacked once for
-/// the chunk, sixteen rows per vector) against the scalar reference dot of
-/// every (row, token), across row tails and token tails.
+/// The repacking prefill GEMMs (the 32-value block formats, q4_K and q6_K: a
+/// tile repacked once for the chunk, sixteen rows per vector) against the
+/// scalar reference dot of every (row, token), across row and token tails.
 #[test]
-fn block32_gemm_is_the_scalar_dot_of_every_row_and_token() {
+fn repacking_gemm_is_the_scalar_dot_of_every_row_and_token() {
     let pools = [pool(1), pool(2)];
     let fast = Kernels::detect();
     let scalar = Kernels::scalar();
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1] {
-        for (rows, cols) in [(1, 32), (15, 96), (16, 640), (37, 320), (300, 640)] {
-            let data = random_blocks(ty, rows * cols / 32, 41 + rows as u64).unwrap();
+    let k_shapes = [(1, 256), (15, 512), (16, 256), (37, 768), (300, 1024)];
+    let b32_shapes = [(1, 32), (15, 96), (16, 640), (37, 320), (300, 640)];
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q4_K, GgmlType::Q6_K] {
+        let shapes = if ty.block_elems() == 256 { k_shapes } else { b32_shapes };
+        for (rows, cols) in shapes {
+            let data = random_blocks(ty, rows * cols / ty.block_elems() as usize, 41 + rows as u64).unwrap();
             let w = WeightMatrix::new(ty, &data, rows, cols).unwrap();
             for n_tok in [4, 5, 7, 33] {
                 let x = random_values(n_tok * cols, 43 + n_tok as u64);

@@ -42,6 +42,8 @@ mod block32;
 mod fit;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod gemm32;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod gemm_k;
 pub(crate) mod float_dot;
 #[rustfmt::skip]
 pub(crate) mod iq_tables;
@@ -89,6 +91,31 @@ pub(crate) fn rd_i16(b: &[u8], off: usize) -> i16 {
 pub(crate) fn rd_f16(b: &[u8], off: usize) -> f32 {
     f16::from_bits(rd_u16(b, off)).to_f32()
 }
+/// `y.round() as i32` (ties away from zero) without the libm call that
+/// baseline x86-64 makes of `f32::round`: the truncation, then one step away
+/// from zero where the (exact) remainder is at least a half. Equal for every
+/// input; the fallback covers |y| >= 2^22, infinities and NaN.
+#[inline(always)]
+pub(crate) fn round_away(y: f32) -> i32 {
+    if !(y.abs() < 4_194_304.0) {
+        return y.round() as i32;
+    }
+    let t = y as i32;
+    let rem = y - t as f32;
+    t + (rem >= 0.5) as i32 - (rem <= -0.5) as i32
+}
+
+/// `y.round_ties_even() as i32` without libm's `rintf`: adding and removing
+/// 1.5 * 2^23 rounds to an integer under the default (ties-to-even) rounding,
+/// exactly for |y| < 2^22; the fallback covers the rest.
+#[inline(always)]
+pub(crate) fn round_even(y: f32) -> i32 {
+    if !(y.abs() < 4_194_304.0) {
+        return y.round_ties_even() as i32;
+    }
+    ((y + 12_582_912.0) - 12_582_912.0) as i32
+}
+
 #[inline(always)]
 pub(crate) fn rd_f32(b: &[u8], off: usize) -> f32 {
     f32::from_bits(rd_u32(b, off))
@@ -380,6 +407,38 @@ unsafe fn dot_avx512(ty: GgmlType, w: &[u8], x: ActRow<'_>) -> f32 {
             // widens anyway. Their AVX-512 speed-up is in `dot_rows` (several
             // rows per activation load, see rows.rs).
             _ => dot_avx2(ty, w, x),
+        }
+    }
+}
+
+#[cfg(test)]
+mod round_tests {
+    use super::{round_away, round_even};
+
+    fn check(y: f32) {
+        assert_eq!(round_away(y), y.round() as i32, "round_away({y:e})");
+        assert_eq!(round_even(y), y.round_ties_even() as i32, "round_even({y:e})");
+    }
+
+    #[test]
+    fn the_fast_roundings_equal_libm_on_ties_neighbours_and_a_bit_sweep() {
+        for k in -3000..3000 {
+            let tie = k as f32 + 0.5;
+            for y in [tie, tie.next_up(), tie.next_down(), k as f32, (k as f32).next_up(), (k as f32).next_down()] {
+                check(y);
+                check(-y);
+            }
+        }
+        // Every 61st bit pattern of the positive floats up to 2^24, both signs.
+        let mut bits = 0u32;
+        while bits < 0x4b80_0000 {
+            let y = f32::from_bits(bits);
+            check(y);
+            check(-y);
+            bits += 61;
+        }
+        for y in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 4_194_304.0, -4_194_303.5, 1e30, -1e30, f32::MIN_POSITIVE, 0.0, -0.0] {
+            check(y);
         }
     }
 }

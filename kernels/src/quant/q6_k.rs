@@ -10,12 +10,12 @@ use super::{q8_k, rd_f16, wr_f16};
 pub(crate) const QK: usize = 256;
 pub(crate) const BYTES: usize = 210;
 const QH: usize = 128;
-const SC: usize = 192;
-const D: usize = 208;
+pub(crate) const SC: usize = 192;
+pub(crate) const D: usize = 208;
 
 /// Unsigned 6-bit level (0..=63) of value `e`.
 #[inline(always)]
-fn level(b: &[u8], e: usize) -> u8 {
+pub(crate) fn level(b: &[u8], e: usize) -> u8 {
     let (c, k, l) = (e / 128, (e % 128) / 32, e % 32);
     let ql = b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2)) & 0x0f;
     let qh = (b[QH + 32 * c + l] >> (2 * k)) & 3;

@@ -25,7 +25,7 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         wr_f16(b, 0, d);
         for (q, &v) in b[2..].iter_mut().zip(x) {
-            *q = ((v * id).round() as i32).clamp(-127, 127) as i8 as u8;
+            *q = super::round_away(v * id).clamp(-127, 127) as i8 as u8;
         }
     }
 }

@@ -33,7 +33,7 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
         }
         let iscale = -127.0 / max;
         for (q, &v) in b[QS..QS + QK].iter_mut().zip(x) {
-            *q = ((iscale * v).round_ties_even() as i32).clamp(-127, 127) as i8 as u8;
+            *q = super::round_even(iscale * v).clamp(-127, 127) as i8 as u8;
         }
         for j in 0..16 {
             let s: i32 = b[QS + 16 * j..QS + 16 * j + 16]

@@ -1,0 +1,242 @@
+//! Prefill GEMM for q4_K and q6_K against q8_K activations, as
+//! [`super::gemm32`] does it for the 32-value blocks: a tile of rows is
+//! decoded and repacked once, sixteen rows to a vector, then dotted against
+//! every token of the chunk.
+//!
+//! Exactness: the reference's integers (`sumi = sum_j sc_j * sum_sub(q y)`,
+//! with q6_K's `- 32 * bsum_j` inside, and q4_K's `summ = sum_j m_j *
+//! pair_bsum_j`) are exact in any order, and the float expression per
+//! superblock (`(dx * d) * sumi`, minus `(dx * dmin) * summ` for q4_K) is
+//! formed lane-wise with separate `mul`/`sub`/`add`, each (row, token) taking
+//! its superblocks in order. So every output is the scalar `dot`'s bits.
+//!
+//! Repacked layout per group of 16 rows and superblock: 64 vectors of levels
+//! (vector c lane j: bytes `4c..4c+4` of row j's 256 unsigned levels), the
+//! sub-block scales as one i32 vector per sub-block, q4_K's mins likewise,
+//! then `d` (and q4_K's `dmin`) as f32 vectors.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use pulsar_gguf::GgmlType;
+
+use super::{q4_k, q6_k, q8_k};
+use crate::simd::*;
+
+/// Rows per repacked group.
+pub(crate) const GROUP: usize = 16;
+/// Tokens dotted against one load of a sub-block's weight vectors.
+const TOKENS: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fmt {
+    Q4K,
+    Q6K,
+}
+
+impl Fmt {
+    pub(crate) fn of(ty: GgmlType) -> Option<Fmt> {
+        match ty {
+            GgmlType::Q4_K => Some(Fmt::Q4K),
+            GgmlType::Q6_K => Some(Fmt::Q6K),
+            _ => None,
+        }
+    }
+    pub(crate) fn block_bytes(self) -> usize {
+        match self {
+            Fmt::Q4K => q4_k::BYTES,
+            Fmt::Q6K => q6_k::BYTES,
+        }
+    }
+    /// Sub-blocks per superblock (each with its own scale).
+    fn subs(self) -> usize {
+        match self {
+            Fmt::Q4K => 8,
+            Fmt::Q6K => 16,
+        }
+    }
+    fn mins(self) -> bool {
+        self == Fmt::Q4K
+    }
+    /// Offsets within a repacked group-superblock.
+    fn scales_at(self) -> usize {
+        64 * 64
+    }
+    fn mins_at(self) -> usize {
+        self.scales_at() + 64 * self.subs()
+    }
+    fn d_at(self) -> usize {
+        self.mins_at() + if self.mins() { 64 * 8 } else { 0 }
+    }
+    fn packed(self) -> usize {
+        self.d_at() + if self.mins() { 128 } else { 64 }
+    }
+    /// Row `b`'s 256 unsigned levels, its sub-block scales and mins, `d`, `dmin`.
+    fn decode(self, b: &[u8], lv: &mut [u8; 256], sc: &mut [i32; 16], mn: &mut [i32; 8]) -> (f32, f32) {
+        match self {
+            Fmt::Q4K => {
+                let (s, m) = q4_k::scales_mins(&b[4..16]);
+                for j in 0..8 {
+                    sc[j] = s[j] as i32;
+                    mn[j] = m[j] as i32;
+                }
+                for c in 0..4 {
+                    for l in 0..32 {
+                        let q = b[16 + 32 * c + l];
+                        lv[64 * c + l] = q & 0x0f;
+                        lv[64 * c + 32 + l] = q >> 4;
+                    }
+                }
+                (super::rd_f16(b, 0), super::rd_f16(b, 2))
+            }
+            Fmt::Q6K => {
+                for (j, s) in sc.iter_mut().enumerate() {
+                    *s = b[q6_k::SC + j] as i8 as i32;
+                }
+                for (e, l) in lv.iter_mut().enumerate() {
+                    *l = q6_k::level(b, e);
+                }
+                (super::rd_f16(b, q6_k::D), 0.0)
+            }
+        }
+    }
+}
+
+/// Repack `n_rows` rows (`rb` bytes, `nb` superblocks each) into `out`, in
+/// groups of 16 (missing rows are zero, their lanes unused).
+pub(crate) fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &mut Vec<u8>) {
+    let nb = rb / fmt.block_bytes();
+    let pb = fmt.packed();
+    let groups = n_rows.div_ceil(GROUP);
+    out.clear();
+    out.resize(groups * nb * pb, 0);
+    let (mut lv, mut sc, mut mn) = ([0u8; 256], [0i32; 16], [0i32; 8]);
+    let put = |dst: &mut [u8], at: usize, v: [u8; 4]| dst[at..at + 4].copy_from_slice(&v);
+    for r in 0..n_rows {
+        let (g, j) = (r / GROUP, r % GROUP);
+        for i in 0..nb {
+            let b = &w[r * rb + i * fmt.block_bytes()..][..fmt.block_bytes()];
+            let (d, dmin) = fmt.decode(b, &mut lv, &mut sc, &mut mn);
+            let dst = &mut out[(g * nb + i) * pb..][..pb];
+            for c in 0..64 {
+                put(dst, 64 * c + 4 * j, [lv[4 * c], lv[4 * c + 1], lv[4 * c + 2], lv[4 * c + 3]]);
+            }
+            for s in 0..fmt.subs() {
+                put(dst, fmt.scales_at() + 64 * s + 4 * j, sc[s].to_le_bytes());
+            }
+            if fmt.mins() {
+                for s in 0..8 {
+                    put(dst, fmt.mins_at() + 64 * s + 4 * j, mn[s].to_le_bytes());
+                }
+                put(dst, fmt.d_at() + 64 + 4 * j, dmin.to_le_bytes());
+            }
+            put(dst, fmt.d_at() + 4 * j, d.to_le_bytes());
+        }
+    }
+}
+
+/// `outs[t][r] = dot(row r, token t)` for the rows in `packed` (the first
+/// `outs[t].len()`) and the q8_K token rows `xs` of `nb` superblocks.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI; `packed` is [`repack`]'s output for at least
+/// `outs[t].len()` rows of `nb` superblocks; every `xs[t]` holds `nb` superblocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn gemm(fmt: Fmt, packed: &[u8], nb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]) {
+    let n_rows = outs.first().map_or(0, |o| o.len());
+    let mut t0 = 0;
+    // SAFETY: as the caller promises; each call stays in its tokens and groups.
+    unsafe {
+        while t0 < xs.len() {
+            let n = (xs.len() - t0).min(TOKENS);
+            for g in 0..n_rows.div_ceil(GROUP) {
+                let o = &mut outs[t0..t0 + n];
+                match (fmt, n) {
+                    (Fmt::Q4K, 4) => group::<4, false>(fmt, packed, nb, g, &xs[t0..t0 + 4], o),
+                    (Fmt::Q4K, 3) => group::<3, false>(fmt, packed, nb, g, &xs[t0..t0 + 3], o),
+                    (Fmt::Q4K, 2) => group::<2, false>(fmt, packed, nb, g, &xs[t0..t0 + 2], o),
+                    (Fmt::Q4K, _) => group::<1, false>(fmt, packed, nb, g, &xs[t0..t0 + 1], o),
+                    (Fmt::Q6K, 4) => group::<4, true>(fmt, packed, nb, g, &xs[t0..t0 + 4], o),
+                    (Fmt::Q6K, 3) => group::<3, true>(fmt, packed, nb, g, &xs[t0..t0 + 3], o),
+                    (Fmt::Q6K, 2) => group::<2, true>(fmt, packed, nb, g, &xs[t0..t0 + 2], o),
+                    (Fmt::Q6K, _) => group::<1, true>(fmt, packed, nb, g, &xs[t0..t0 + 1], o),
+                }
+            }
+            t0 += n;
+        }
+    }
+}
+
+/// Group `g` of 16 rows against `T` tokens; `Q6` picks q6_K (16-value
+/// sub-blocks, levels offset by 32, no mins) over q4_K (32-value sub-blocks, mins).
+#[inline(always)]
+unsafe fn group<const T: usize, const Q6: bool>(
+    fmt: Fmt,
+    packed: &[u8],
+    nb: usize,
+    g: usize,
+    xs: &[&[u8]],
+    outs: &mut [&mut [f32]],
+) {
+    let pb = fmt.packed();
+    let sub = if Q6 { 16 } else { 32 };
+    let words = sub / 4;
+    // SAFETY: every load lies in group g's repacked superblocks or in
+    // superblock i of a token's q8_K row.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); T];
+        for i in 0..nb {
+            let o = (g * nb + i) * pb;
+            let ox = i * q8_k::BYTES;
+            let mut sumi = [_mm512_setzero_si512(); T];
+            for s in 0..fmt.subs() {
+                let wv: [__m512i; 8] = std::array::from_fn(|c| {
+                    if c < words {
+                        load512(packed, o + 64 * (s * words + c))
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                });
+                let sc = load512(packed, o + fmt.scales_at() + 64 * s);
+                for t in 0..T {
+                    let x = xs[t];
+                    let mut dp = _mm512_setzero_si512();
+                    for (c, w) in wv.iter().enumerate().take(words) {
+                        let y = ld_u32(x, ox + q8_k::QS + s * sub + 4 * c) as i32;
+                        dp = _mm512_dpbusd_epi32(dp, *w, _mm512_set1_epi32(y));
+                    }
+                    if Q6 {
+                        let bs = ld_u16(x, ox + q8_k::BSUMS + 2 * s) as i16 as i32;
+                        dp = _mm512_sub_epi32(dp, _mm512_set1_epi32(32 * bs));
+                    }
+                    sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(dp, sc));
+                }
+            }
+            let d = _mm512_loadu_ps(packed.as_ptr().add(o + fmt.d_at()) as *const f32);
+            for t in 0..T {
+                let x = xs[t];
+                let dx = _mm512_set1_ps(ld_f32(x, ox));
+                let mut v = _mm512_mul_ps(_mm512_mul_ps(dx, d), _mm512_cvtepi32_ps(sumi[t]));
+                if !Q6 {
+                    let mut summ = _mm512_setzero_si512();
+                    for s in 0..8 {
+                        let p = ld_u16(x, ox + q8_k::BSUMS + 4 * s) as i16 as i32
+                            + ld_u16(x, ox + q8_k::BSUMS + 4 * s + 2) as i16 as i32;
+                        let m = load512(packed, o + fmt.mins_at() + 64 * s);
+                        summ = _mm512_add_epi32(summ, _mm512_mullo_epi32(m, _mm512_set1_epi32(p)));
+                    }
+                    let dmin = _mm512_loadu_ps(packed.as_ptr().add(o + fmt.d_at() + 64) as *const f32);
+                    v = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(dx, dmin), _mm512_cvtepi32_ps(summ)));
+                }
+                acc[t] = _mm512_add_ps(acc[t], v);
+            }
+        }
+        let r0 = g * GROUP;
+        for (t, out) in outs.iter_mut().enumerate() {
+            let n = (out.len() - r0).min(GROUP);
+            let mask: __mmask16 = if n == GROUP { 0xffff } else { (1u16 << n) - 1 };
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(r0), mask, acc[t]);
+        }
+    }
+}
