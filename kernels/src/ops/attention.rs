@@ -17,6 +17,39 @@ pub struct AttnParams {
     pub softcap: f32,
 }
 
+/// The attention's float loops at the widest level this CPU has (the same
+/// bits at every level: see `float_dot::dot_f32_avx512`).
+#[derive(Clone, Copy)]
+struct Wide(bool);
+
+impl Wide {
+    fn detect() -> Wide {
+        #[cfg(target_arch = "x86_64")]
+        return Wide(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2"));
+        #[cfg(not(target_arch = "x86_64"))]
+        Wide(false)
+    }
+    #[inline(always)]
+    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if self.0 {
+            // SAFETY: detect() saw AVX-512 F and AVX2.
+            return unsafe { crate::quant::float_dot::dot_f32_avx512(a, b) };
+        }
+        crate::quant::float_dot::dot_f32(a, b)
+    }
+    /// `y[i] += w * x[i]`.
+    #[inline(always)]
+    fn axpy(self, y: &mut [f32], w: f32, x: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.0 {
+            // SAFETY: detect() saw AVX-512 F.
+            return unsafe { crate::quant::float_dot::axpy_avx512(y, w, x) };
+        }
+        y.iter_mut().zip(x).for_each(|(a, &b)| *a += w * b);
+    }
+}
+
 /// Keys per split of the CUDA attention (`ATT_CHUNK` in host/cuda/src/ops.rs):
 /// the CPU splits the same way, so both round the same partial sums.
 pub const ATT_CHUNK: usize = 256;
@@ -57,6 +90,7 @@ pub fn attend_rows(
     assert!(p.n_kv_head > 0 && p.n_head % p.n_kv_head == 0);
     let group = p.n_head / p.n_kv_head;
     let n_ctx = k_cache.len() / kw;
+    let wide = Wide::detect();
     let work = |(i, o): (usize, &mut [f32])| {
         let (t, h) = (i / p.n_head, i % p.n_head);
         let pos = positions[t] as usize;
@@ -75,7 +109,7 @@ pub fn attend_rows(
             e.clear();
             e.extend((j0..j1).map(|j| {
                 let kh = &k_cache[j * kw + kvh * dk..][..dk];
-                let s = crate::quant::float_dot::dot_f32(qh, kh) * p.scale;
+                let s = wide.dot(qh, kh) * p.scale;
                 if p.softcap > 0.0 {
                     p.softcap * math::tanh(s / p.softcap)
                 } else {
@@ -86,10 +120,7 @@ pub fn attend_rows(
             e.iter_mut().for_each(|v| *v = math::exp(*v - m));
             ml.push((m, math::block_sum::<f32, ATT_THREADS>(e.iter().copied())));
             for (j, w) in (j0..j1).zip(&e) {
-                let vh = &v_cache[j * vw + kvh * dv..][..dv];
-                for d in 0..dv {
-                    oc[d] += w * vh[d];
-                }
+                wide.axpy(oc, *w, &v_cache[j * vw + kvh * dv..][..dv]);
             }
         }
         let big_m = ml.iter().map(|&(m, _)| m).fold(f32::NEG_INFINITY, f32::max);
