@@ -3,8 +3,10 @@
 //!   (9-64 MB), on one thread and on all threads;
 //! - `dot_cached_<isa>` / `dot_cached_scalar`: 16 rows of 8192 values that stay
 //!   in L2, so the kernel's arithmetic is what is measured;
-//! - `matmul_64tok_<isa>`: a 64-token prefill tile against 4096 x 4096, GB/s of
-//!   weights per pass (each weight is used 64 times).
+//! - `matmul_128tok_<isa>`: a 128-token prefill chunk against 4096 x 4096 (the
+//!   repacking GEMMs where the format has one), GB/s of weights per pass (each
+//!   weight is used 128 times); `matmul_128tok_tokens_<isa>`: the same as
+//!   tokens per second.
 //!
 //!     CARGO_TARGET_DIR=/work/targets/kernels cargo bench -p pulsar-kernels --bench dot
 //!
@@ -66,23 +68,30 @@ fn matvec(c: &mut Criterion) {
         .map(|n| n.get())
         .unwrap_or(1);
     let threads = if all > 1 { vec![1, all] } else { vec![1] };
-    let x = random_values(COLS, 1);
-    let mut g = c.benchmark_group(format!("matvec_{ROWS}x{COLS}_{}", k.isa()));
-    configure(&mut g);
-    for ty in formats() {
-        let data = random_blocks(ty, ROWS * COLS / ty.block_elems() as usize, 7).expect("blocks");
-        let w = WeightMatrix::new(ty, &data, ROWS, COLS).expect("matrix");
-        let a = Activations::for_weight(ty, &x, COLS).expect("activations");
-        let mut y = vec![0f32; ROWS];
-        g.throughput(Throughput::Bytes(data.len() as u64));
-        for &t in &threads {
-            let p = pool(t);
-            g.bench_function(format!("{}/t{t}", ty.name()), |b| {
-                b.iter(|| k.matvec(&p, &w, &a, &mut y).expect("matvec"))
-            });
+    // The decode shapes: the square default, and a model's output head
+    // (gemma-3-270m's 262144 x 640: short rows, 178 MB of q8_0).
+    for (rows, cols) in [(ROWS, COLS), (262_144, 640)] {
+        let x = random_values(cols, 1);
+        let mut g = c.benchmark_group(format!("matvec_{rows}x{cols}_{}", k.isa()));
+        configure(&mut g);
+        for ty in formats() {
+            if rows * cols / ty.block_elems() as usize * ty.block_elems() as usize != rows * cols || cols % ty.block_elems() as usize != 0 {
+                continue;
+            }
+            let data = random_blocks(ty, rows * cols / ty.block_elems() as usize, 7).expect("blocks");
+            let w = WeightMatrix::new(ty, &data, rows, cols).expect("matrix");
+            let a = Activations::for_weight(ty, &x, cols).expect("activations");
+            let mut y = vec![0f32; rows];
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            for &t in &threads {
+                let p = pool(t);
+                g.bench_function(format!("{}/t{t}", ty.name()), |b| {
+                    b.iter(|| k.matvec(&p, &w, &a, &mut y).expect("matvec"))
+                });
+            }
         }
+        g.finish();
     }
-    g.finish();
 }
 
 fn dot_cached(c: &mut Criterion) {
@@ -111,31 +120,39 @@ fn dot_cached(c: &mut Criterion) {
 }
 
 fn matmul(c: &mut Criterion) {
-    const T: usize = 64;
+    const T: usize = 128;
     let k = Kernels::detect();
     let all = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
     let p = pool(all);
     let x = random_values(T * COLS, 3);
-    let mut g = c.benchmark_group(format!("matmul_{T}tok_{}_t{all}", k.isa()));
-    configure(&mut g);
-    for ty in formats().into_iter().filter(|t| {
-        matches!(
-            t,
-            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::IQ2_XXS
-        )
-    }) {
-        let data = random_blocks(ty, ROWS * COLS / ty.block_elems() as usize, 9).expect("blocks");
-        let w = WeightMatrix::new(ty, &data, ROWS, COLS).expect("matrix");
-        let a = Activations::for_weight(ty, &x, COLS).expect("activations");
-        let mut y = vec![0f32; T * ROWS];
-        g.throughput(Throughput::Bytes(data.len() as u64));
-        g.bench_function(ty.name(), |b| {
-            b.iter(|| k.matmul(&p, &w, &a, &mut y).expect("matmul"))
-        });
+    let gemm = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ2_XXS,
+    ];
+    for tokens in [false, true] {
+        let unit = if tokens { "_tokens" } else { "" };
+        let mut g = c.benchmark_group(format!("matmul_{T}tok{unit}_{}_t{all}", k.isa()));
+        configure(&mut g);
+        for ty in formats().into_iter().filter(|t| gemm.contains(t)) {
+            let data = random_blocks(ty, ROWS * COLS / ty.block_elems() as usize, 9).expect("blocks");
+            let w = WeightMatrix::new(ty, &data, ROWS, COLS).expect("matrix");
+            let a = Activations::for_weight(ty, &x, COLS).expect("activations");
+            let mut y = vec![0f32; T * ROWS];
+            g.throughput(if tokens { Throughput::Elements(T as u64) } else { Throughput::Bytes(data.len() as u64) });
+            g.bench_function(ty.name(), |b| {
+                b.iter(|| k.matmul(&p, &w, &a, &mut y).expect("matmul"))
+            });
+        }
+        g.finish();
     }
-    g.finish();
 }
 
 fn dot_rows(c: &mut Criterion) {

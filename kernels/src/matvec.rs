@@ -173,18 +173,26 @@ impl Kernels {
         }
         check_dot(w.ty(), w.row_bytes(), x.row(0).expect("n > 0"))?;
         let rows = w.rows();
-        // Rows per task: enough tasks to balance the threads, few enough weight
-        // bytes per task to stay cache resident.
-        let threads = pool.current_num_threads().max(1);
-        let by_cache = (ROW_TILE_BYTES / w.row_bytes().max(1)).max(1);
-        let by_balance = rows.div_ceil(4 * threads).max(1);
-        let chunk = by_cache
-            .min(by_balance)
-            .next_multiple_of(Kernels::DOT_ROWS_GROUP)
-            .min(rows);
-
+        // Rows per task: enough tasks to balance the threads. Dotted row by
+        // row for several tokens, few enough weight bytes per task to stay
+        // cache resident while the tokens pass; one token reads each row once,
+        // and a repacking GEMM keeps only one group of rows hot at a time, so
+        // neither needs the cache bound (which made thousands of tiny tasks
+        // of a 262144-row output head). A GEMM's tasks are whole groups.
         #[cfg(target_arch = "x86_64")]
         let gemm = self.gemm_for(w, x);
+        #[cfg(target_arch = "x86_64")]
+        let group = if gemm.is_some() { gemm32::GROUP } else { Kernels::DOT_ROWS_GROUP };
+        #[cfg(not(target_arch = "x86_64"))]
+        let group = Kernels::DOT_ROWS_GROUP;
+        let threads = pool.current_num_threads().max(1);
+        let by_balance = rows.div_ceil(4 * threads).max(1);
+        let by_cache = if n == 1 || group > Kernels::DOT_ROWS_GROUP {
+            usize::MAX
+        } else {
+            (ROW_TILE_BYTES / w.row_bytes().max(1)).max(1)
+        };
+        let chunk = by_cache.min(by_balance).next_multiple_of(group).min(rows);
         let run = |r0: usize, outs: &mut [&mut [f32]]| {
             let r1 = (r0 + chunk).min(rows);
             let tile = &w.data()[r0 * w.row_bytes()..r1 * w.row_bytes()];

@@ -308,6 +308,18 @@ pub(crate) unsafe fn prefetch_lines<const L1: bool>(p: &[u8], off: usize, n: usi
     }
 }
 
+/// How far ahead the multi-row decode dots prefetch (at least the next four
+/// rows): far enough to hide DRAM latency. Prefetching only the next four
+/// rows, the 262144 x 640 q8_0 output head of gemma-3-270m streamed at about
+/// 16 GiB/s on two Zen 4 cores instead of 20-23.
+const PREFETCH_BYTES: usize = 8192;
+
+/// The byte offset, from a group of four rows of `rb` bytes, of the rows to prefetch.
+#[inline(always)]
+pub(crate) fn prefetch_ahead(rb: usize) -> usize {
+    (PREFETCH_BYTES / rb.max(1)).max(4) * rb
+}
+
 /// `[lo | hi]` as one 512-bit vector.
 #[inline(always)]
 pub(crate) unsafe fn join256(lo: __m256i, hi: __m256i) -> __m512i {

@@ -110,6 +110,8 @@ fn dot_rows_seeded_sweep_for_the_multi_row_kernels() {
             GgmlType::Q8_0,
             GgmlType::Q3_K,
             GgmlType::Q4_K,
+            GgmlType::Q4_0,
+            GgmlType::Q5_0,
         ] {
             let be = ty.block_elems() as usize;
             for seed in 0..40u64 {

@@ -176,12 +176,14 @@ pub(crate) unsafe fn gemm(
     outs: &mut [&mut [f32]],
 ) {
     let n_rows = outs.first().map_or(0, |o| o.len());
-    let mut t0 = 0;
+    // One group of rows at a time against every token, so that group's
+    // repacked blocks stay in L1/L2 while the tokens pass.
     // SAFETY: as the caller promises; each call stays in its tokens and groups.
     unsafe {
-        while t0 < xs.len() {
-            let n = (xs.len() - t0).min(TOKENS);
-            for g in 0..n_rows.div_ceil(GROUP) {
+        for g in 0..n_rows.div_ceil(GROUP) {
+            let mut t0 = 0;
+            while t0 < xs.len() {
+                let n = (xs.len() - t0).min(TOKENS);
                 let at = |k: usize| (xs[t0 + k], t0 + k);
                 match n {
                     4 => group::<4>(fmt, packed, nb, g, [at(0), at(1), at(2), at(3)], sums, &mut outs[t0..t0 + 4]),
@@ -189,8 +191,8 @@ pub(crate) unsafe fn gemm(
                     2 => group::<2>(fmt, packed, nb, g, [at(0), at(1)], sums, &mut outs[t0..t0 + 2]),
                     _ => group::<1>(fmt, packed, nb, g, [at(0)], sums, &mut outs[t0..t0 + 1]),
                 }
+                t0 += n;
             }
-            t0 += n;
         }
     }
 }
@@ -241,5 +243,126 @@ unsafe fn group<const T: usize>(
             let mask: __mmask16 = if n == GROUP { 0xffff } else { (1u16 << n) - 1 };
             _mm512_mask_storeu_ps(out.as_mut_ptr().add(r0), mask, acc[t]);
         }
+    }
+}
+
+/// Decode's multi-row dots of the formats without a min (q8_0, q4_0, q5_0):
+/// `out[r] = dot(row r, x)` for the rows laid end to end in `w`, four rows
+/// at a time, bit for bit the scalar `dot`. Per group of four blocks the
+/// activations are loaded once for the four rows, each row's levels come
+/// from [`Fmt::levels`] (unsigned, `q + offset`), `c = -offset * sum(y)` per
+/// block (shared by the rows) turns `vpdpbusd` into the signed sum, and the
+/// integer sums of the four rows are reduced together; the block values
+/// `(d_w * d_x) * s` are added in block order with rows as vector lanes.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI; `fmt` has no min; `x` is whole q8_0 blocks and `w`
+/// is `out.len()` rows of as many blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn dot_rows_avx512(fmt: Fmt, w: &[u8], x: &[u8], out: &mut [f32]) {
+    debug_assert!(!fmt.mins);
+    let rb = x.len() / q8_0::BYTES * fmt.bytes;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    let mut r = 0;
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe {
+        while r + 4 <= out.len() {
+            rows::<4>(fmt, w, r * rb, rb, x, &mut out[r..r + 4]);
+            r += 4;
+        }
+        match out.len() - r {
+            3 => rows::<3>(fmt, w, r * rb, rb, x, &mut out[r..]),
+            2 => rows::<2>(fmt, w, r * rb, rb, x, &mut out[r..]),
+            1 => rows::<1>(fmt, w, r * rb, rb, x, &mut out[r..]),
+            _ => {}
+        }
+    }
+}
+
+/// `R <= 4` rows from byte `o0` of `w`, `rb` bytes each.
+#[inline(always)]
+unsafe fn rows<const R: usize>(fmt: Fmt, w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    let nb = rb / fmt.bytes;
+    let mut k = 0;
+    // SAFETY: groups cover blocks 0..nb of each row, each at most 4 blocks.
+    unsafe {
+        let mut acc = _mm_setzero_ps();
+        while k + 4 <= nb {
+            acc = rows_group::<R, 4>(fmt, w, o0, rb, x, k, acc);
+            k += 4;
+        }
+        acc = match nb - k {
+            3 => rows_group::<R, 3>(fmt, w, o0, rb, x, k, acc),
+            2 => rows_group::<R, 2>(fmt, w, o0, rb, x, k, acc),
+            1 => rows_group::<R, 1>(fmt, w, o0, rb, x, k, acc),
+            _ => acc,
+        };
+        store_lanes(acc, out);
+    }
+}
+
+/// Blocks `k0..k0 + N` (`N <= 4`) of `R <= 4` rows added to `acc` (lane r: row r).
+#[inline(always)]
+unsafe fn rows_group<const R: usize, const N: usize>(
+    fmt: Fmt,
+    w: &[u8],
+    o0: usize,
+    rb: usize,
+    x: &[u8],
+    k0: usize,
+    acc: __m128,
+) -> __m128 {
+    // SAFETY: the caller has the CPU features; every load lies in blocks
+    // k0..k0 + N of rows 0..R of `w` (from o0) or of `x`.
+    unsafe {
+        let (zero, z256) = (_mm512_setzero_si512(), _mm256_setzero_si256());
+        let off = _mm512_set1_epi8(fmt.offset as u8 as i8);
+        // Blocks past N are zero on both sides, so their lanes stay zero.
+        let act = |k: usize| if k < N { load256(x, (k0 + k) * q8_0::BYTES + 2) } else { z256 };
+        let lev = |ow: usize, k: usize| if k < N { fmt.levels(w, ow + k * fmt.bytes) } else { z256 };
+        let y = [join256(act(0), act(1)), join256(act(2), act(3))];
+        let c = y.map(|y| _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, y)));
+        if R == 4 {
+            prefetch_lines::<false>(w, o0 + prefetch_ahead(rb) + k0 * 4 * fmt.bytes, (16 * fmt.bytes).div_ceil(64) + 1);
+        }
+        let (mut a, mut b) = ([zero; 4], [zero; 4]);
+        let mut dw = [0u16; 16];
+        for r in 0..R {
+            let ow = o0 + r * rb + k0 * fmt.bytes;
+            a[r] = _mm512_dpbusd_epi32(c[0], join256(lev(ow, 0), lev(ow, 1)), y[0]);
+            if N > 2 {
+                b[r] = _mm512_dpbusd_epi32(c[1], join256(lev(ow, 2), lev(ow, 3)), y[1]);
+            }
+            for k in 0..N {
+                dw[4 * k + r] = ld_u16(w, ow + k * fmt.bytes);
+            }
+        }
+        // 128-bit lane L of `ra`: rows' sums over lane L of a (blocks 0, 1 in
+        // lanes 0-1, 2-3); then lane k of `s` = block k, lane r within it = row r.
+        let (ra, rb_) = (reduce4_lanes(&a), reduce4_lanes(&b));
+        let s = _mm512_add_epi32(
+            _mm512_shuffle_i64x2::<0b10_00_10_00>(ra, rb_),
+            _mm512_shuffle_i64x2::<0b11_01_11_01>(ra, rb_),
+        );
+        let mut dxh = [0u16; 8];
+        for (k, h) in dxh.iter_mut().enumerate().take(N) {
+            *h = ld_u16(x, (k0 + k) * q8_0::BYTES);
+        }
+        let dx4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadu_si128(dxh.as_ptr() as *const __m128i)));
+        let dx = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), dx4);
+        let dwf = _mm512_cvtph_ps(_mm256_loadu_si256(dw.as_ptr() as *const __m256i));
+        // The scalar `d_w * d_x * s` lane-wise, then the block values in order.
+        let v = _mm512_mul_ps(_mm512_mul_ps(dwf, dx), _mm512_cvtepi32_ps(s));
+        let mut acc = _mm_add_ps(acc, _mm512_castps512_ps128(v));
+        if N > 1 {
+            acc = _mm_add_ps(acc, _mm512_extractf32x4_ps::<1>(v));
+        }
+        if N > 2 {
+            acc = _mm_add_ps(acc, _mm512_extractf32x4_ps::<2>(v));
+        }
+        if N > 3 {
+            acc = _mm_add_ps(acc, _mm512_extractf32x4_ps::<3>(v));
+        }
+        acc
     }
 }

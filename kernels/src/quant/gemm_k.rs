@@ -24,8 +24,9 @@ use pulsar_gguf::GgmlType;
 use super::{q4_k, q6_k, q8_k};
 use crate::simd::*;
 
-/// Rows per repacked group.
+/// Rows per repacked group (matmul sizes tasks by gemm32's, the same).
 pub(crate) const GROUP: usize = 16;
+const _: () = assert!(GROUP == super::gemm32::GROUP);
 /// Tokens dotted against one load of a sub-block's weight vectors.
 const TOKENS: usize = 4;
 
@@ -153,12 +154,14 @@ pub(crate) fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &mut Vec
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn gemm(fmt: Fmt, packed: &[u8], nb: usize, xs: &[&[u8]], outs: &mut [&mut [f32]]) {
     let n_rows = outs.first().map_or(0, |o| o.len());
-    let mut t0 = 0;
+    // One group of rows at a time against every token, so that group's
+    // repacked blocks stay in L1/L2 while the tokens pass.
     // SAFETY: as the caller promises; each call stays in its tokens and groups.
     unsafe {
-        while t0 < xs.len() {
-            let n = (xs.len() - t0).min(TOKENS);
-            for g in 0..n_rows.div_ceil(GROUP) {
+        for g in 0..n_rows.div_ceil(GROUP) {
+            let mut t0 = 0;
+            while t0 < xs.len() {
+                let n = (xs.len() - t0).min(TOKENS);
                 let o = &mut outs[t0..t0 + n];
                 match (fmt, n) {
                     (Fmt::Q4K, 4) => group::<4, false>(fmt, packed, nb, g, &xs[t0..t0 + 4], o),
@@ -170,8 +173,8 @@ pub(crate) unsafe fn gemm(fmt: Fmt, packed: &[u8], nb: usize, xs: &[&[u8]], outs
                     (Fmt::Q6K, 2) => group::<2, true>(fmt, packed, nb, g, &xs[t0..t0 + 2], o),
                     (Fmt::Q6K, _) => group::<1, true>(fmt, packed, nb, g, &xs[t0..t0 + 1], o),
                 }
+                t0 += n;
             }
-            t0 += n;
         }
     }
 }

@@ -181,7 +181,7 @@ unsafe fn rows_avx512<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], 
             if R == 4 {
                 prefetch_lines::<true>(
                     w,
-                    o0 + 4 * rb + i * 4 * BYTES,
+                    o0 + prefetch_ahead(rb) + i * 4 * BYTES,
                     (4 * BYTES).div_ceil(64) + 1,
                 );
             }

@@ -1,12 +1,12 @@
 //! `Kernels::dot_rows`: the dots of several weight rows with one activation
 //! row. Each output is bit for bit the [`Kernels::dot`] of its row; where a
-//! multi-row kernel exists (AVX-512 VNNI: q2_K, q3_K, q4_K, q8_0) it reuses every
+//! multi-row kernel exists (AVX-512 VNNI: q2_K, q3_K, q4_K, q8_0, q4_0, q5_0) it reuses every
 //! activation load across rows and reduces integer sums for several rows at
 //! once, else it is a loop over the single-row kernel.
 
 use pulsar_gguf::GgmlType;
 
-use super::{dot_row_bytes, q2_k, q3_k, q4_k, q8_0, ActRow};
+use super::{dot_row_bytes, q2_k, q3_k, q4_k, ActRow};
 use crate::error::QuantError;
 use crate::isa::{Isa, Kernels};
 
@@ -68,7 +68,10 @@ impl Kernels {
                 GgmlType::Q2_K => return unsafe { q2_k::dot_rows_avx512(rows, x.bytes(), out) },
                 GgmlType::Q3_K => return unsafe { q3_k::dot_rows_avx512(rows, x.bytes(), out) },
                 GgmlType::Q4_K => return unsafe { q4_k::dot_rows_avx512(rows, x.bytes(), out) },
-                GgmlType::Q8_0 => return unsafe { q8_0::dot_rows_avx512(rows, x.bytes(), out) },
+                GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => {
+                    let fmt = super::gemm32::Fmt::of(ty).expect("a 32-block format");
+                    return unsafe { super::gemm32::dot_rows_avx512(fmt, rows, x.bytes(), out) };
+                }
                 _ => {}
             }
         }
