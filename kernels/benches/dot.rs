@@ -69,8 +69,9 @@ fn matvec(c: &mut Criterion) {
         .unwrap_or(1);
     let threads = if all > 1 { vec![1, all] } else { vec![1] };
     // The decode shapes: the square default, and a model's output head
-    // (gemma-3-270m's 262144 x 640: short rows, 178 MB of q8_0).
-    for (rows, cols) in [(ROWS, COLS), (262_144, 640)] {
+    // (gemma-3-270m's 262144 x 640: short rows, 178 MB of q8_0), and a DRAM-sized
+    // matrix of qwen3-30b-a3b's 2048-value rows.
+    for (rows, cols) in [(ROWS, COLS), (262_144, 640), (65_536, 2048)] {
         let x = random_values(cols, 1);
         let mut g = c.benchmark_group(format!("matvec_{rows}x{cols}_{}", k.isa()));
         configure(&mut g);

@@ -47,6 +47,26 @@ pub struct Mat {
     pub data: Vec<f32>,
 }
 
+/// `x · Wᵀ` for rows of `cols` values (`x.len() / cols` of them), `W` being
+/// `wt`'s matrix (one expert's, for a 3-D expert tensor) in `bytes`. Callable
+/// from inside the pool: its tasks then join the running job.
+pub(crate) fn linear(cpu: &CpuBackend, wt: &Weight, bytes: &[u8], x: &[f32], cols: usize) -> R<Mat> {
+    let (n_in, n_out) = match wt.dims.as_slice() {
+        [i, o] => (*i as usize, *o as usize),
+        [i, o, _] => (*i as usize, *o as usize),
+        d => return Err(format!("{}: not a matrix {d:?}", wt.name)),
+    };
+    if cols != n_in {
+        return Err(format!("linear {}: input width {cols} but weight takes {n_in}", wt.name));
+    }
+    let rows = x.len() / n_in.max(1);
+    let wm = WeightMatrix::new(wt.ty, bytes, n_out, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
+    let acts = Activations::for_weight(wt.ty, x, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
+    let mut y = vec![0f32; rows * n_out];
+    cpu.kernels.matmul(&cpu.pool, &wm, &acts, &mut y).map_err(|e| format!("{}: {e}", wt.name))?;
+    Ok(Mat { rows, cols: n_out, data: y })
+}
+
 /// A named intermediate captured for dumping (`name` op).
 #[derive(Clone, Debug)]
 pub struct Named {
@@ -321,20 +341,7 @@ impl<'a> CpuStep<'a> {
 
     /// `x · Wᵀ` for rows of `cols` values (`x.len() / cols` of them).
     fn matmul(&self, wt: &Weight, bytes: &[u8], x: &[f32], cols: usize) -> R<Mat> {
-        let (n_in, n_out) = match wt.dims.as_slice() {
-            [i, o] => (*i as usize, *o as usize),
-            [i, o, _] => (*i as usize, *o as usize),
-            d => return Err(format!("{}: not a matrix {d:?}", wt.name)),
-        };
-        if cols != n_in {
-            return Err(format!("linear {}: input width {cols} but weight takes {n_in}", wt.name));
-        }
-        let rows = x.len() / n_in.max(1);
-        let wm = WeightMatrix::new(wt.ty, bytes, n_out, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
-        let acts = Activations::for_weight(wt.ty, x, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
-        let mut y = vec![0f32; rows * n_out];
-        self.cpu.kernels.matmul(&self.cpu.pool, &wm, &acts, &mut y).map_err(|e| format!("{}: {e}", wt.name))?;
-        Ok(Mat { rows, cols: n_out, data: y })
+        linear(self.cpu, wt, bytes, x, cols)
     }
 
     fn embed(&self, table: Wt, scale: f32, ids: &Tensor, want: &[usize]) -> R<Tensor> {

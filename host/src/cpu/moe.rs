@@ -6,7 +6,9 @@ use pulsar_kernels::ops;
 use pulsar_plugin_api::graph::Experts;
 use pulsar_store::{Selection, SlabKind};
 
-use super::{act_of, CpuStep, Mat, Tensor, R};
+use rayon::prelude::*;
+
+use super::{act_of, linear, CpuStep, Mat, Tensor, R};
 use crate::graph::{moe::route, StepPlan};
 use crate::model::{Model, Weight};
 
@@ -107,22 +109,37 @@ pub(super) fn run_experts(step: &CpuStep<'_>, plan: &StepPlan, x: &Tensor, ids: 
     // Expert outputs per (row, slot), summed after in slot order.
     let mut outs = vec![0f32; rows * k * n_embd];
     let act = act_of(spec.act);
+    let cpu = step.cpu;
     step.experts.with_layer(step.model, spec.layer, &selections, &mut |slabs: &dyn SlabLookup, experts: &[u32]| {
-        for &e in experts {
+        // Every expert of the call in one job on the pool (each expert's
+        // matmuls split their rows further), not three jobs per expert: a
+        // decode step's experts are small, and waking the pool for each of
+        // them cost more than their arithmetic. Each output is still its
+        // rows' dots, so nothing depends on the scheduling.
+        let jobs = experts
+            .iter()
+            .map(|&e| Ok((e, [slabs.slab(gate_w, e)?, slabs.slab(up_w, e)?, slabs.slab(down_w, e)?])))
+            .collect::<R<Vec<_>>>()?;
+        let ffn = |&(e, [g, u, d]): &(u32, [SlabBytes<'_>; 3])| -> R<Vec<f32>> {
             let routed = &by_expert[e as usize];
             let mut xe = Vec::with_capacity(routed.len() * n_embd);
             for &(r, _) in routed {
                 xe.extend_from_slice(&xd[r * n_embd..(r + 1) * n_embd]);
             }
-            let mut h = step.matmul(gate_w, slabs.slab(gate_w, e)?, &xe, n_embd)?;
-            let up = step.matmul(up_w, slabs.slab(up_w, e)?, &xe, n_embd)?;
+            let mut h = linear(cpu, gate_w, g, &xe, n_embd)?;
+            let up = linear(cpu, up_w, u, &xe, n_embd)?;
             ops::glu_rows(&mut h.data, &up.data, act);
-            let y = step.matmul(down_w, slabs.slab(down_w, e)?, &h.data, h.cols)?;
+            let y = linear(cpu, down_w, d, &h.data, h.cols)?;
             if y.cols != n_embd {
                 return Err(format!("moe layer {}: expert down projection gives width {}", spec.layer, y.cols));
             }
-            for (i, &(r, s)) in routed.iter().enumerate() {
-                outs[(r * k + s) * n_embd..(r * k + s + 1) * n_embd].copy_from_slice(&y.data[i * n_embd..(i + 1) * n_embd]);
+            Ok(y.data)
+        };
+        let ys: Vec<R<Vec<f32>>> = cpu.pool.install(|| jobs.par_iter().map(ffn).collect());
+        for (&(e, _), y) in jobs.iter().zip(ys) {
+            let y = y?;
+            for (i, &(r, s)) in by_expert[e as usize].iter().enumerate() {
+                outs[(r * k + s) * n_embd..(r * k + s + 1) * n_embd].copy_from_slice(&y[i * n_embd..(i + 1) * n_embd]);
             }
         }
         Ok(())
