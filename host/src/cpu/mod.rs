@@ -67,6 +67,27 @@ pub(crate) fn linear(cpu: &CpuBackend, wt: &Weight, bytes: &[u8], x: &[f32], col
     Ok(Mat { rows, cols: n_out, data: y })
 }
 
+/// Elements from which a gated unit of two same-shaped values runs on the
+/// pool, in slices of this many.
+const PAR_GLU: usize = 1 << 15;
+
+/// `act(gate) * up` elementwise over the pool (the same function per
+/// element as `prim`'s `Glu`, so the same bits), for large same-shaped
+/// inputs; `None` leaves the op to `prim`.
+fn glu_parallel(gate: &Tensor, up: &Tensor, a: Act) -> Option<R<Tensor>> {
+    use rayon::prelude::*;
+    if gate.dims != up.dims || gate.dims.iter().product::<usize>() < 2 * PAR_GLU {
+        return None;
+    }
+    let run = || -> R<Tensor> {
+        let (mut h, u) = (gate.f()?.to_vec(), up.f()?);
+        let act = act_of(a);
+        h.par_chunks_mut(PAR_GLU).zip(u.par_chunks(PAR_GLU)).for_each(|(h, u)| ops::glu_rows(h, u, act));
+        Ok(Tensor::f32(gate.dims.clone(), h))
+    };
+    Some(run())
+}
+
 /// A named intermediate captured for dumping (`name` op).
 #[derive(Clone, Debug)]
 pub struct Named {
@@ -170,7 +191,18 @@ impl<'a> CpuStep<'a> {
 
     /// Run `plan` over this step's tokens; returns the logits `[rows, n_vocab]`.
     /// Each value is dropped after its last reader.
+    ///
+    /// The whole step runs on one of the pool's threads: the ops between
+    /// two matmuls then run on a thread that takes part in the matmuls too,
+    /// instead of on a caller that sleeps through each matmul and wakes the
+    /// pool for the next (at two threads, a decode step wakes it hundreds
+    /// of times).
     pub fn run(&mut self, plan: &StepPlan) -> R<Mat> {
+        let pool = &self.cpu.pool;
+        pool.install(|| self.run_on_pool(plan))
+    }
+
+    fn run_on_pool(&mut self, plan: &StepPlan) -> R<Mat> {
         let t = self.tokens.len();
         // C is defined for a step of one sequence (else 0: ops reading it refuse).
         let c = match self.seq_runs(t)?.as_slice() {
@@ -226,6 +258,11 @@ impl<'a> CpuStep<'a> {
     fn eval(&mut self, plan: &StepPlan, node: usize, op: &Op, ins: &[&Tensor], want: &[usize]) -> R<Tensor> {
         let weight = |w: Wt| self.weight_f32(w);
         let cx = prim::PrimCx { tokens: self.tokens, positions: self.positions, weight: &weight };
+        if let Op::Glu(a) = op {
+            if let Some(t) = glu_parallel(ins[0], ins[1], *a) {
+                return t;
+            }
+        }
         if let Some(r) = prim::eval(op, ins, want, &cx) {
             return r;
         }

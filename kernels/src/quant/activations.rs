@@ -52,6 +52,10 @@ impl fmt::Display for ActFormat {
     }
 }
 
+/// Rows from which [`Activations::set`] quantizes in parallel, and rows per task.
+const PAR_ROWS: usize = 8;
+const ROWS_PER_TASK: usize = 4;
+
 /// One or more activation rows of `cols` values in one [`ActFormat`].
 ///
 /// Quantized rows come only from [`Activations::quantize`], so every `q8` value
@@ -108,16 +112,29 @@ impl Activations {
         self.bytes.clear();
         match self.format {
             ActFormat::F32 => self.f32s.extend_from_slice(x),
-            ActFormat::Q8_0 => {
+            ActFormat::Q8_0 | ActFormat::Q8K => {
                 self.bytes.resize(rows * row, 0);
-                q8_0::quantize(x, &mut self.bytes);
-            }
-            ActFormat::Q8K => {
-                self.bytes.resize(rows * row, 0);
-                q8_k::quantize(x, &mut self.bytes);
+                let q = self.quantizer();
+                // Rows are independent: a prefill chunk's rows are quantized
+                // in parallel (on the pool of the caller, when it runs on one).
+                if rows >= PAR_ROWS {
+                    use rayon::prelude::*;
+                    x.par_chunks(cols * ROWS_PER_TASK)
+                        .zip(self.bytes.par_chunks_mut(row * ROWS_PER_TASK))
+                        .for_each(|(x, b)| q(x, b));
+                } else {
+                    q(x, &mut self.bytes);
+                }
             }
         }
         Ok(())
+    }
+
+    fn quantizer(&self) -> fn(&[f32], &mut [u8]) {
+        match self.format {
+            ActFormat::Q8K => q8_k::quantize,
+            _ => q8_0::quantize,
+        }
     }
 
     pub fn format(&self) -> ActFormat {
