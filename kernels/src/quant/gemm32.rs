@@ -149,10 +149,15 @@ pub(crate) unsafe fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &
                     *l = [0; 8];
                 }
             }
-            for c in 0..8 {
-                for (j, l) in lv.iter().enumerate() {
-                    let at = 64 * c + 4 * j;
-                    dst[at..at + 4].copy_from_slice(&l[c].to_le_bytes());
+            // The 16 x 8 dword transpose: vector c gathers dword c of each row.
+            // SAFETY: every gathered index (j * 8 + c < 128) lies in `lv`,
+            // and every store in `dst` (8 vectors of 64 bytes, pb >= 512).
+            unsafe {
+                let rows_idx = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+                for c in 0..8 {
+                    let idx = _mm512_add_epi32(rows_idx, _mm512_set1_epi32(c as i32));
+                    let v = _mm512_i32gather_epi32::<4>(idx, lv.as_ptr() as *const i32);
+                    _mm512_storeu_si512(dst.as_mut_ptr().add(64 * c) as *mut __m512i, v);
                 }
             }
         }

@@ -114,33 +114,55 @@ impl Fmt {
 
 /// Repack `n_rows` rows (`rb` bytes, `nb` superblocks each) into `out`, in
 /// groups of 16 (missing rows are zero, their lanes unused).
-pub(crate) fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &mut Vec<u8>) {
+///
+/// # Safety
+/// AVX-512 F; `w` holds `n_rows` rows of `rb` bytes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &mut Vec<u8>) {
     let nb = rb / fmt.block_bytes();
     let pb = fmt.packed();
     let groups = n_rows.div_ceil(GROUP);
     out.clear();
     out.resize(groups * nb * pb, 0);
-    let (mut lv, mut sc, mut mn) = ([0u8; 256], [0i32; 16], [0i32; 8]);
+    let mut lv = [[0u8; 256]; GROUP];
+    let (mut sc, mut mn) = ([0i32; 16], [0i32; 8]);
     let put = |dst: &mut [u8], at: usize, v: [u8; 4]| dst[at..at + 4].copy_from_slice(&v);
-    for r in 0..n_rows {
-        let (g, j) = (r / GROUP, r % GROUP);
+    for g in 0..groups {
+        let rows = (n_rows - g * GROUP).min(GROUP);
         for i in 0..nb {
-            let b = &w[r * rb + i * fmt.block_bytes()..][..fmt.block_bytes()];
-            let (d, dmin) = fmt.decode(b, &mut lv, &mut sc, &mut mn);
             let dst = &mut out[(g * nb + i) * pb..][..pb];
-            for c in 0..64 {
-                put(dst, 64 * c + 4 * j, [lv[4 * c], lv[4 * c + 1], lv[4 * c + 2], lv[4 * c + 3]]);
-            }
-            for s in 0..fmt.subs() {
-                put(dst, fmt.scales_at() + 64 * s + 4 * j, sc[s].to_le_bytes());
-            }
-            if fmt.mins() {
-                for s in 0..8 {
-                    put(dst, fmt.mins_at() + 64 * s + 4 * j, mn[s].to_le_bytes());
+            for (j, l) in lv.iter_mut().enumerate() {
+                if j >= rows {
+                    *l = [0; 256];
+                    continue;
                 }
-                put(dst, fmt.d_at() + 64 + 4 * j, dmin.to_le_bytes());
+                let b = &w[(g * GROUP + j) * rb + i * fmt.block_bytes()..][..fmt.block_bytes()];
+                let (d, dmin) = fmt.decode(b, l, &mut sc, &mut mn);
+                for s in 0..fmt.subs() {
+                    put(dst, fmt.scales_at() + 64 * s + 4 * j, sc[s].to_le_bytes());
+                }
+                if fmt.mins() {
+                    for s in 0..8 {
+                        put(dst, fmt.mins_at() + 64 * s + 4 * j, mn[s].to_le_bytes());
+                    }
+                    put(dst, fmt.d_at() + 64 + 4 * j, dmin.to_le_bytes());
+                }
+                put(dst, fmt.d_at() + 4 * j, d.to_le_bytes());
             }
-            put(dst, fmt.d_at() + 4 * j, d.to_le_bytes());
+            // The 16 x 64 dword transpose: vector c gathers dword c of each row.
+            // SAFETY: every gathered index (j * 64 + c < 1024) lies in `lv`, and
+            // every store in the 64 level vectors at the start of `dst`.
+            unsafe {
+                let rows_idx = _mm512_mullo_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32(64),
+                );
+                for c in 0..64 {
+                    let idx = _mm512_add_epi32(rows_idx, _mm512_set1_epi32(c as i32));
+                    let v = _mm512_i32gather_epi32::<4>(idx, lv.as_ptr() as *const i32);
+                    _mm512_storeu_si512(dst.as_mut_ptr().add(64 * c) as *mut __m512i, v);
+                }
+            }
         }
     }
 }
