@@ -49,7 +49,10 @@ const FAMILIES: &[&str] = &[
 const VARIANTS: &[(&str, &str)] = &[("deepseek2-kimi_k25", "deepseek2")];
 
 /// Families whose graphs the CUDA backend cannot run yet, and why.
-const CPU_ONLY: &[(&str, &str)] = &[];
+const CPU_ONLY: &[(&str, &str)] = &[(
+    "qwen4exp",
+    "PLE embeds rows by computed (hashed) ids; ngram_hash, conv_rows and pooled_select have no CUDA kernels yet",
+)];
 
 /// Families whose routing is not the fused form (it runs as primitives, and
 /// the experts op on the ids and weights they give), and why.
