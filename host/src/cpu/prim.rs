@@ -951,6 +951,43 @@ mod tests {
     }
 
     #[test]
+    fn ngram_hash_resets_at_eos_and_at_the_start() {
+        // n = 3, one head per order; eos = 9.
+        let h = NgramHash { n: 3, heads: 1, eos: 9, mult: &[1, 10, 100], offsets: &[0, 1000], vocab: &[1000, 100000] };
+        let hist = [1.0, 2.0, 9.0, 3.0, 4.0];
+        let out = ngram_hash(&hist, &h, &[0, 1, 2, 3, 4]).unwrap();
+        let row = |s0: i64, s1: i64, s2: i64| [(s0 ^ (s1 * 10)).rem_euclid(1000) as i32, (1000 + (s0 ^ (s1 * 10) ^ (s2 * 100)).rem_euclid(100000)) as i32];
+        let want: Vec<i32> = [row(1, 9, 9), row(2, 1, 9), row(9, 2, 1), row(3, 9, 9), row(4, 3, 9)].concat();
+        assert_eq!(out, want);
+        assert!(ngram_hash(&hist, &h, &[5]).is_err(), "a position past the history");
+    }
+
+    #[test]
+    fn conv_rows_reads_dilated_taps_and_zero_before_the_start() {
+        // Two channels, 3 taps, dilation 2: y_p = w0 x_{p-4} + w1 x_{p-2} + w2 x_p.
+        let cache: Vec<f32> = (0..12).map(|v| v as f32).collect(); // 6 rows of 2
+        let taps = [1.0, 10.0, 100.0, 2.0, 20.0, 200.0];
+        let y = conv_rows(&cache, &taps, 2, 2, &[1, 5]).unwrap();
+        assert_eq!(y, vec![100.0 * 2.0, 200.0 * 3.0, 2.0 + 10.0 * 6.0 + 100.0 * 10.0, 2.0 * 3.0 + 20.0 * 7.0 + 200.0 * 11.0]);
+    }
+
+    #[test]
+    fn pooled_select_keeps_the_best_complete_blocks_and_the_open_tail() {
+        // One head of dim 2 (all of it rotated, angle = the block's first position), blocks of 2.
+        let keys = vec![-1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 1.0, 0.0, -1.0, 0.0, -1.0, 0.0, 5.0, 5.0];
+        let q = Tensor::f32(vec![2, 1, 2], vec![1.0, 0.0, 1.0, 0.0]);
+        let rope = Rope::new(2, 1e4, RopeMode::Neox);
+        let s = PooledSelect { block: 2, top_k: 1, eps: 1e-6, scale: 1.0, rope: &rope };
+        let m = pooled_select(&q, &keys, &[1.0, 1.0], &s, 7, &[1, 6]).unwrap();
+        let inf = f32::NEG_INFINITY;
+        // Position 1: one complete block (its own), chosen. Position 6: blocks 0..3 score
+        // relu(q · k): block 0 (-√2, 0) unrotated is 0, block 1 (√2, 0) rotated by 2 rad is
+        // 0 (cos 2 < 0), block 2 (-√2, 0) rotated by 4 rad is √2·0.654: chosen, plus the tail [6].
+        assert_eq!(&m[..7], &[0.0, 0.0, inf, inf, inf, inf, inf]);
+        assert_eq!(&m[7..], &[inf, inf, inf, inf, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
     fn short_conv_sums_its_taps_over_the_window_and_keeps_the_last_inputs() {
         // Two channels, three taps; the window holds the two inputs before.
         let w = [1.0, 10.0, 100.0, 2.0, 0.0, -1.0];
