@@ -536,3 +536,65 @@ extern "C" __global__ void prim_block_select(const float* x, float* y, const u32
     __syncthreads();
     for (int j = threadIdx.x; j < c; j += blockDim.x) y[r * c + j] = keep[j / block] ? 0.0f : NEG_INF;
 }
+
+// i32 values (ids) as f32 (Op::ToF32), rounded to nearest as the CPU's `as f32`.
+extern "C" __global__ void prim_to_f32(const int* x, float* y, long long n) {
+    pdl_begin();
+    PRIM_LOOP(i, n) y[i] = __int2float_rn(x[i]);
+}
+
+// Qwen4-Exp's n-gram hash (Op::NgramHash), twin of cpu::prim::ngram_hash: hist
+// [c] the sequence's token ids (f32), one row of (n - 1) * heads ids a step
+// position. One thread an output id: the window s_0 = tok[p], s_j = tok[p - j]
+// until an EOS (or the start) resets it, then the order g's xor of
+// s_j * mult[j] (i64, wrapping) mod vocab[i] (>= 0) + offset[i].
+#define NGRAM_MAX_N 8
+#define NGRAM_MAX_HEADS 64
+struct NgramAttrs {
+    long long eos;
+    int n;
+    int heads;
+    long long mult[NGRAM_MAX_N];
+    long long off[NGRAM_MAX_HEADS];
+    long long voc[NGRAM_MAX_HEADS];
+};
+extern "C" __global__ void prim_ngram_hash(const float* hist, int* y, const u32* positions, int n_tok, NgramAttrs a) {
+    pdl_begin();
+    int nh = (a.n - 1) * a.heads;
+    PRIM_LOOP(tid, (long long)n_tok * nh) {
+        int i = (int)(tid % nh);
+        long long r = tid / nh;
+        long long p = positions[r];
+        int g = i / a.heads + 2;
+        unsigned long long m = (unsigned long long)(long long)hist[p] * (unsigned long long)a.mult[0];
+        bool reset = false;
+        for (int j = 1; j < g; j++) {
+            reset = reset || j > p || (long long)hist[p - j] == a.eos;
+            long long s = reset ? a.eos : (long long)hist[p - j];
+            m ^= (unsigned long long)s * (unsigned long long)a.mult[j];
+        }
+        long long v = a.voc[i];
+        long long q = (long long)m % v;
+        if (q < 0) q += v;
+        y[tid] = (int)(q + a.off[i]);
+    }
+}
+
+// A depthwise dilated causal conv read from a rows cache (Op::ConvRows), twin
+// of cpu::prim::conv_rows: cache [c, w], taps [w, k] (oldest first); the row
+// at position p sums w[ch, j] * x[p - (k - 1 - j) * dilation][ch] in tap order,
+// skipping taps before position 0. One thread an output.
+extern "C" __global__ void prim_conv_rows(const float* cache, const float* taps, float* y, const u32* positions,
+                                          int n_tok, int w, int k, int dilation) {
+    pdl_begin();
+    PRIM_LOOP(tid, (long long)n_tok * w) {
+        int ch = (int)(tid % w);
+        long long p = positions[tid / w];
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            long long back = (long long)(k - 1 - j) * dilation;
+            if (back <= p) acc = __fadd_rn(acc, __fmul_rn(taps[(long long)ch * k + j], cache[(p - back) * w + ch]));
+        }
+        y[tid] = acc;
+    }
+}

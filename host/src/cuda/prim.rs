@@ -99,6 +99,9 @@ pub fn runs(op: &Op) -> bool {
             | Op::Rope(_)
             | Op::Glu(_)
             | Op::BlockSelect { .. }
+            | Op::ToF32
+            | Op::NgramHash { .. }
+            | Op::ConvRows { .. }
     )
 }
 
@@ -197,6 +200,12 @@ pub fn eval(dev: &CudaDevice, stream: &CudaStream, op: &Op, ins: &[DIn<'_>], wan
             Op::BlockSelect { block, top_k, local } => {
                 let c = *want.last().ok_or("block_select of a scalar")?;
                 dev.prim_block_select(stream, ins[0].buf, &mut y, cx.positions, cx.n_tok, c, *block as usize, *top_k as usize, *local as usize).map_err(err)?
+            }
+            Op::ToF32 => dev.prim_to_f32(stream, ins[0].buf, &mut y).map_err(err)?,
+            Op::NgramHash { eos, mult, offsets, vocab, .. } => dev.prim_ngram_hash(stream, ins[0].buf, &mut y, cx.positions, cx.n_tok, *eos, mult, offsets, vocab).map_err(err)?,
+            Op::ConvRows { weight, dilation } => {
+                let w = (cx.weight)(*weight)?;
+                dev.prim_conv_rows(stream, ins[0].buf, w, &mut y, cx.positions, cx.n_tok, want[1], *dilation as usize).map_err(err)?
             }
             _ => unreachable!("runs() lists the ops above"),
         }
