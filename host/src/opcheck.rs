@@ -463,6 +463,20 @@ op_test!("conv_rows", 0.0, |g| {
     Case { positions: positions(past, t), weights: vec![taps], ..case(op, vec![cache], vec![t, w]) }
 });
 
+op_test!("pooled_select", 0.0, |g| {
+    // Index heads over cached raw keys; coarse queries half the time, so block scores tie.
+    let (t, nh, block, top_k) = (g.int(1, 5), g.int(1, 3), g.int(1, 6), g.int(1, 4));
+    let d = 2 * g.int(1, 20);
+    let past = g.int(0, 40);
+    let c = past + t;
+    let q = if g.int(0, 1) == 0 { g.coarse(&[t, nh, d]) } else { g.tensor(&[t, nh, d], -2.0, 2.0) };
+    let keys = g.tensor(&[c, d], -2.0, 2.0);
+    let w = g.tensor(&[d], 0.5, 1.5).f().expect("f32").to_vec();
+    let mode = if g.int(0, 1) == 0 { RopeMode::Neox } else { RopeMode::Interleaved };
+    let rope = Rope::new(2 * g.int(1, d / 2) as u32, 10000.0, mode);
+    let op = Op::PooledSelect { block: block as u32, top_k: top_k as u32, key_norm: Wt(0), eps: 1e-6, scale: 0.25, rope };
+    Case { positions: positions(past, t), weights: vec![w], ..case(op, vec![q, keys], vec![t, c]) }
+});
 op_test!("scan", 0.0, |g| {
     let (n, s) = (g.int(1, 6), g.dims(2, 5));
     let dims: Vec<usize> = std::iter::once(n).chain(s.iter().copied()).collect();
@@ -548,7 +562,7 @@ mod tests {
         ("to_f32", None),
         ("ngram_hash", None),
         ("conv_rows", None),
-        ("pooled_select", Some("CPU only so far: the CUDA lowering refuses it by name (qwen4exp parity runs the CPU)")),
+        ("pooled_select", None),
     ];
 
     #[test]

@@ -106,6 +106,8 @@ const PRIM: &[&str] = &[
     "prim_to_f32",
     "prim_ngram_hash",
     "prim_conv_rows",
+    "prim_pool_keys",
+    "prim_pooled_select",
 ];
 
 /// Entries of [`Family::Prim`], in the order of its table.
@@ -133,6 +135,8 @@ pub(crate) enum Prim {
     ToF32,
     NgramHash,
     ConvRows,
+    PoolKeys,
+    PooledSelect,
 }
 
 /// The weight formats with dp4a kernels, in the order of the entry tables below.

@@ -102,6 +102,7 @@ pub fn runs(op: &Op) -> bool {
             | Op::ToF32
             | Op::NgramHash { .. }
             | Op::ConvRows { .. }
+            | Op::PooledSelect { rope: Rope { yarn: None, .. }, .. }
     )
 }
 
@@ -206,6 +207,14 @@ pub fn eval(dev: &CudaDevice, stream: &CudaStream, op: &Op, ins: &[DIn<'_>], wan
             Op::ConvRows { weight, dilation } => {
                 let w = (cx.weight)(*weight)?;
                 dev.prim_conv_rows(stream, ins[0].buf, w, &mut y, cx.positions, cx.n_tok, want[1], *dilation as usize).map_err(err)?
+            }
+            Op::PooledSelect { block, top_k, key_norm, eps, scale, rope } => {
+                let (nh, d, c) = (ins[0].dims[1], ins[0].dims[2], want[1]);
+                let w = (cx.weight)(*key_norm)?;
+                let mut pooled = alloc((c / *block as usize).max(1) * d)?;
+                let r = (rope.n_rot as usize, rope.mode == RopeMode::Neox, rope.base, rope.linear_factor);
+                let dims = [cx.n_tok, nh, d, c];
+                dev.prim_pooled_select(stream, ins[0].buf, ins[1].buf, w, &mut pooled, &mut y, cx.positions, dims, *block as usize, *top_k as usize, *eps, *scale, r).map_err(err)?
             }
             _ => unreachable!("runs() lists the ops above"),
         }

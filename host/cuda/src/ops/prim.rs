@@ -328,6 +328,42 @@ impl CudaDevice {
         unsafe { self.launch(f, blocks(y.len()), 256, 0, stream, &mut params![cp, tp, yp, pp, t, ww, kk, d]) }
     }
 
+    /// QSA's block selection (see `Op::PooledSelect`, no YaRN): the raw
+    /// index keys `keys` `[c, d]` pooled into `pooled` (`c / block` rows,
+    /// normed with `key_norm`, rotated at each block's first position), then
+    /// per query of `q` `[n_tok, nh, d]` the additive mask `y` `[n_tok, c]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_pooled_select(&self, stream: &CudaStream, q: &DeviceBuf<f32>, keys: &DeviceBuf<f32>, key_norm: &DeviceBuf<f32>, pooled: &mut DeviceBuf<f32>, y: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, dims: [usize; 4], block: usize, top_k: usize, eps: f32, scale: f32, rope: (usize, bool, f32, f32)) -> Result<(), CudaError> {
+        const OP: &str = "prim_pooled_select";
+        // The block scores and flags live in the default 48 KiB of shared memory.
+        const MAX_BLOCKS: usize = 48 * 1024 / 5;
+        let [n_tok, nh, d, c] = dims;
+        let (n_rot, neox, base, linear_factor) = rope;
+        if d == 0 || block == 0 || top_k == 0 || n_rot == 0 || n_rot > d || n_rot % 2 != 0 || c / block > MAX_BLOCKS {
+            return Err(shape(OP, format!("{c} keys of {d} in blocks of {block} (at most {MAX_BLOCKS} blocks), rope over {n_rot}")));
+        }
+        within(OP, "positions", n_tok, positions.len())?;
+        want(OP, "q", q.len(), n_tok * nh * d)?;
+        want(OP, "keys", keys.len(), c * d)?;
+        want(OP, "key_norm", key_norm.len(), d)?;
+        want(OP, "y", y.len(), n_tok * c)?;
+        let nb = c / block;
+        within(OP, "pooled", nb * d, pooled.len())?;
+        let (dd, bb, nr, kind) = (to_i32(OP, "d", d)?, to_i32(OP, "block", block)?, to_i32(OP, "n_rot", n_rot)?, if neox { 0i32 } else { 1i32 });
+        if nb > 0 {
+            let f = self.prim(Prim::PoolKeys)?;
+            let (kp, wp, pp) = (keys.device_ptr(), key_norm.device_ptr(), pooled.device_ptr());
+            // SAFETY: (keys, w, pooled, d, block, eps, n_rot, kind, base, linear_factor) as prim_pool_keys; lengths checked above.
+            unsafe { self.launch(f, (nb as u32, 1, 1), 256, 0, stream, &mut params![kp, wp, pp, dd, bb, eps, nr, kind, base, linear_factor])? }
+        }
+        let f = self.prim(Prim::PooledSelect)?;
+        let (qp, pp, yp, sp) = (q.device_ptr(), pooled.device_ptr(), y.device_ptr(), positions.device_ptr());
+        let (cc, hh, kk) = (to_i32(OP, "c", c)?, to_i32(OP, "nh", nh)?, to_i32(OP, "top_k", top_k)?);
+        let grid = u32::try_from(n_tok).map_err(|_| shape(OP, format!("{n_tok} rows")))?;
+        // SAFETY: (q, pooled, y, positions, c, nh, d, block, top_k, scale) as prim_pooled_select; 5 bytes of shared memory a block.
+        unsafe { self.launch(f, (grid, 1, 1), 256, (nb.max(1) * 5) as u32, stream, &mut params![qp, pp, yp, sp, cc, hh, dd, bb, kk, scale]) }
+    }
+
     /// The first `y.len()` words of `src` (positions, tokens) as i32 values.
     pub fn prim_ids(&self, stream: &CudaStream, src: &DeviceBuf<u32>, y: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
         const OP: &str = "prim_ids";
