@@ -396,6 +396,35 @@ fn a_rolled_back_hybrid_sequence_continues_bit_identically() {
     }
 }
 
+/// qwen4exp (GDN states, PLE's token history and conv rows, QSA's k/v and
+/// index-key rows) rolled back to a snapshot continues bit for bit as a
+/// sequence that never advanced, the speculated tokens holding an EOS (which
+/// resets the n-gram window) or not.
+#[test]
+fn a_rolled_back_qwen4exp_sequence_continues_bit_identically() {
+    let Some((name, module)) = plugin("qwen4exp") else { panic!("the qwen4exp plugin is not staged") };
+    let path = fixtures().join("qwen4exp").join("model-f32.gguf");
+    let model = Model::from_file(GgufFile::open(&path).unwrap(), &name, module).unwrap();
+    let cpu = CpuBackend::new(2).unwrap();
+    let (prompt, rest) = ([313u32, 343, 257, 353, 261, 289, 79], [285u32, 310, 26, 287, 321]);
+    let decode = |e: &mut Engine| rest.iter().map(|&t| e.forward(&[t], false).unwrap().remove(0)).collect::<Vec<_>>();
+    let mut a = Engine::new(&model, &cpu, &MappedExperts, 64);
+    a.forward(&prompt, false).unwrap();
+    let want = decode(&mut a);
+    for speculated in [vec![9u32, 381, 9], vec![7u32]] {
+        let mut b = Engine::new(&model, &cpu, &MappedExperts, 64);
+        b.forward(&prompt, false).unwrap();
+        let snap = b.snapshot();
+        b.forward(&speculated, false).unwrap();
+        b.restore(&snap).unwrap();
+        assert_eq!(decode(&mut b), want, "after rolling back {speculated:?}");
+        let mut c = Engine::new(&model, &cpu, &MappedExperts, 64);
+        c.forward(&prompt, false).unwrap();
+        c.forward(&speculated, false).unwrap();
+        assert_ne!(decode(&mut c), want);
+    }
+}
+
 /// A chat turn on a hybrid whose rendered history diverges from the tokens
 /// the model generated (as when a template strips thinking) goes back to the
 /// checkpoint taken at the end of the previous prompt, not to the start, and
