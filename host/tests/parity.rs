@@ -399,9 +399,10 @@ fn a_rolled_back_hybrid_sequence_continues_bit_identically() {
 /// qwen4exp (GDN states, PLE's token history and conv rows, QSA's k/v and
 /// index-key rows) rolled back to a snapshot continues bit for bit as a
 /// sequence that never advanced, the speculated tokens holding an EOS (which
-/// resets the n-gram window) or not.
+/// resets the n-gram window) or not; and its token-by-token decode gives
+/// its prefill's logits across EOS resets.
 #[test]
-fn a_rolled_back_qwen4exp_sequence_continues_bit_identically() {
+fn a_qwen4exp_sequence_rolls_back_bit_identically_and_decodes_as_it_prefills() {
     let Some((name, module)) = plugin("qwen4exp") else { panic!("the qwen4exp plugin is not staged") };
     let path = fixtures().join("qwen4exp").join("model-f32.gguf");
     let model = Model::from_file(GgufFile::open(&path).unwrap(), &name, module).unwrap();
@@ -422,6 +423,18 @@ fn a_rolled_back_qwen4exp_sequence_continues_bit_identically() {
         c.forward(&prompt, false).unwrap();
         c.forward(&speculated, false).unwrap();
         assert_ne!(decode(&mut c), want);
+    }
+    // Prefill and token-by-token decode agree across EOS resets (to the delta
+    // rule's rounding: its chunked and recurrent forms sum in other orders).
+    let seq = [313u32, 343, 381, 353, 261, 381, 381, 79, 285, 310];
+    let mut whole = Engine::new(&model, &cpu, &MappedExperts, 64);
+    let all = whole.forward(&seq, true).unwrap();
+    let mut step = Engine::new(&model, &cpu, &MappedExperts, 64);
+    let scale = all.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    for (i, &t) in seq.iter().enumerate() {
+        let row = step.forward(&[t], false).unwrap().remove(0);
+        let d = row.iter().zip(&all[i]).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(d <= 1e-5 * scale, "position {i}: decode differs from prefill by {d} (scale {scale})");
     }
 }
 
