@@ -6,7 +6,7 @@
 # Usage: scripts/pulsar.sh [synthetic | pulsar-host arguments...]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-(cd "$root" && cargo build --release --locked -p pulsar-host -p pulsar-arch-gemma3 -p pulsar-arch-qwen3moe -p pulsar-arch-hy-v3 -p pulsar-arch-minimax -p pulsar-arch-deepseek2 -p pulsar-arch-qwen35 >&2)
+(cd "$root" && cargo build --release --locked -p pulsar-host -p pulsar-arch-gemma3 -p pulsar-arch-qwen3moe -p pulsar-arch-hy-v3 -p pulsar-arch-minimax -p pulsar-arch-deepseek2 -p pulsar-arch-qwen35 -p pulsar-arch-qwen4exp >&2)
 "$root/scripts/stage-plugins.sh" release >/dev/null
 if [ "$#" -eq 0 ]; then
   if gemma="$("$root/scripts/fetch-gemma.sh")"; then

@@ -290,6 +290,16 @@ impl<'m> BatchEngine<'m> {
             positions.extend((n_past..n_past + it.tokens.len()).map(|p| p as u32));
             seqs.extend(std::iter::repeat_n(it.seq.0, it.tokens.len()));
         }
+        // A graph that reads a sequence's whole cache (an attention composed
+        // over `C`, minimax-m3's and qwen4exp's) runs one sequence a step.
+        let reads_cache = |p: &crate::graph::StepPlan| p.shapes.iter().any(|s| s.dims.contains(&pulsar_plugin_api::Dim::C));
+        if items.len() > 1 && (reads_cache(&self.model.steps.decode) || reads_cache(&self.model.steps.prefill)) {
+            let mut out = Vec::with_capacity(items.len());
+            for it in items {
+                out.extend(self.step(std::slice::from_ref(it))?);
+            }
+            return Ok(out);
+        }
         let mut step = CpuStep::batched(self.model, self.cpu, &mut self.kvs, &seqs, self.experts, &tokens, &positions, false);
         let m = step.run(self.model.steps.for_tokens(tokens.len())).map_err(EngineError::Forward)?;
         if m.rows != items.len() {

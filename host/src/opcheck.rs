@@ -434,6 +434,49 @@ op_test!("block_select", 0.0, |g| {
     Case { positions: positions(past, n), ..case(Op::BlockSelect { block, top_k, local }, vec![x], dims.to_vec()) }
 });
 
+op_test!("to_f32", 0.0, |g| {
+    let dims = g.dims(2, 40);
+    let n: usize = dims.iter().product();
+    // Ids of any size up to 2^24 (exact), and larger ones that round.
+    let x = Tensor::i32(dims.clone(), (0..n).map(|_| g.int(0, 1 << 26) as i32 - (1 << 20)).collect());
+    case(Op::ToF32, vec![x], dims)
+});
+op_test!("ngram_hash", 0.0, |g| {
+    // A token history with frequent EOS (id 7), steps starting anywhere in it.
+    let (n, heads, past) = (g.int(2, 4), g.int(1, 3), g.int(0, 12));
+    let t = g.int(1, 5);
+    let c = past + t;
+    let hist: Vec<f32> = (0..c).map(|_| if g.int(0, 3) == 0 { 7.0 } else { g.int(0, 250_000) as f32 }).collect();
+    let mult: Vec<i64> = (0..n).map(|_| 2 * (g.next() % (i64::MAX as u64 / 250_000 / 2)) as i64 + 1).collect();
+    let nh = (n - 1) * heads;
+    let vocab: Vec<i64> = (0..nh).map(|_| g.int(1, 2_000_000) as i64).collect();
+    let offsets: Vec<i64> = vocab.iter().scan(0i64, |o, v| Some(std::mem::replace(o, *o + v))).collect();
+    let op = Op::NgramHash { n: n as u32, heads: heads as u32, eos: 7, mult, offsets, vocab };
+    Case { positions: positions(past, t), ..case(op, vec![Tensor::f32(vec![c, 1], hist)], vec![t, nh]) }
+});
+op_test!("conv_rows", 0.0, |g| {
+    let (t, w, k, dilation, past) = (g.int(1, 6), g.int(1, 12), g.int(1, 5), g.int(1, 4), g.int(0, 14));
+    let c = past + t;
+    let cache = g.tensor(&[c, w], -2.0, 2.0);
+    let taps = g.tensor(&[w, k], -1.0, 1.0).f().expect("f32").to_vec();
+    let op = Op::ConvRows { weight: Wt(0), dilation: dilation as u32 };
+    Case { positions: positions(past, t), weights: vec![taps], ..case(op, vec![cache], vec![t, w]) }
+});
+
+op_test!("pooled_select", 0.0, |g| {
+    // Index heads over cached raw keys; coarse queries half the time, so block scores tie.
+    let (t, nh, block, top_k) = (g.int(1, 5), g.int(1, 3), g.int(1, 6), g.int(1, 4));
+    let d = 2 * g.int(1, 20);
+    let past = g.int(0, 40);
+    let c = past + t;
+    let q = if g.int(0, 1) == 0 { g.coarse(&[t, nh, d]) } else { g.tensor(&[t, nh, d], -2.0, 2.0) };
+    let keys = g.tensor(&[c, d], -2.0, 2.0);
+    let w = g.tensor(&[d], 0.5, 1.5).f().expect("f32").to_vec();
+    let mode = if g.int(0, 1) == 0 { RopeMode::Neox } else { RopeMode::Interleaved };
+    let rope = Rope::new(2 * g.int(1, d / 2) as u32, 10000.0, mode);
+    let op = Op::PooledSelect { block: block as u32, top_k: top_k as u32, key_norm: Wt(0), eps: 1e-6, scale: 0.25, rope };
+    Case { positions: positions(past, t), weights: vec![w], ..case(op, vec![q, keys], vec![t, c]) }
+});
 op_test!("scan", 0.0, |g| {
     let (n, s) = (g.int(1, 6), g.dims(2, 5));
     let dims: Vec<usize> = std::iter::once(n).chain(s.iter().copied()).collect();
@@ -516,6 +559,10 @@ mod tests {
         ("block_select", None),
         ("short_conv", None),
         ("delta_net", None),
+        ("to_f32", None),
+        ("ngram_hash", None),
+        ("conv_rows", None),
+        ("pooled_select", None),
     ];
 
     #[test]

@@ -178,3 +178,28 @@ fn hybrid_prefix_reuse_only_from_a_state_checkpoint() {
     assert!(got == alone(&[&other]), "a recomputed hybrid prompt differs from a run alone");
 }
 
+
+/// A graph that reads a sequence's whole cache (qwen4exp: QSA attention
+/// composed over the cache, PLE's token history) cannot batch several
+/// sequences in one step: the engine runs them one a step, and each gets
+/// the logits of a run alone, prompts and decodes alike.
+#[test]
+fn several_sequences_of_a_whole_cache_graph_step_together() {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/qwen4exp/model-f32.gguf");
+    let (name, module) = common::plugin("qwen4exp");
+    let model = Model::open(&p, &name, module).unwrap();
+    let cpu = CpuBackend::new(2).unwrap();
+    let alone = |pieces: &[&[u32]]| {
+        let mut e = Engine::new(&model, &cpu, &MappedExperts, 64);
+        pieces.iter().map(|p| e.forward(p, false).unwrap().pop().unwrap()).collect::<Vec<_>>()
+    };
+    let (a, b): (Vec<u32>, Vec<u32>) = ((10..19).collect(), vec![381, 7, 8, 381, 9]);
+    let mut be = BatchEngine::new(&model, &cpu, &MappedExperts, 64, 2);
+    let (sa, _) = be.alloc(&a).unwrap();
+    let (sb, _) = be.alloc(&b).unwrap();
+    let first = be.step(&[BatchItem { seq: sa, tokens: &a }, BatchItem { seq: sb, tokens: &b }]).unwrap();
+    let next = be.step(&[BatchItem { seq: sa, tokens: &[5] }, BatchItem { seq: sb, tokens: &[6] }]).unwrap();
+    let (ra, rb) = (alone(&[&a, &[5]]), alone(&[&b, &[6]]));
+    assert!(first[0] == ra[0] && first[1] == rb[0], "batched prompts differ from runs alone");
+    assert!(next[0] == ra[1] && next[1] == rb[1], "batched decodes differ from runs alone");
+}

@@ -536,3 +536,151 @@ extern "C" __global__ void prim_block_select(const float* x, float* y, const u32
     __syncthreads();
     for (int j = threadIdx.x; j < c; j += blockDim.x) y[r * c + j] = keep[j / block] ? 0.0f : NEG_INF;
 }
+
+// i32 values (ids) as f32 (Op::ToF32), rounded to nearest as the CPU's `as f32`.
+extern "C" __global__ void prim_to_f32(const int* x, float* y, long long n) {
+    pdl_begin();
+    PRIM_LOOP(i, n) y[i] = __int2float_rn(x[i]);
+}
+
+// Qwen4-Exp's n-gram hash (Op::NgramHash), twin of cpu::prim::ngram_hash: hist
+// [c] the sequence's token ids (f32), one row of (n - 1) * heads ids a step
+// position. One thread an output id: the window s_0 = tok[p], s_j = tok[p - j]
+// until an EOS (or the start) resets it, then the order g's xor of
+// s_j * mult[j] (i64, wrapping) mod vocab[i] (>= 0) + offset[i].
+#define NGRAM_MAX_N 8
+#define NGRAM_MAX_HEADS 64
+struct NgramAttrs {
+    long long eos;
+    int n;
+    int heads;
+    long long mult[NGRAM_MAX_N];
+    long long off[NGRAM_MAX_HEADS];
+    long long voc[NGRAM_MAX_HEADS];
+};
+extern "C" __global__ void prim_ngram_hash(const float* hist, int* y, const u32* positions, int n_tok, NgramAttrs a) {
+    pdl_begin();
+    int nh = (a.n - 1) * a.heads;
+    PRIM_LOOP(tid, (long long)n_tok * nh) {
+        int i = (int)(tid % nh);
+        long long r = tid / nh;
+        long long p = positions[r];
+        int g = i / a.heads + 2;
+        unsigned long long m = (unsigned long long)(long long)hist[p] * (unsigned long long)a.mult[0];
+        bool reset = false;
+        for (int j = 1; j < g; j++) {
+            reset = reset || j > p || (long long)hist[p - j] == a.eos;
+            long long s = reset ? a.eos : (long long)hist[p - j];
+            m ^= (unsigned long long)s * (unsigned long long)a.mult[j];
+        }
+        long long v = a.voc[i];
+        long long q = (long long)m % v;
+        if (q < 0) q += v;
+        y[tid] = (int)(q + a.off[i]);
+    }
+}
+
+// A depthwise dilated causal conv read from a rows cache (Op::ConvRows), twin
+// of cpu::prim::conv_rows: cache [c, w], taps [w, k] (oldest first); the row
+// at position p sums w[ch, j] * x[p - (k - 1 - j) * dilation][ch] in tap order,
+// skipping taps before position 0. One thread an output.
+extern "C" __global__ void prim_conv_rows(const float* cache, const float* taps, float* y, const u32* positions,
+                                          int n_tok, int w, int k, int dilation) {
+    pdl_begin();
+    PRIM_LOOP(tid, (long long)n_tok * w) {
+        int ch = (int)(tid % w);
+        long long p = positions[tid / w];
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            long long back = (long long)(k - 1 - j) * dilation;
+            if (back <= p) acc = __fadd_rn(acc, __fmul_rn(taps[(long long)ch * k + j], cache[(p - back) * w + ch]));
+        }
+        y[tid] = acc;
+    }
+}
+
+// QSA's pooled keys (Op::PooledSelect, first half), twin of the pooling in
+// cpu::prim::pooled_select: block b of `block` raw keys [d] summed in order
+// and divided by `block`, RMS-normed with w (the sum of squares in f64 in the
+// order of norm_rope.cu's rms_norm: thread-strided partials over 256 threads,
+// the warp butterfly, warp sums in order), then rotated (no YaRN) at position
+// b * block. One block of 256 threads a pooled key.
+#define POOL_THREADS 256
+extern "C" __global__ void __launch_bounds__(POOL_THREADS)
+    prim_pool_keys(const float* keys, const float* w, float* pooled, int d, int block, float eps, int n_rot,
+                   int kind, float base, float linear_factor) {
+    pdl_begin();
+    __shared__ double part[POOL_THREADS / 32];
+    int b = blockIdx.x, t = threadIdx.x;
+    float* row = pooled + (long long)b * d;
+    double ss = 0.0;
+    for (int i = t; i < d; i += POOL_THREADS) {
+        float acc = 0.0f;
+        for (int r = 0; r < block; r++) acc = __fadd_rn(acc, keys[((long long)b * block + r) * d + i]);
+        acc = __fdiv_rn(acc, (float)block);
+        row[i] = acc;
+        ss = __dadd_rn(ss, __dmul_rn((double)acc, (double)acc));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(FULL_MASK, ss, o));
+    if ((t & 31) == 0) part[t >> 5] = ss;
+    __syncthreads();
+    double tot = 0.0;
+#pragma unroll
+    for (int i = 0; i < POOL_THREADS / 32; i++) tot = __dadd_rn(tot, part[i]);
+    float scale = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(__ddiv_rn(tot, (double)d), (double)eps))));
+    for (int i = t; i < d; i += POOL_THREADS) row[i] = __fmul_rn(__fmul_rn(row[i], scale), w[i]);
+    __syncthreads();
+    int half = n_rot / 2;
+    float tp = __fdiv_rn((float)((long long)b * block), linear_factor);
+    for (int i = t; i < half; i += POOL_THREADS) {
+        float c, s;
+        rope_cos_sin_c(__fmul_rn(tp, rope_inv_freq_c(base, i, n_rot)), &c, &s);
+        int ia = kind == 0 ? i : 2 * i, ib = kind == 0 ? i + half : 2 * i + 1;
+        float x0 = row[ia], x1 = row[ib];
+        row[ia] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        row[ib] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    }
+}
+
+// QSA's selection (Op::PooledSelect, second half), twin of
+// cpu::prim::pooled_select: the query row r at position p scores each of its
+// (p + 1) / block complete blocks scale * sum_h relu(q_h . k_b) (dots and the
+// head sum in order from 0); the top_k (ties to the lower block) and the open
+// tail after the last complete block get 0, every other key -inf. One block of
+// threads a row; dynamic shared memory holds the scores, then the flags.
+extern "C" __global__ void prim_pooled_select(const float* q, const float* pooled, float* y, const u32* positions,
+                                              int c, int nh, int d, int block, int top_k, float scale) {
+    pdl_begin();
+    extern __shared__ float ps_score[];
+    long long r = blockIdx.x;
+    long long p = positions[r];
+    int full = (int)((p + 1) / block);
+    unsigned char* keep = (unsigned char*)(ps_score + (c / block));
+    for (int b = threadIdx.x; b < full; b += blockDim.x) {
+        const float* k = pooled + (long long)b * d;
+        float sc = 0.0f;
+        for (int h = 0; h < nh; h++) {
+            const float* qh = q + (r * nh + h) * d;
+            float dot = 0.0f;
+            for (int i = 0; i < d; i++) dot = __fadd_rn(dot, __fmul_rn(qh[i], k[i]));
+            sc = __fadd_rn(sc, fmaxf(dot, 0.0f));
+        }
+        ps_score[b] = __fmul_rn(sc, scale);
+    }
+    __syncthreads();
+    int kk = min(top_k, full);
+    for (int b = threadIdx.x; b < full; b += blockDim.x) {
+        float s = ps_score[b];
+        int rank = 0;
+        for (int j = 0; j < full && rank < kk; j++) {
+            float v = ps_score[j];
+            rank += v > s || (v == s && j < b);
+        }
+        keep[b] = rank < kk;
+    }
+    __syncthreads();
+    long long tail = (long long)full * block;
+    for (long long j = threadIdx.x; j < c; j += blockDim.x)
+        y[r * c + j] = (j < tail ? keep[j / block] : j <= p) ? 0.0f : NEG_INF;
+}

@@ -325,6 +325,32 @@ impl<'a> Graph<'a> {
         StepGraph { nodes: self.nodes.into(), output: output.0 }
     }
 
+    /// i32 values as f32 (see [`Op::ToF32`]).
+    pub fn to_f32(&mut self, x: Val) -> Result<Val, PluginError> {
+        self.op(Op::ToF32, &[x])
+    }
+
+    /// Hashed n-gram ids from the sequence's token history `f32[C, 1]` (see
+    /// [`Op::NgramHash`]).
+    pub fn ngram_hash(&mut self, hist: Val, n: u32, heads: u32, eos: i64, mult: &[i64], offsets: &[i64], vocab: &[i64]) -> Result<Val, PluginError> {
+        let op = Op::NgramHash { n, heads, eos, mult: mult.to_vec(), offsets: offsets.to_vec(), vocab: vocab.to_vec() };
+        self.op(op, &[hist])
+    }
+
+    /// A depthwise dilated causal conv over a rows cache `[C, W]` at the
+    /// step's positions (see [`Op::ConvRows`]).
+    pub fn conv_rows(&mut self, weight: Wt, dilation: u32, cache: Val) -> Result<Val, PluginError> {
+        self.op(Op::ConvRows { weight, dilation }, &[cache])
+    }
+
+    /// Pooled block selection over a cache of raw index keys: the additive
+    /// mask `[T, C]` (see [`Op::PooledSelect`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn pooled_select(&mut self, q: Val, keys: Val, block: u32, top_k: u32, key_norm: Wt, eps: f32, scale: f32, rope: Rope) -> Result<Val, PluginError> {
+        self.op(Op::PooledSelect { block, top_k, key_norm, eps, scale, rope }, &[q, keys])
+    }
+
+
     /// The step's token ids, i32 `[T]`.
     pub fn tokens(&mut self) -> Result<Val, PluginError> {
         self.op(Op::Tokens, &[])

@@ -103,6 +103,11 @@ const PRIM: &[&str] = &[
     "prim_short_conv",
     "prim_delta_net",
     "prim_delta_net_chunked",
+    "prim_to_f32",
+    "prim_ngram_hash",
+    "prim_conv_rows",
+    "prim_pool_keys",
+    "prim_pooled_select",
 ];
 
 /// Entries of [`Family::Prim`], in the order of its table.
@@ -127,6 +132,11 @@ pub(crate) enum Prim {
     ShortConv,
     DeltaNet,
     DeltaNetChunked,
+    ToF32,
+    NgramHash,
+    ConvRows,
+    PoolKeys,
+    PooledSelect,
 }
 
 /// The weight formats with dp4a kernels, in the order of the entry tables below.

@@ -414,6 +414,20 @@ pub fn eval(op: &Op, ins: &[&Tensor], want: &[usize], cx: &PrimCx<'_>) -> Option
                 Activation::SwigluOai => |g, u| Activation::SwigluOai.unit(g, u),
             })?,
             Op::BlockSelect { block, top_k, local } => block_select(ins[0], *block as usize, *top_k as usize, *local as usize, cx.positions)?,
+            Op::ToF32 => Tensor::f32(want.to_vec(), ins[0].ids()?.iter().map(|&v| v as f32).collect()),
+            Op::NgramHash { n, heads, eos, mult, offsets, vocab } => {
+                let h = NgramHash { n: *n as usize, heads: *heads as usize, eos: *eos, mult, offsets, vocab };
+                Tensor::i32(want.to_vec(), ngram_hash(ins[0].f()?, &h, cx.positions)?)
+            }
+            Op::ConvRows { weight, dilation } => {
+                let w = (cx.weight)(*weight)?;
+                Tensor::f32(want.to_vec(), conv_rows(ins[0].f()?, &w, want[1], *dilation as usize, cx.positions)?)
+            }
+            Op::PooledSelect { block, top_k, key_norm, eps, scale, rope } => {
+                let w = (cx.weight)(*key_norm)?;
+                let p = PooledSelect { block: *block as usize, top_k: *top_k as usize, eps: *eps, scale: *scale, rope };
+                Tensor::f32(want.to_vec(), pooled_select(ins[0], ins[1].f()?, &w, &p, want[1], cx.positions)?)
+            }
             _ => return Err(String::new()),
         })
     })();
@@ -454,6 +468,136 @@ pub fn block_select(x: &Tensor, block: usize, top_k: usize, local: usize, positi
         }
     }
     Ok(Tensor::f32(x.dims.clone(), out))
+}
+
+/// [`Op::NgramHash`]'s attributes.
+pub struct NgramHash<'a> {
+    pub n: usize,
+    pub heads: usize,
+    pub eos: i64,
+    pub mult: &'a [i64],
+    pub offsets: &'a [i64],
+    pub vocab: &'a [i64],
+}
+
+/// [`Op::NgramHash`]: `hist` holds the sequence's token ids (f32, one per
+/// position); one row of `(n − 1)·heads` ids per step position.
+pub fn ngram_hash(hist: &[f32], h: &NgramHash<'_>, positions: &[u32]) -> R<Vec<i32>> {
+    let nh = (h.n - 1) * h.heads;
+    let mut out = Vec::with_capacity(positions.len() * nh);
+    let mut s = vec![0i64; h.n];
+    for &p in positions {
+        let p = p as usize;
+        if p >= hist.len() {
+            return Err(format!("position {p} is past the token history of {}", hist.len()));
+        }
+        s[0] = hist[p] as i64;
+        let mut reset = false;
+        for j in 1..h.n {
+            // An EOS at p − j resets the window from there back, as does the start.
+            reset = reset || j > p || hist[p - j] as i64 == h.eos;
+            s[j] = if reset { h.eos } else { hist[p - j] as i64 };
+        }
+        for g in 2..=h.n {
+            let m = (0..g).fold(0i64, |m, j| m ^ s[j].wrapping_mul(h.mult[j]));
+            for k in 0..h.heads {
+                let i = (g - 2) * h.heads + k;
+                out.push((m.rem_euclid(h.vocab[i]) + h.offsets[i]) as i32);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// [`Op::ConvRows`]: `cache` `[C, w]`, `taps` `[w, K]` (each channel's taps,
+/// oldest first); one output row per step position, taps summed in order.
+pub fn conv_rows(cache: &[f32], taps: &[f32], w: usize, dilation: usize, positions: &[u32]) -> R<Vec<f32>> {
+    let k = taps.len() / w.max(1);
+    let c = cache.len() / w.max(1);
+    let mut out = vec![0f32; positions.len() * w];
+    for (i, &p) in positions.iter().enumerate() {
+        let p = p as usize;
+        if p >= c {
+            return Err(format!("position {p} is past the cache of {c} rows"));
+        }
+        let y = &mut out[i * w..(i + 1) * w];
+        for (ch, y) in y.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for j in 0..k {
+                let back = (k - 1 - j) * dilation;
+                if back <= p {
+                    acc += taps[ch * k + j] * cache[(p - back) * w + ch];
+                }
+            }
+            *y = acc;
+        }
+    }
+    Ok(out)
+}
+
+/// [`Op::PooledSelect`]'s attributes.
+pub struct PooledSelect<'a> {
+    pub block: usize,
+    pub top_k: usize,
+    pub eps: f32,
+    pub scale: f32,
+    pub rope: &'a Rope,
+}
+
+/// [`Op::PooledSelect`]: `q` `[T, H, D]`, `keys` `[C, D]`; the mask `[T, c]`.
+pub fn pooled_select(q: &Tensor, keys: &[f32], key_norm: &[f32], s: &PooledSelect<'_>, c: usize, positions: &[u32]) -> R<Vec<f32>> {
+    let (nh, d) = (q.dims[1], q.dims[2]);
+    let qd = q.f()?;
+    let r = s.block;
+    // Every complete block of the cache: pooled, normed, rotated at its first key.
+    let nb = c.min(keys.len() / d.max(1)) / r;
+    let mut pooled = vec![0f32; nb * d];
+    for b in 0..nb {
+        let row = &mut pooled[b * d..(b + 1) * d];
+        for t in 0..r {
+            for (x, &k) in row.iter_mut().zip(&keys[(b * r + t) * d..(b * r + t + 1) * d]) {
+                *x += k;
+            }
+        }
+        row.iter_mut().for_each(|x| *x /= r as f32);
+    }
+    ops::rms_norm_rows(&mut pooled, d, Some(key_norm), s.eps);
+    let starts: Vec<u32> = (0..nb).map(|b| (b * r) as u32).collect();
+    let kind = match s.rope.mode {
+        RopeMode::Neox => RopeKind::Neox,
+        RopeMode::Interleaved => RopeKind::Interleaved,
+    };
+    let rp = RopeParams { head_dim: d, n_rot: s.rope.n_rot as usize, base: s.rope.base, linear_factor: s.rope.linear_factor, kind };
+    match rope_freq(s.rope) {
+        None => ops::rope_rows(&mut pooled, d, &starts, rp),
+        Some(f) => ops::rope_rows_with(&mut pooled, d, &starts, rp, &f),
+    }
+    let mut out = vec![f32::NEG_INFINITY; positions.len() * c];
+    let mut score = Vec::with_capacity(nb);
+    for (i, &p) in positions.iter().enumerate() {
+        let p = p as usize;
+        if p >= c {
+            return Err(format!("position {p} is past the cache of {c} keys"));
+        }
+        let full = (p + 1) / r;
+        score.clear();
+        for b in 0..full {
+            let k = &pooled[b * d..(b + 1) * d];
+            let mut sc = 0f32;
+            for h in 0..nh {
+                let qh = &qd[(i * nh + h) * d..(i * nh + h + 1) * d];
+                let dot = qh.iter().zip(k).fold(0f32, |a, (&x, &y)| a + x * y);
+                sc += dot.max(0.0);
+            }
+            score.push(sc * s.scale);
+        }
+        let row = &mut out[i * c..(i + 1) * c];
+        for b in ops::top_k(&score, s.top_k.min(full)) {
+            row[b * r..(b + 1) * r].iter_mut().for_each(|v| *v = 0.0);
+        }
+        row[full * r..=p].iter_mut().for_each(|v| *v = 0.0);
+    }
+    Ok(out)
 }
 
 /// Query row i (at position p) sees key j iff j <= p and, with a window,
@@ -804,6 +948,43 @@ mod tests {
         // Batched over a broadcast axis: [2, 1, 3] x [3, 2].
         let m = matmul(&a.reshaped(vec![2, 1, 3]).unwrap(), &t(&[3, 2], &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), &[2, 1, 2]).unwrap();
         assert_eq!(m.f().unwrap(), &[4.0, 5.0, 10.0, 11.0]);
+    }
+
+    #[test]
+    fn ngram_hash_resets_at_eos_and_at_the_start() {
+        // n = 3, one head per order; eos = 9.
+        let h = NgramHash { n: 3, heads: 1, eos: 9, mult: &[1, 10, 100], offsets: &[0, 1000], vocab: &[1000, 100000] };
+        let hist = [1.0, 2.0, 9.0, 3.0, 4.0];
+        let out = ngram_hash(&hist, &h, &[0, 1, 2, 3, 4]).unwrap();
+        let row = |s0: i64, s1: i64, s2: i64| [(s0 ^ (s1 * 10)).rem_euclid(1000) as i32, (1000 + (s0 ^ (s1 * 10) ^ (s2 * 100)).rem_euclid(100000)) as i32];
+        let want: Vec<i32> = [row(1, 9, 9), row(2, 1, 9), row(9, 2, 1), row(3, 9, 9), row(4, 3, 9)].concat();
+        assert_eq!(out, want);
+        assert!(ngram_hash(&hist, &h, &[5]).is_err(), "a position past the history");
+    }
+
+    #[test]
+    fn conv_rows_reads_dilated_taps_and_zero_before_the_start() {
+        // Two channels, 3 taps, dilation 2: y_p = w0 x_{p-4} + w1 x_{p-2} + w2 x_p.
+        let cache: Vec<f32> = (0..12).map(|v| v as f32).collect(); // 6 rows of 2
+        let taps = [1.0, 10.0, 100.0, 2.0, 20.0, 200.0];
+        let y = conv_rows(&cache, &taps, 2, 2, &[1, 5]).unwrap();
+        assert_eq!(y, vec![100.0 * 2.0, 200.0 * 3.0, 2.0 + 10.0 * 6.0 + 100.0 * 10.0, 2.0 * 3.0 + 20.0 * 7.0 + 200.0 * 11.0]);
+    }
+
+    #[test]
+    fn pooled_select_keeps_the_best_complete_blocks_and_the_open_tail() {
+        // One head of dim 2 (all of it rotated, angle = the block's first position), blocks of 2.
+        let keys = vec![-1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 1.0, 0.0, -1.0, 0.0, -1.0, 0.0, 5.0, 5.0];
+        let q = Tensor::f32(vec![2, 1, 2], vec![1.0, 0.0, 1.0, 0.0]);
+        let rope = Rope::new(2, 1e4, RopeMode::Neox);
+        let s = PooledSelect { block: 2, top_k: 1, eps: 1e-6, scale: 1.0, rope: &rope };
+        let m = pooled_select(&q, &keys, &[1.0, 1.0], &s, 7, &[1, 6]).unwrap();
+        let inf = f32::NEG_INFINITY;
+        // Position 1: one complete block (its own), chosen. Position 6: blocks 0..3 score
+        // relu(q · k): block 0 (-√2, 0) unrotated is 0, block 1 (√2, 0) rotated by 2 rad is
+        // 0 (cos 2 < 0), block 2 (-√2, 0) rotated by 4 rad is √2·0.654: chosen, plus the tail [6].
+        assert_eq!(&m[..7], &[0.0, 0.0, inf, inf, inf, inf, inf]);
+        assert_eq!(&m[7..], &[inf, inf, inf, inf, 0.0, 0.0, 0.0]);
     }
 
     #[test]

@@ -169,12 +169,12 @@ impl CudaModel {
         let stream = dev.compute().clone();
         let mut weights = Vec::with_capacity(model.weights.len());
         let mut resident = 0u64;
-        // Weights the graphs read as values (and the conv taps) are kept as f32 too.
+        // Weights the graphs read as values (and the convs' taps) are kept as f32 too.
         let as_values: std::collections::HashSet<u32> = [&model.steps.decode, &model.steps.prefill]
             .iter()
             .flat_map(|p| p.ops.iter())
             .filter_map(|op| match op {
-                Op::Weight(w) | Op::ShortConv { weight: w, .. } => Some(w.0),
+                Op::Weight(w) | Op::ShortConv { weight: w, .. } | Op::ConvRows { weight: w, .. } => Some(w.0),
                 _ => None,
             })
             .collect();

@@ -99,6 +99,10 @@ pub fn runs(op: &Op) -> bool {
             | Op::Rope(_)
             | Op::Glu(_)
             | Op::BlockSelect { .. }
+            | Op::ToF32
+            | Op::NgramHash { .. }
+            | Op::ConvRows { .. }
+            | Op::PooledSelect { rope: Rope { yarn: None, .. }, .. }
     )
 }
 
@@ -197,6 +201,20 @@ pub fn eval(dev: &CudaDevice, stream: &CudaStream, op: &Op, ins: &[DIn<'_>], wan
             Op::BlockSelect { block, top_k, local } => {
                 let c = *want.last().ok_or("block_select of a scalar")?;
                 dev.prim_block_select(stream, ins[0].buf, &mut y, cx.positions, cx.n_tok, c, *block as usize, *top_k as usize, *local as usize).map_err(err)?
+            }
+            Op::ToF32 => dev.prim_to_f32(stream, ins[0].buf, &mut y).map_err(err)?,
+            Op::NgramHash { eos, mult, offsets, vocab, .. } => dev.prim_ngram_hash(stream, ins[0].buf, &mut y, cx.positions, cx.n_tok, *eos, mult, offsets, vocab).map_err(err)?,
+            Op::ConvRows { weight, dilation } => {
+                let w = (cx.weight)(*weight)?;
+                dev.prim_conv_rows(stream, ins[0].buf, w, &mut y, cx.positions, cx.n_tok, want[1], *dilation as usize).map_err(err)?
+            }
+            Op::PooledSelect { block, top_k, key_norm, eps, scale, rope } => {
+                let (nh, d, c) = (ins[0].dims[1], ins[0].dims[2], want[1]);
+                let w = (cx.weight)(*key_norm)?;
+                let mut pooled = alloc((c / *block as usize).max(1) * d)?;
+                let r = (rope.n_rot as usize, rope.mode == RopeMode::Neox, rope.base, rope.linear_factor);
+                let dims = [cx.n_tok, nh, d, c];
+                dev.prim_pooled_select(stream, ins[0].buf, ins[1].buf, w, &mut pooled, &mut y, cx.positions, dims, *block as usize, *top_k as usize, *eps, *scale, r).map_err(err)?
             }
             _ => unreachable!("runs() lists the ops above"),
         }

@@ -213,6 +213,36 @@ pub enum Op {
     /// head `j mod Hk`. Per token and v head: `S ← S·exp(g)`,
     /// `S ← S + k ⊗ β(v − kᵀS)`, `o = (scale·q)ᵀS`. Gives o `[T, Hv, Dv]`.
     DeltaNet { state: u32, scale: f32 },
+    /// i32 values as f32 (exact below 2^24): a step's token ids as rows for
+    /// a rows state (the history [`Op::NgramHash`] reads).
+    ToF32,
+    /// Hashed n-gram ids (Qwen4-Exp's per-layer embeddings) from the
+    /// sequence's token history `hist` `f32[C, 1]` (a rows state of the
+    /// ids, [`Op::ToF32`]): for the step's row at position p, `s_0 = tok[p]`
+    /// and, for j ≥ 1, `s_j = tok[p − j]` while no `eos` lies in
+    /// `tok[p − j ..= p − 1]` and `p − j ≥ 0`, else `eos` (an EOS, or the
+    /// sequence's start, resets the window). For each order `g` in
+    /// `2..=n`: `m = ⊕_{j<g} s_j · mult[j]` (i64, wrapping) and, for each
+    /// of its `heads` heads h (i = (g − 2)·heads + h),
+    /// `rem_euclid(m, vocab[i]) + offsets[i]`. Gives `i32[T, (n − 1)·heads]`.
+    NgramHash { n: u32, heads: u32, eos: i64, mult: Vec<i64>, offsets: Vec<i64>, vocab: Vec<i64> },
+    /// A depthwise dilated causal conv over a rows cache `f32[C, W]` (a rows
+    /// state read back) at the step's positions: for the row at position p,
+    /// `y[c] = Σ_k w[c, k] · x[p − (K − 1 − k)·dilation][c]`, taps oldest
+    /// first (`weight` ggml `[K, W]`), zero before position 0, summed in tap
+    /// order. Gives `f32[T, W]`. Qwen4-Exp's PLE conv.
+    ConvRows { weight: Wt, dilation: u32 },
+    /// Pooled block selection (Qwen4-Exp's QSA indexer), from index queries
+    /// `q` `f32[T, H, D]` (normed and rotated) and the cache of raw index
+    /// keys `keys` `f32[C, D]` (one per position). For the row at position
+    /// p: the `(p + 1) / block` complete blocks of keys before it, each
+    /// mean-pooled (summed in order, divided by `block`), RMS-normed with
+    /// `key_norm` (`eps`) and rotated (`rope`) at its first key's position,
+    /// scored `scale · Σ_h relu(q_h · k_b)`; the best `top_k` blocks (ties:
+    /// the lower block) and the open tail after the last complete block are
+    /// chosen. Gives the additive mask `f32[T, C]`: 0 on the chosen keys,
+    /// -inf elsewhere (it is causal).
+    PooledSelect { block: u32, top_k: u32, key_norm: Wt, eps: f32, scale: f32, rope: Rope },
 }
 
 /// Opcodes (stable across versions).
@@ -249,6 +279,10 @@ pub mod code {
     pub const BLOCK_SELECT: u32 = 53;
     pub const SHORT_CONV: u32 = 54;
     pub const DELTA_NET: u32 = 55;
+    pub const TO_F32: u32 = 56;
+    pub const NGRAM_HASH: u32 = 57;
+    pub const CONV_ROWS: u32 = 58;
+    pub const POOLED_SELECT: u32 = 59;
 }
 
 const ACTS: [Act; 4] = [Act::Silu, Act::GeluTanh, Act::Gelu, Act::SwigluOai];
@@ -331,6 +365,10 @@ impl Op {
             Op::Scan { .. } => "scan",
             Op::BlockSelect { .. } => "block_select",
             Op::ShortConv { .. } => "short_conv",
+            Op::ToF32 => "to_f32",
+            Op::NgramHash { .. } => "ngram_hash",
+            Op::ConvRows { .. } => "conv_rows",
+            Op::PooledSelect { .. } => "pooled_select",
             Op::DeltaNet { .. } => "delta_net",
         }
     }
@@ -379,6 +417,21 @@ impl Op {
             Op::BlockSelect { block, top_k, local } => (code::BLOCK_SELECT, vec![*block as i64, *top_k as i64, *local as i64], vec![]),
             Op::ShortConv { state, weight } => (code::SHORT_CONV, vec![*state as i64, weight.0 as i64], vec![]),
             Op::DeltaNet { state, scale } => (code::DELTA_NET, vec![*state as i64], vec![*scale]),
+            Op::ToF32 => (code::TO_F32, vec![], vec![]),
+            Op::NgramHash { n, heads, eos, mult, offsets, vocab } => {
+                let mut i = vec![*n as i64, *heads as i64, *eos];
+                i.extend(mult.iter().chain(offsets).chain(vocab));
+                (code::NGRAM_HASH, i, vec![])
+            }
+            Op::ConvRows { weight, dilation } => (code::CONV_ROWS, vec![weight.0 as i64, *dilation as i64], vec![]),
+            Op::PooledSelect { block, top_k, key_norm, eps, scale, rope } => {
+                let mut f = vec![*eps, *scale, rope.base, rope.linear_factor];
+                if let Some(y) = rope.yarn {
+                    f.extend([y.factor, y.orig_ctx, y.beta_fast, y.beta_slow]);
+                }
+                let i = vec![*block as i64, *top_k as i64, key_norm.0 as i64, rope.n_rot as i64, index_of(&ROPE_MODES, &rope.mode)];
+                (code::POOLED_SELECT, i, f)
+            }
         };
         Encoded { code, ints, floats }
     }
@@ -449,6 +502,36 @@ impl Op {
             },
             code::SHORT_CONV => Op::ShortConv { state: u32_of(int(0)?, "state")?, weight: wt(int(1)?)? },
             code::DELTA_NET => Op::DeltaNet { state: u32_of(int(0)?, "state")?, scale: float(0)? },
+            code::TO_F32 => Op::ToF32,
+            code::NGRAM_HASH => {
+                let n = u32_of(int(0)?, "ngram_hash n")?;
+                let heads = u32_of(int(1)?, "ngram_hash heads")?;
+                let nh = (n as usize).saturating_sub(1) * heads as usize;
+                if ints.len() != 3 + n as usize + 2 * nh {
+                    return Err(format!("ngram_hash: {} integer attributes for n {n} and {heads} heads", ints.len()));
+                }
+                let (m, rest) = ints[3..].split_at(n as usize);
+                let (o, v) = rest.split_at(nh);
+                Op::NgramHash { n, heads, eos: int(2)?, mult: m.to_vec(), offsets: o.to_vec(), vocab: v.to_vec() }
+            }
+            code::CONV_ROWS => Op::ConvRows { weight: wt(int(0)?)?, dilation: u32_of(int(1)?, "conv_rows dilation")? },
+            code::POOLED_SELECT => Op::PooledSelect {
+                block: u32_of(int(0)?, "pooled_select block")?,
+                top_k: u32_of(int(1)?, "pooled_select top_k")?,
+                key_norm: wt(int(2)?)?,
+                eps: float(0)?,
+                scale: float(1)?,
+                rope: Rope {
+                    n_rot: u32_of(int(3)?, "rope n_rot")?,
+                    mode: from_table(&ROPE_MODES, int(4)?, "rope mode")?,
+                    base: float(2)?,
+                    linear_factor: float(3)?,
+                    yarn: match floats.len() {
+                        4 => None,
+                        _ => Some(Yarn { factor: float(4)?, orig_ctx: float(5)?, beta_fast: float(6)?, beta_slow: float(7)? }),
+                    },
+                },
+            },
             other => return Err(format!("unknown opcode {other} (the plugin needs a newer host)")),
         })
     }
@@ -458,7 +541,7 @@ impl Op {
         Some(match self {
             Op::Tokens | Op::Positions | Op::Weight(_) | Op::Mask { .. } => 0,
             Op::Concat { .. } => return None,
-            Op::Binary(_) | Op::TakeAlong | Op::Gather | Op::Matmul | Op::Glu(_) | Op::Scan { .. } => 2,
+            Op::Binary(_) | Op::TakeAlong | Op::Gather | Op::Matmul | Op::Glu(_) | Op::Scan { .. } | Op::PooledSelect { .. } => 2,
             Op::Attention(_) | Op::Experts(_) => 3,
             Op::DeltaNet { .. } => 5,
             _ => 1,
@@ -827,6 +910,58 @@ pub fn infer(op: &Op, ins: &[&Shape], cx: &ShapeCx<'_>) -> Result<Shape, String>
             }
             Ok(v.clone())
         }
+        Op::ToF32 => {
+            want_i32(ins[0], "to_f32 input")?;
+            Ok(Shape::f32(ins[0].dims.clone()))
+        }
+        Op::NgramHash { n, heads, mult, offsets, vocab, .. } => {
+            if *ins[0] != Shape::f32(vec![Dim::C, Dim::N(1)]) {
+                return Err(format!("ngram_hash reads the token history f32[C, 1], got {}", ins[0]));
+            }
+            let nh = (*n as usize).saturating_sub(1) * *heads as usize;
+            if *n < 2 || *heads == 0 || mult.len() != *n as usize || offsets.len() != nh || vocab.len() != nh {
+                return Err(format!("ngram_hash: n {n}, {heads} heads, {} multipliers, {} offsets, {} vocab sizes", mult.len(), offsets.len(), vocab.len()));
+            }
+            if vocab.iter().any(|&v| v <= 0) || offsets.iter().any(|&o| o < 0) || offsets.iter().zip(vocab).any(|(o, v)| o + v > i32::MAX as i64) {
+                return Err(format!("ngram_hash: vocab sizes {vocab:?} and offsets {offsets:?} must be positive and fit i32"));
+            }
+            Ok(Shape::i32(vec![Dim::T, Dim::N(nh as u64)]))
+        }
+        Op::ConvRows { weight, dilation } => {
+            let x = ins[0];
+            want_f32(x, "conv_rows input")?;
+            let w = last_fixed(x, "conv_rows")?;
+            if x.rank() != 2 || x.dims[0] != Dim::C {
+                return Err(format!("conv_rows reads a rows cache [C, width], got {x}"));
+            }
+            match cx.dims(*weight)? {
+                [k, ch] if *ch == w && *k >= 1 => {}
+                d => return Err(format!("weight `{}` has dims {d:?}, not [kernel, {w}]", cx.name(*weight))),
+            }
+            if *dilation == 0 {
+                return Err("conv_rows: dilation 0".into());
+            }
+            Ok(Shape::f32(vec![Dim::T, Dim::N(w)]))
+        }
+        Op::PooledSelect { block, top_k, key_norm, rope, .. } => {
+            let (q, k) = (ins[0], ins[1]);
+            want_f32(q, "pooled_select queries")?;
+            want_f32(k, "pooled_select keys")?;
+            let d = last_fixed(q, "pooled_select")?;
+            if q.rank() != 3 || q.dims[0] != Dim::T || q.dims[1].fixed().is_none() {
+                return Err(format!("pooled_select queries must be [T, heads, dim], got {q}"));
+            }
+            if *k != Shape::f32(vec![Dim::C, Dim::N(d)]) {
+                return Err(format!("pooled_select keys must be the cache f32[C, {d}], got {k}"));
+            }
+            if cx.dims(*key_norm)? != [d] {
+                return Err(format!("weight `{}` has dims {:?}, not [{d}]", cx.name(*key_norm), cx.dims(*key_norm)?));
+            }
+            if *block == 0 || *top_k == 0 || rope.n_rot == 0 || rope.n_rot as u64 > d || rope.n_rot % 2 != 0 {
+                return Err(format!("pooled_select: block {block}, top_k {top_k}, rope n_rot {} over dim {d}", rope.n_rot));
+            }
+            Ok(Shape::f32(vec![Dim::T, Dim::C]))
+        }
     }
 }
 
@@ -878,7 +1013,48 @@ mod tests {
             Op::Scan { state: 1 },
             Op::ShortConv { state: 3, weight: Wt(9) },
             Op::DeltaNet { state: 5, scale: 0.25 },
+            Op::ToF32,
+            Op::NgramHash { n: 3, heads: 2, eos: 381, mult: vec![7, 1 << 40, 9], offsets: vec![0, 67, 138, 211], vocab: vec![67, 71, 73, 79] },
+            Op::ConvRows { weight: Wt(4), dilation: 3 },
+            Op::PooledSelect { block: 4, top_k: 2, key_norm: Wt(1), eps: 1e-6, scale: 0.25, rope: Rope::new(8, 1e7, RopeMode::Neox) },
+            Op::PooledSelect {
+                block: 64,
+                top_k: 8,
+                key_norm: Wt(1),
+                eps: 1e-5,
+                scale: 1.0,
+                rope: Rope { n_rot: 16, base: 1e4, linear_factor: 1.0, mode: RopeMode::Interleaved, yarn: Some(Yarn { factor: 4.0, orig_ctx: 4096.0, beta_fast: 32.0, beta_slow: 1.0 }) },
+            },
         ]
+    }
+
+    #[test]
+    fn qwen4exp_ops_shape_rules() {
+        let weights = vec![vec![4, 6], vec![8], vec![3, 5]];
+        let names: Vec<String> = ["conv", "knorm", "bad"].iter().map(|s| s.to_string()).collect();
+        let states = vec![];
+        let cx = ShapeCx { weights: &weights, weight_names: &names, states: &states };
+        let ids = Shape::i32(vec![Dim::T]);
+        assert_eq!(infer(&Op::ToF32, &[&ids], &cx), Ok(Shape::f32(vec![Dim::T])));
+        assert!(infer(&Op::ToF32, &[&Shape::f32(vec![Dim::T])], &cx).is_err());
+        let hist = Shape::f32(vec![Dim::C, Dim::N(1)]);
+        let ng = Op::NgramHash { n: 3, heads: 2, eos: 1, mult: vec![1, 3, 5], offsets: vec![0, 7, 18, 31], vocab: vec![7, 11, 13, 17] };
+        assert_eq!(infer(&ng, &[&hist], &cx), Ok(Shape::i32(vec![Dim::T, Dim::N(4)])));
+        assert!(infer(&ng, &[&Shape::f32(vec![Dim::T, Dim::N(1)])], &cx).unwrap_err().contains("history"));
+        let short = Op::NgramHash { n: 3, heads: 2, eos: 1, mult: vec![1, 3], offsets: vec![0, 7, 18, 31], vocab: vec![7, 11, 13, 17] };
+        assert!(infer(&short, &[&hist], &cx).unwrap_err().contains("multipliers"));
+        let rows = Shape::f32(vec![Dim::C, Dim::N(6)]);
+        assert_eq!(infer(&Op::ConvRows { weight: Wt(0), dilation: 3 }, &[&rows], &cx), Ok(Shape::f32(vec![Dim::T, Dim::N(6)])));
+        assert!(infer(&Op::ConvRows { weight: Wt(2), dilation: 3 }, &[&rows], &cx).unwrap_err().contains("bad"));
+        assert!(infer(&Op::ConvRows { weight: Wt(0), dilation: 0 }, &[&rows], &cx).is_err());
+        assert!(infer(&Op::ConvRows { weight: Wt(0), dilation: 1 }, &[&Shape::f32(vec![Dim::T, Dim::N(6)])], &cx).is_err());
+        let ps = Op::PooledSelect { block: 4, top_k: 2, key_norm: Wt(1), eps: 1e-6, scale: 1.0, rope: Rope::new(8, 1e4, RopeMode::Neox) };
+        let q = Shape::f32(vec![Dim::T, Dim::N(2), Dim::N(8)]);
+        let keys = Shape::f32(vec![Dim::C, Dim::N(8)]);
+        assert_eq!(infer(&ps, &[&q, &keys], &cx), Ok(Shape::f32(vec![Dim::T, Dim::C])));
+        assert!(infer(&ps, &[&q, &Shape::f32(vec![Dim::C, Dim::N(6)])], &cx).unwrap_err().contains("keys"));
+        let ps_bad = Op::PooledSelect { block: 4, top_k: 2, key_norm: Wt(0), eps: 1e-6, scale: 1.0, rope: Rope::new(8, 1e4, RopeMode::Neox) };
+        assert!(infer(&ps_bad, &[&q, &keys], &cx).unwrap_err().contains("conv"));
     }
 
     #[test]

@@ -15,6 +15,20 @@ pub(crate) const DELTA_NET_COLS: usize = 32;
 /// Most axes a primitive's index space has (PRIM_RANK in prim.cu).
 pub const PRIM_RANK: usize = 8;
 
+/// prim.cu's `NgramAttrs` (n-gram hash constants, passed by value).
+const NGRAM_MAX_N: usize = 8;
+const NGRAM_MAX_HEADS: usize = 64;
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct NgramAttrs {
+    eos: i64,
+    n: i32,
+    heads: i32,
+    mult: [i64; NGRAM_MAX_N],
+    off: [i64; NGRAM_MAX_HEADS],
+    voc: [i64; NGRAM_MAX_HEADS],
+}
+
 /// An N-D index space, row-major over `dims`, and where each of its
 /// elements lies in two operands: `off + Σ index[d] * st[d]` (prim.cu's
 /// struct, passed by value).
@@ -259,6 +273,95 @@ impl CudaDevice {
         let grid = u32::try_from(rows).map_err(|_| shape(OP, format!("{rows} rows")))?;
         // SAFETY: (x, y, positions, rows, c, t, block, top_k, local) as prim_block_select; 5 bytes of shared memory a block.
         unsafe { self.launch(f, (grid, 1, 1), 256, (nb * 5) as u32, stream, &mut params![xp, yp, pp, r, cc, t, b, k, l]) }
+    }
+
+    /// i32 values `x` (ids) as f32 into `y` (see `Op::ToF32`).
+    pub fn prim_to_f32(&self, stream: &CudaStream, x: &DeviceBuf<f32>, y: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
+        const OP: &str = "prim_to_f32";
+        want(OP, "y", y.len(), x.len())?;
+        let f = self.prim(Prim::ToF32)?;
+        let (xp, yp, n) = (x.device_ptr(), y.device_ptr(), y.len() as i64);
+        // SAFETY: (x, y, n) as prim_to_f32; lengths checked above.
+        unsafe { self.launch(f, blocks(y.len()), 256, 0, stream, &mut params![xp, yp, n]) }
+    }
+
+    /// Hashed n-gram ids (see `Op::NgramHash`) of the step's `n_tok` rows
+    /// from the token history `hist` `[c]` into `y` `[n_tok, (n - 1) * heads]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_ngram_hash(&self, stream: &CudaStream, hist: &DeviceBuf<f32>, y: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, n_tok: usize, eos: i64, mult: &[i64], offsets: &[i64], vocab: &[i64]) -> Result<(), CudaError> {
+        const OP: &str = "prim_ngram_hash";
+        let n = mult.len();
+        if n < 2 || n > NGRAM_MAX_N || offsets.len() != vocab.len() || offsets.len() % (n - 1) != 0 || offsets.len() > NGRAM_MAX_HEADS || vocab.iter().any(|&v| v <= 0) {
+            return Err(shape(OP, format!("n {n} with {} heads (at most {NGRAM_MAX_N} and {NGRAM_MAX_HEADS})", offsets.len())));
+        }
+        within(OP, "positions", n_tok, positions.len())?;
+        want(OP, "y", y.len(), n_tok * offsets.len())?;
+        if hist.is_empty() {
+            return Err(shape(OP, "an empty token history"));
+        }
+        let mut a = NgramAttrs { eos, n: n as i32, heads: (offsets.len() / (n - 1)) as i32, mult: [0; NGRAM_MAX_N], off: [0; NGRAM_MAX_HEADS], voc: [1; NGRAM_MAX_HEADS] };
+        a.mult[..n].copy_from_slice(mult);
+        a.off[..offsets.len()].copy_from_slice(offsets);
+        a.voc[..vocab.len()].copy_from_slice(vocab);
+        let f = self.prim(Prim::NgramHash)?;
+        let (hp, yp, pp, t) = (hist.device_ptr(), y.device_ptr(), positions.device_ptr(), to_i32(OP, "n_tok", n_tok)?);
+        // SAFETY: (hist, y, positions, n_tok, attrs) as prim_ngram_hash; lengths checked above
+        // (the positions lie in the history: the step writes it up to them first).
+        unsafe { self.launch(f, blocks(y.len()), 256, 0, stream, &mut params![hp, yp, pp, t, a]) }
+    }
+
+    /// The dilated depthwise conv of the step's `n_tok` rows over the rows
+    /// cache `cache` `[c, w]` with taps `taps` `[w, k]` (see `Op::ConvRows`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_conv_rows(&self, stream: &CudaStream, cache: &DeviceBuf<f32>, taps: &DeviceBuf<f32>, y: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, n_tok: usize, w: usize, dilation: usize) -> Result<(), CudaError> {
+        const OP: &str = "prim_conv_rows";
+        if w == 0 || taps.len() % w != 0 || taps.is_empty() || dilation == 0 || cache.len() % w != 0 {
+            return Err(shape(OP, format!("{} taps over {w} channels, dilation {dilation}", taps.len())));
+        }
+        within(OP, "positions", n_tok, positions.len())?;
+        want(OP, "y", y.len(), n_tok * w)?;
+        let k = taps.len() / w;
+        let f = self.prim(Prim::ConvRows)?;
+        let (cp, tp, yp, pp) = (cache.device_ptr(), taps.device_ptr(), y.device_ptr(), positions.device_ptr());
+        let (t, ww, kk, d) = (to_i32(OP, "n_tok", n_tok)?, to_i32(OP, "w", w)?, to_i32(OP, "k", k)?, to_i32(OP, "dilation", dilation)?);
+        // SAFETY: (cache, taps, y, positions, n_tok, w, k, dilation) as prim_conv_rows; lengths checked above.
+        unsafe { self.launch(f, blocks(y.len()), 256, 0, stream, &mut params![cp, tp, yp, pp, t, ww, kk, d]) }
+    }
+
+    /// QSA's block selection (see `Op::PooledSelect`, no YaRN): the raw
+    /// index keys `keys` `[c, d]` pooled into `pooled` (`c / block` rows,
+    /// normed with `key_norm`, rotated at each block's first position), then
+    /// per query of `q` `[n_tok, nh, d]` the additive mask `y` `[n_tok, c]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prim_pooled_select(&self, stream: &CudaStream, q: &DeviceBuf<f32>, keys: &DeviceBuf<f32>, key_norm: &DeviceBuf<f32>, pooled: &mut DeviceBuf<f32>, y: &mut DeviceBuf<f32>, positions: &DeviceBuf<u32>, dims: [usize; 4], block: usize, top_k: usize, eps: f32, scale: f32, rope: (usize, bool, f32, f32)) -> Result<(), CudaError> {
+        const OP: &str = "prim_pooled_select";
+        // The block scores and flags live in the default 48 KiB of shared memory.
+        const MAX_BLOCKS: usize = 48 * 1024 / 5;
+        let [n_tok, nh, d, c] = dims;
+        let (n_rot, neox, base, linear_factor) = rope;
+        if d == 0 || block == 0 || top_k == 0 || n_rot == 0 || n_rot > d || n_rot % 2 != 0 || c / block > MAX_BLOCKS {
+            return Err(shape(OP, format!("{c} keys of {d} in blocks of {block} (at most {MAX_BLOCKS} blocks), rope over {n_rot}")));
+        }
+        within(OP, "positions", n_tok, positions.len())?;
+        want(OP, "q", q.len(), n_tok * nh * d)?;
+        want(OP, "keys", keys.len(), c * d)?;
+        want(OP, "key_norm", key_norm.len(), d)?;
+        want(OP, "y", y.len(), n_tok * c)?;
+        let nb = c / block;
+        within(OP, "pooled", nb * d, pooled.len())?;
+        let (dd, bb, nr, kind) = (to_i32(OP, "d", d)?, to_i32(OP, "block", block)?, to_i32(OP, "n_rot", n_rot)?, if neox { 0i32 } else { 1i32 });
+        if nb > 0 {
+            let f = self.prim(Prim::PoolKeys)?;
+            let (kp, wp, pp) = (keys.device_ptr(), key_norm.device_ptr(), pooled.device_ptr());
+            // SAFETY: (keys, w, pooled, d, block, eps, n_rot, kind, base, linear_factor) as prim_pool_keys; lengths checked above.
+            unsafe { self.launch(f, (nb as u32, 1, 1), 256, 0, stream, &mut params![kp, wp, pp, dd, bb, eps, nr, kind, base, linear_factor])? }
+        }
+        let f = self.prim(Prim::PooledSelect)?;
+        let (qp, pp, yp, sp) = (q.device_ptr(), pooled.device_ptr(), y.device_ptr(), positions.device_ptr());
+        let (cc, hh, kk) = (to_i32(OP, "c", c)?, to_i32(OP, "nh", nh)?, to_i32(OP, "top_k", top_k)?);
+        let grid = u32::try_from(n_tok).map_err(|_| shape(OP, format!("{n_tok} rows")))?;
+        // SAFETY: (q, pooled, y, positions, c, nh, d, block, top_k, scale) as prim_pooled_select; 5 bytes of shared memory a block.
+        unsafe { self.launch(f, (grid, 1, 1), 256, (nb.max(1) * 5) as u32, stream, &mut params![qp, pp, yp, sp, cc, hh, dd, bb, kk, scale]) }
     }
 
     /// The first `y.len()` words of `src` (positions, tokens) as i32 values.
