@@ -1,7 +1,7 @@
 //! Blocks many families share, written from the graph's ops (the way
-//! llama.cpp's `build_moe_ffn` composes routing): a SwiGLU FFN and the
-//! top-k router. A family uses them or writes its own; the host sees the
-//! same ops either way.
+//! llama.cpp's `build_moe_ffn` composes routing): a SwiGLU FFN, the top-k
+//! router and the Qwen3.5 hybrids' gated delta net. A family uses them or
+//! writes its own; the host sees the same ops either way.
 
 use crate::abi::{Val, Wt};
 use crate::graph::Act;
@@ -102,3 +102,110 @@ pub fn lm_head(g: &mut Graph<'_>, x: Val, norm: Wt, output: Wt, eps: f32) -> Res
 /// ChatML, Qwen's turn format: the fallback for Qwen GGUFs without
 /// `tokenizer.chat_template`.
 pub const CHATML_TEMPLATE: &str = r#"{% for m in messages %}{{ '<|im_start|>' ~ m['role'] ~ '\n' ~ m['content'] ~ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"#;
+
+/// The gated delta net mixer of the Qwen3.5 hybrids (HF `Qwen3_5GatedDeltaNet`,
+/// shared by qwen35moe, qwen35 and qwen4exp): the q/k/v projection through a
+/// short causal conv and SiLU, L2-normed q and k heads, softplus decay gates
+/// and a sigmoid `beta`, the gated delta rule on a recurrent state, then an
+/// RMS norm gated by `silu(z)` and the output projection. Its conv window
+/// and state are host-owned recurrent states.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GatedDeltaNet {
+    pub qkv: Wt,
+    pub z: Wt,
+    pub beta: Wt,
+    pub alpha: Wt,
+    pub dt_bias: Wt,
+    pub a: Wt,
+    pub conv: Wt,
+    pub norm: Wt,
+    pub out: Wt,
+    pub conv_state: u32,
+    pub state: u32,
+    /// k heads, v heads, and their widths.
+    pub hk: u32,
+    pub hv: u32,
+    pub dk: u32,
+    pub dv: u32,
+    /// The gated RMS norm's epsilon.
+    pub eps: f32,
+}
+
+/// The epsilon of the q/k L2 norm (HF `l2norm`'s 1e-6).
+const DELTA_L2_EPS: f32 = 1e-6;
+
+impl GatedDeltaNet {
+    /// The dims of the conv window (`[K - 1, channels]`) and of the delta
+    /// rule's state (`[hv, dk, dv]`), to declare as recurrent states.
+    pub fn state_dims((hk, hv, dk, dv): (u32, u32, u32, u32), conv_kernel: u64) -> ([u64; 2], [u64; 3]) {
+        let ch = (2 * hk * dk + hv * dv) as u64;
+        ([conv_kernel.saturating_sub(1), ch], [hv as u64, dk as u64, dv as u64])
+    }
+
+    /// Declare the weights (llama.cpp's names, through `w`) for `n_embd`
+    /// inputs and a conv of `conv_kernel` taps, with the `(conv window,
+    /// state)` states declared from [`GatedDeltaNet::state_dims`].
+    pub fn declare(
+        mut w: impl FnMut(&str, crate::abi::Role, &[u64]) -> Result<Wt, PluginError>,
+        (conv_state, state): (u32, u32),
+        n_embd: u64,
+        (hk, hv, dk, dv): (u32, u32, u32, u32),
+        conv_kernel: u64,
+        eps: f32,
+    ) -> Result<GatedDeltaNet, PluginError> {
+        use crate::abi::Role;
+        let (e, nv, ch) = (n_embd, (hv * dv) as u64, (2 * hk * dk + hv * dv) as u64);
+        Ok(GatedDeltaNet {
+            qkv: w("attn_qkv.weight", Role::Attention, &[e, ch])?,
+            z: w("attn_gate.weight", Role::Attention, &[e, nv])?,
+            beta: w("ssm_beta.weight", Role::Attention, &[e, hv as u64])?,
+            alpha: w("ssm_alpha.weight", Role::Attention, &[e, hv as u64])?,
+            dt_bias: w("ssm_dt.bias", Role::Norm, &[hv as u64])?,
+            a: w("ssm_a", Role::Norm, &[hv as u64])?,
+            conv: w("ssm_conv1d.weight", Role::Attention, &[conv_kernel, ch])?,
+            norm: w("ssm_norm.weight", Role::Norm, &[dv as u64])?,
+            out: w("ssm_out.weight", Role::Attention, &[nv, e])?,
+            conv_state,
+            state,
+            hk,
+            hv,
+            dk,
+            dv,
+            eps,
+        })
+    }
+
+    /// The mixer on the normed input `h`; intermediates named for `layer`.
+    pub fn forward(&self, g: &mut Graph<'_>, h: Val, layer: u32) -> Result<Val, PluginError> {
+        let (kw, vw) = ((self.hk * self.dk) as u64, (self.hv * self.dv) as u64);
+        let z = g.linear(self.z, h)?;
+        let beta = g.linear(self.beta, h)?;
+        let beta = g.sigmoid(beta)?;
+        let a = g.linear(self.alpha, h)?;
+        let dt = g.weight(self.dt_bias)?;
+        let a = g.add(a, dt)?;
+        let a = g.softplus(a)?;
+        let decay = g.weight(self.a)?;
+        let gl = g.mul(a, decay)?;
+        let m = g.linear(self.qkv, h)?;
+        let m = g.short_conv(self.conv_state, self.conv, m)?;
+        let m = g.silu(m)?;
+        let m = g.name(m, "conv_out", Some(layer));
+        let q = g.slice(m, -1, 0, kw)?;
+        let k = g.slice(m, -1, kw, kw)?;
+        let v = g.slice(m, -1, 2 * kw, vw)?;
+        let q = g.split_heads(q, self.hk, self.dk)?;
+        let q = g.l2_norm(q, self.dk, DELTA_L2_EPS)?;
+        let k = g.split_heads(k, self.hk, self.dk)?;
+        let k = g.l2_norm(k, self.dk, DELTA_L2_EPS)?;
+        let v = g.split_heads(v, self.hv, self.dv)?;
+        let o = g.delta_net(self.state, 1.0 / (self.dk as f32).sqrt(), q, k, v, gl, beta)?;
+        let o = g.name(o, "delta_out", Some(layer));
+        let o = g.rms_norm(o, Some(self.norm), self.eps)?;
+        let z = g.split_heads(z, self.hv, self.dv)?;
+        let z = g.silu(z)?;
+        let o = g.mul(o, z)?;
+        let o = g.merge_heads(o)?;
+        g.linear(self.out, o)
+    }
+}

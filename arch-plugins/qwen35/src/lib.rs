@@ -22,13 +22,10 @@
 //! declared (resident, so speculative decoding can use them) and left out of
 //! the graph.
 
-use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
+use pulsar_plugin_api::blocks::{Ffn, GatedDeltaNet, Router, Scores};
 use pulsar_plugin_api::{
     Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, MetaValue, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers, Val, Wt,
 };
-
-/// HF's `l2norm` epsilon (fixed in the reference, no config key).
-const L2_EPS: f32 = 1e-6;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -142,26 +139,8 @@ impl Config {
             n_ctx_train: cx.u32(&cx.key("context_length"))?,
         })
     }
-
-    /// Channels of the delta net's conv: q, k and v.
-    fn conv_channels(&self) -> u64 {
-        (2 * self.hk * self.dk + self.hv * self.dv) as u64
-    }
 }
 
-struct DeltaLayer {
-    qkv: Wt,
-    z: Wt,
-    beta: Wt,
-    alpha: Wt,
-    dt_bias: Wt,
-    a: Wt,
-    conv: Wt,
-    norm: Wt,
-    out: Wt,
-    conv_state: u32,
-    state: u32,
-}
 
 struct AttnLayer {
     wq: Wt,
@@ -174,7 +153,7 @@ struct AttnLayer {
 }
 
 enum Mixer {
-    Delta(DeltaLayer),
+    Delta(GatedDeltaNet),
     Attn(AttnLayer),
 }
 
@@ -232,23 +211,10 @@ impl Qwen35 {
         let (e, hd) = (c.n_embd as u64, c.head_dim as u64);
         let attn_norm = d.w("attn_norm.weight", Role::Norm, &[e])?;
         let mixer = if recurrent {
-            let (nv, ch) = ((c.hv * c.dv) as u64, c.conv_channels());
-            let hv = c.hv as u64;
-            let conv_state = d.cx.recurrent_state(d.l, &[c.conv_kernel as u64 - 1, ch]);
-            let state = d.cx.recurrent_state(d.l, &[hv, c.dk as u64, c.dv as u64]);
-            Mixer::Delta(DeltaLayer {
-                qkv: d.w("attn_qkv.weight", Role::Attention, &[e, ch])?,
-                z: d.w("attn_gate.weight", Role::Attention, &[e, nv])?,
-                beta: d.w("ssm_beta.weight", Role::Attention, &[e, hv])?,
-                alpha: d.w("ssm_alpha.weight", Role::Attention, &[e, hv])?,
-                dt_bias: d.w("ssm_dt.bias", Role::Norm, &[hv])?,
-                a: d.w("ssm_a", Role::Norm, &[hv])?,
-                conv: d.w("ssm_conv1d.weight", Role::Attention, &[c.conv_kernel as u64, ch])?,
-                norm: d.w("ssm_norm.weight", Role::Norm, &[c.dv as u64])?,
-                out: d.w("ssm_out.weight", Role::Attention, &[nv, e])?,
-                conv_state,
-                state,
-            })
+            let dims = (c.hk, c.hv, c.dk, c.dv);
+            let (window, state) = GatedDeltaNet::state_dims(dims, c.conv_kernel as u64);
+            let states = (d.cx.recurrent_state(d.l, &window), d.cx.recurrent_state(d.l, &state));
+            Mixer::Delta(GatedDeltaNet::declare(|n, r, dm| d.w(n, r, dm), states, e, dims, c.conv_kernel as u64, c.eps)?)
         } else {
             let (nq, nkv) = (c.n_head as u64 * hd, c.n_kv_head as u64 * hd);
             Mixer::Attn(AttnLayer {
@@ -286,41 +252,6 @@ impl Qwen35 {
             })
         };
         Ok(Layer { attn_norm, mixer, ffn_norm, ffn })
-    }
-
-    /// The gated delta net mixer on the normed input `h`.
-    fn delta_net(&self, g: &mut Graph<'_>, d: &DeltaLayer, l: u32, h: Val) -> Result<Val, PluginError> {
-        let c = &self.cfg;
-        let (kw, vw) = ((c.hk * c.dk) as u64, (c.hv * c.dv) as u64);
-        let z = g.linear(d.z, h)?;
-        let beta = g.linear(d.beta, h)?;
-        let beta = g.sigmoid(beta)?;
-        let a = g.linear(d.alpha, h)?;
-        let dt = g.weight(d.dt_bias)?;
-        let a = g.add(a, dt)?;
-        let a = g.softplus(a)?;
-        let decay = g.weight(d.a)?;
-        let gl = g.mul(a, decay)?;
-        let m = g.linear(d.qkv, h)?;
-        let m = g.short_conv(d.conv_state, d.conv, m)?;
-        let m = g.silu(m)?;
-        let m = g.name(m, "conv_out", Some(l));
-        let q = g.slice(m, -1, 0, kw)?;
-        let k = g.slice(m, -1, kw, kw)?;
-        let v = g.slice(m, -1, 2 * kw, vw)?;
-        let q = g.split_heads(q, c.hk, c.dk)?;
-        let q = g.l2_norm(q, c.dk, L2_EPS)?;
-        let k = g.split_heads(k, c.hk, c.dk)?;
-        let k = g.l2_norm(k, c.dk, L2_EPS)?;
-        let v = g.split_heads(v, c.hv, c.dv)?;
-        let o = g.delta_net(d.state, 1.0 / (c.dk as f32).sqrt(), q, k, v, gl, beta)?;
-        let o = g.name(o, "delta_out", Some(l));
-        let o = g.rms_norm(o, Some(d.norm), c.eps)?;
-        let z = g.split_heads(z, c.hv, c.dv)?;
-        let z = g.silu(z)?;
-        let o = g.mul(o, z)?;
-        let o = g.merge_heads(o)?;
-        g.linear(d.out, o)
     }
 
     /// The gated full attention mixer on the normed input `h`.
@@ -409,7 +340,7 @@ impl FamilyPlugin for Qwen35 {
             let l = il as u32;
             let h = g.rms_norm(x, Some(w.attn_norm), c.eps)?;
             let a = match &w.mixer {
-                Mixer::Delta(d) => self.delta_net(g, d, l, h)?,
+                Mixer::Delta(d) => d.forward(g, h, l)?,
                 Mixer::Attn(at) => self.attention(g, at, h)?,
             };
             let a = g.name(a, "attn_out", Some(l));

@@ -31,13 +31,11 @@
 //!   carries no key for it; HF's default (unset) is `hidden_act`, SiLU, which
 //!   the fixture uses, so SiLU here (llama.cpp hard-codes sigmoid).
 
-use pulsar_plugin_api::blocks::{Ffn, Router, Scores};
+use pulsar_plugin_api::blocks::{Ffn, GatedDeltaNet, Router, Scores};
 use pulsar_plugin_api::{
     Act, ChatSpec, Dim, Experts, FamilyPlugin, Graph, MetaValue, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers, Val, Wt,
 };
 
-/// HF's `l2norm` epsilon (fixed in the reference, no config key).
-const L2_EPS: f32 = 1e-6;
 /// HF's clamp of the PLE gate's magnitude before its square root.
 const PLE_GATE_MIN: f32 = 1e-6;
 
@@ -265,10 +263,6 @@ impl Config {
             ple,
         })
     }
-
-    fn conv_channels(&self) -> u64 {
-        (2 * self.hk * self.dk + self.hv * self.dv) as u64
-    }
 }
 
 /// The first (rows) dim of `x`: `T`, or `O` after `output_rows`.
@@ -282,20 +276,6 @@ struct Mixer {
     down: Wt,
     up: Wt,
     inject: Option<Wt>,
-}
-
-struct DeltaLayer {
-    qkv: Wt,
-    z: Wt,
-    beta: Wt,
-    alpha: Wt,
-    dt_bias: Wt,
-    a: Wt,
-    conv: Wt,
-    norm: Wt,
-    out: Wt,
-    conv_state: u32,
-    state: u32,
 }
 
 struct AttnLayer {
@@ -316,7 +296,7 @@ struct AttnLayer {
 }
 
 enum Block {
-    Delta(DeltaLayer),
+    Delta(GatedDeltaNet),
     Attn(AttnLayer),
 }
 
@@ -399,22 +379,11 @@ impl Qwen4Exp {
             _ => None,
         };
         let block = if c.recurrent[l as usize] {
-            let (nv, ch, hv) = ((c.hv * c.dv) as u64, c.conv_channels(), c.hv as u64);
-            let conv_state = cx.recurrent_state(l, &[c.conv_kernel as u64 - 1, ch]);
-            let state = cx.recurrent_state(l, &[hv, c.dk as u64, c.dv as u64]);
-            Block::Delta(DeltaLayer {
-                qkv: w(cx, "attn_qkv.weight", Role::Attention, &[e, ch])?,
-                z: w(cx, "attn_gate.weight", Role::Attention, &[e, nv])?,
-                beta: w(cx, "ssm_beta.weight", Role::Attention, &[e, hv])?,
-                alpha: w(cx, "ssm_alpha.weight", Role::Attention, &[e, hv])?,
-                dt_bias: w(cx, "ssm_dt.bias", Role::Norm, &[hv])?,
-                a: w(cx, "ssm_a", Role::Norm, &[hv])?,
-                conv: w(cx, "ssm_conv1d.weight", Role::Attention, &[c.conv_kernel as u64, ch])?,
-                norm: w(cx, "ssm_norm.weight", Role::Norm, &[c.dv as u64])?,
-                out: w(cx, "ssm_out.weight", Role::Attention, &[nv, e])?,
-                conv_state,
-                state,
-            })
+            let dims = (c.hk, c.hv, c.dk, c.dv);
+            let (window, state) = GatedDeltaNet::state_dims(dims, c.conv_kernel as u64);
+            let states = (cx.recurrent_state(l, &window), cx.recurrent_state(l, &state));
+            let decl = GatedDeltaNet::declare(|n, r, dm| w(cx, n, r, dm), states, e, dims, c.conv_kernel as u64, c.eps)?;
+            Block::Delta(decl)
         } else {
             let (nq, nkv) = (c.n_head as u64 * hd, c.n_kv_head as u64 * hd);
             let (ih, id) = (c.idx_heads as u64, c.idx_dim as u64);
@@ -541,39 +510,6 @@ impl Qwen4Exp {
         g.add(x, out)
     }
 
-    /// The gated delta net on the block input `h` (as qwen35, SiLU gate).
-    fn delta_net(&self, g: &mut Graph<'_>, d: &DeltaLayer, h: Val) -> Result<Val, PluginError> {
-        let c = &self.cfg;
-        let (kw, vw) = ((c.hk * c.dk) as u64, (c.hv * c.dv) as u64);
-        let z = g.linear(d.z, h)?;
-        let beta = g.linear(d.beta, h)?;
-        let beta = g.sigmoid(beta)?;
-        let a = g.linear(d.alpha, h)?;
-        let dt = g.weight(d.dt_bias)?;
-        let a = g.add(a, dt)?;
-        let a = g.softplus(a)?;
-        let decay = g.weight(d.a)?;
-        let gl = g.mul(a, decay)?;
-        let m = g.linear(d.qkv, h)?;
-        let m = g.short_conv(d.conv_state, d.conv, m)?;
-        let m = g.silu(m)?;
-        let q = g.slice(m, -1, 0, kw)?;
-        let k = g.slice(m, -1, kw, kw)?;
-        let v = g.slice(m, -1, 2 * kw, vw)?;
-        let q = g.split_heads(q, c.hk, c.dk)?;
-        let q = g.l2_norm(q, c.dk, L2_EPS)?;
-        let k = g.split_heads(k, c.hk, c.dk)?;
-        let k = g.l2_norm(k, c.dk, L2_EPS)?;
-        let v = g.split_heads(v, c.hv, c.dv)?;
-        let o = g.delta_net(d.state, 1.0 / (c.dk as f32).sqrt(), q, k, v, gl, beta)?;
-        let o = g.rms_norm(o, Some(d.norm), c.eps)?;
-        let z = g.split_heads(z, c.hv, c.dv)?;
-        let z = g.silu(z)?;
-        let o = g.mul(o, z)?;
-        let o = g.merge_heads(o)?;
-        g.linear(d.out, o)
-    }
-
     /// Gated attention over the QSA indexer's choice of keys.
     fn attention(&self, g: &mut Graph<'_>, w: &AttnLayer, h: Val) -> Result<Val, PluginError> {
         let c = &self.cfg;
@@ -668,7 +604,7 @@ impl FamilyPlugin for Qwen4Exp {
             }
             let (h, wi) = self.mix(g, &w.attn_hc, x)?;
             let a = match &w.block {
-                Block::Delta(d) => self.delta_net(g, d, h)?,
+                Block::Delta(d) => d.forward(g, h, l)?,
                 Block::Attn(at) => self.attention(g, at, h)?,
             };
             let a = g.name(a, "attn_out", Some(l));
