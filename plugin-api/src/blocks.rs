@@ -209,3 +209,42 @@ impl GatedDeltaNet {
         g.linear(self.out, o)
     }
 }
+
+/// A delta net's sizes from a file's `ssm.*` keys (llama.cpp's names), each
+/// checked with one error naming the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaDims {
+    /// k heads (`ssm.group_count`) and v heads (`ssm.time_step_rank`).
+    pub hk: u32,
+    pub hv: u32,
+    /// Head widths: `ssm.state_size`, and `ssm.inner_size / hv`.
+    pub dk: u32,
+    pub dv: u32,
+    /// Taps of the short conv (`ssm.conv_kernel`).
+    pub conv_kernel: u32,
+}
+
+impl DeltaDims {
+    pub fn parse(cx: &crate::sdk::OpenCx<'_>) -> Result<DeltaDims, PluginError> {
+        let bad = |key: &str, why: String| PluginError::BadValue { key: cx.key(key), why };
+        let (hk, hv) = (cx.u32(&cx.key("ssm.group_count"))?, cx.u32(&cx.key("ssm.time_step_rank"))?);
+        if hk == 0 || hv == 0 || hv % hk != 0 {
+            return Err(bad("ssm.group_count", format!("{hk} k heads do not divide {hv} v heads (ssm.time_step_rank)")));
+        }
+        let inner = cx.u32(&cx.key("ssm.inner_size"))?;
+        if inner % hv != 0 {
+            return Err(bad("ssm.inner_size", format!("{inner} is not a multiple of {hv} v heads")));
+        }
+        let conv_kernel = cx.u32(&cx.key("ssm.conv_kernel"))?;
+        if conv_kernel < 2 {
+            return Err(bad("ssm.conv_kernel", format!("{conv_kernel} (a short conv needs at least 2 taps)")));
+        }
+        let dk = cx.u32(&cx.key("ssm.state_size"))?;
+        Ok(DeltaDims { hk, hv, dk, dv: inner / hv, conv_kernel })
+    }
+
+    /// `(hk, hv, dk, dv)`, as [`GatedDeltaNet::declare`] takes them.
+    pub fn heads(&self) -> (u32, u32, u32, u32) {
+        (self.hk, self.hv, self.dk, self.dv)
+    }
+}

@@ -22,7 +22,7 @@
 //! declared (resident, so speculative decoding can use them) and left out of
 //! the graph.
 
-use pulsar_plugin_api::blocks::{Ffn, GatedDeltaNet, Router, Scores};
+use pulsar_plugin_api::blocks::{DeltaDims, Ffn, GatedDeltaNet, Router, Scores};
 use pulsar_plugin_api::{
     Act, Attention, ChatSpec, Experts, FamilyPlugin, Graph, MetaValue, OpenCx, PluginError, Role, Rope, RopeMode, ThinkingMarkers, Val, Wt,
 };
@@ -89,18 +89,7 @@ impl Config {
         if n_rot == 0 || n_rot > head_dim || n_rot % 2 != 0 {
             return Err(bad("rope.dimension_count", format!("{n_rot} does not fit head_dim {head_dim}")));
         }
-        let (hk, hv) = (cx.u32(&cx.key("ssm.group_count"))?, cx.u32(&cx.key("ssm.time_step_rank"))?);
-        if hk == 0 || hv % hk != 0 {
-            return Err(bad("ssm.group_count", format!("{hk} k heads do not divide {hv} v heads (ssm.time_step_rank)")));
-        }
-        let inner = cx.u32(&cx.key("ssm.inner_size"))?;
-        if inner % hv != 0 {
-            return Err(bad("ssm.inner_size", format!("{inner} is not a multiple of {hv} v heads")));
-        }
-        let conv_kernel = cx.u32(&cx.key("ssm.conv_kernel"))?;
-        if conv_kernel < 2 {
-            return Err(bad("ssm.conv_kernel", format!("{conv_kernel} (a short conv needs at least 2 taps)")));
-        }
+        let DeltaDims { hk, hv, dk, dv, conv_kernel } = DeltaDims::parse(cx)?;
         let (mut n_ff, mut n_expert, mut n_expert_used, mut n_ff_exp, mut n_ff_shexp) = (0, 0, 0, 0, 0);
         if moe {
             n_expert = cx.u32(&cx.key("expert_count"))?;
@@ -128,8 +117,8 @@ impl Config {
             conv_kernel,
             hk,
             hv,
-            dk: cx.u32(&cx.key("ssm.state_size"))?,
-            dv: inner / hv,
+            dk,
+            dv,
             n_ff,
             n_expert,
             n_expert_used,
