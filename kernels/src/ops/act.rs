@@ -16,6 +16,7 @@ impl Activation {
     /// The gated unit: `act(gate) * up`, or swiglu_oai's
     /// `(clamp(up, -7, 7) + 1) * (g * sigmoid(1.702 g))` with `g = min(gate, 7)`
     /// (HF's order of operations).
+    #[inline]
     pub fn unit(self, gate: f32, up: f32) -> f32 {
         match self {
             Activation::Silu => silu(gate) * up,
@@ -32,17 +33,20 @@ impl Activation {
 }
 
 /// `x / (1 + e^-x)` with the shared [`super::math::exp`] (bit-identical to CUDA's `silu_f`).
+#[inline]
 pub fn silu(x: f32) -> f32 {
     super::math::silu(x)
 }
 
 /// GELU, tanh approximation (PyTorch `approximate="tanh"`), with the shared
 /// [`super::math::tanh`] (bit-identical to CUDA's `gelu_tanh_f`).
+#[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
     super::math::gelu_tanh(x)
 }
 
 /// Exact GELU, `x * Phi(x)`, via an erf with |error| < 1.5e-7.
+#[inline]
 pub fn gelu(x: f32) -> f32 {
     let z = x as f64 / std::f64::consts::SQRT_2;
     (0.5 * x as f64 * (1.0 + erf(z))) as f32
@@ -72,12 +76,55 @@ fn erf(x: f64) -> f64 {
 /// `out = act(gate) * up`, elementwise, in place into `gate`.
 pub fn glu_rows(gate: &mut [f32], up: &[f32], act: Activation) {
     assert_eq!(gate.len(), up.len(), "glu: gate and up lengths");
-    gate.iter_mut().zip(up).for_each(|(g, &u)| *g = act.unit(*g, u));
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+        // SAFETY: the features were just checked.
+        return unsafe { glu_rows_avx512(gate, up, act) };
+    }
+    glu_loop(gate, up, act);
+}
+
+#[inline(always)]
+fn glu_loop(gate: &mut [f32], up: &[f32], act: Activation) {
+    match act {
+        // One loop per activation, so each can be vectorized.
+        Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::Silu.unit(*g, u)),
+        Activation::GeluTanh => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::GeluTanh.unit(*g, u)),
+        Activation::Gelu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::Gelu.unit(*g, u)),
+        Activation::SwigluOai => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::SwigluOai.unit(*g, u)),
+    }
+}
+
+/// [`glu_loop`] compiled for AVX-512, which lets the compiler run it 16
+/// elements at a time. The same IEEE operations in the same order (Rust never
+/// contracts a multiply and an add into an FMA), so the same bits.
+///
+/// # Safety
+/// AVX-512 F and DQ.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avx512f,avx512dq,avx512vl,avx512bw")]
+unsafe fn glu_rows_avx512(gate: &mut [f32], up: &[f32], act: Activation) {
+    glu_loop(gate, up, act);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn glu_rows_is_the_unit_of_every_element_at_any_isa() {
+        let mut vals: Vec<f32> = (0..4000).map(|i| ((i * 7919) % 4001) as f32 / 97.0 - 20.6).collect();
+        vals.extend([0.0, -0.0, 1e-40, -1e-40, 88.8, -88.8, 100.0, -104.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 7.0, -7.0, 0.625, -0.625]);
+        let up: Vec<f32> = vals.iter().rev().map(|v| v * 0.5 + 0.25).collect();
+        for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu, Activation::SwigluOai] {
+            let mut got = vals.clone();
+            glu_rows(&mut got, &up, act);
+            for ((g, &x), &u) in got.iter().zip(&vals).zip(&up) {
+                let want = act.unit(x, u);
+                assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "{act:?}({x}, {u}): {g} vs {want}");
+            }
+        }
+    }
 
     #[test]
     fn known_values() {
