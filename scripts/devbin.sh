@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Lay out stripped release binaries for the GPU machine in devbin/ (git-ignored):
 # pulsar-host, plugins/<name>/{plugin.toml, lib}, the pulsar-cuda selftest, and
-# the custom_family test binary when it was built
-# (cargo test --release -p pulsar-host --test custom_family --no-run).
+# the custom_family and server_batch test binaries when they were built
+# (cargo test --release -p pulsar-host --test custom_family --test server_batch
+# --no-run; server_batch goes to deps/ so it finds plugins/ one folder up).
 # Usage: scripts/devbin.sh [TARGET_DIR]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,4 +21,6 @@ for manifest in "$root"/arch-plugins/*/plugin.toml; do
 done
 fam=$(ls -t "$t"/deps/custom_family-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
 [ -n "$fam" ] && strip -o "$out/custom_family" "$fam"
+sb=$(ls -t "$t"/deps/server_batch-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+[ -n "$sb" ] && mkdir -p "$out/deps" && strip -o "$out/deps/server_batch" "$sb"
 du -sh "$out"

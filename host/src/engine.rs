@@ -1,9 +1,10 @@
-//! A model session on the CPU backend: the KV cache, the position, and the
-//! forward step that runs the plugin's graph over a chunk of tokens.
+//! Model sessions: the KV cache, the position, and the forward step that
+//! runs the plugin's graph over a chunk of tokens.
 //!
-//! [`Engine`] is one sequence (the CLI). [`BatchEngine`] holds a pool of
-//! sequences, each with its own KV cache, and runs rows of several of them in
-//! one forward step, so the weights (a MoE's experts above all) are read once
+//! [`Engine`] is one sequence on the CPU (the CLI). [`BatchEngine`] holds a
+//! pool of sequences on any backend ([`SeqBackend`]: the CPU's or a GPU's),
+//! each with its own KV cache, and runs rows of several of them in one
+//! forward step, so the weights (a MoE's experts above all) are read once
 //! per step for everyone. A row's logits do not depend on the other rows of
 //! its step: batched and alone give the same bits.
 
@@ -124,8 +125,80 @@ pub struct BatchItem<'t> {
     pub tokens: &'t [u32],
 }
 
-#[derive(Debug, Default)]
-struct Slot {
+/// What a [`BatchEngine`] needs of a backend: a state (KV cache, recurrent
+/// states) per sequence slot, and one forward step over rows of several.
+/// The slots, prefix reuse and checkpoints are the engine's, the same on
+/// every backend.
+pub trait SeqBackend {
+    /// One sequence's cache and states.
+    type State;
+    /// A state's recurrent parts at one position (to go back to).
+    type Snap;
+    fn new_state(&mut self, n_ctx: usize) -> Result<Self::State, EngineError>;
+    /// Bytes `s` holds.
+    fn state_bytes(s: &Self::State) -> usize;
+    /// How many of `have` cached positions can stay when only the first
+    /// `want` are wanted, without a snapshot.
+    fn keepable(s: &Self::State, want: usize, have: usize) -> usize;
+    /// Whether `s` can go back only through a snapshot.
+    fn has_recurrent(s: &Self::State) -> bool;
+    fn snapshot(&self, s: &Self::State, n_past: usize) -> Result<Self::Snap, EngineError>;
+    fn snap_pos(snap: &Self::Snap) -> usize;
+    fn restore(&self, s: &mut Self::State, snap: &Self::Snap) -> Result<(), EngineError>;
+    /// Whether rows of several sequences may share a step (else the engine
+    /// runs one sequence a step).
+    fn batches(&self) -> bool;
+    /// One forward step: row `i` (`tokens[i]` at `positions[i]`) reads and
+    /// extends `states[seqs[i]]`; a sequence's rows are contiguous and in
+    /// position order. Returns the logits of the last row of each sequence.
+    fn step(&mut self, states: &mut [Self::State], seqs: &[u32], tokens: &[u32], positions: &[u32]) -> Result<Vec<Vec<f32>>, EngineError>;
+}
+
+/// The CPU backend's sequences: [`SeqState`]s and [`CpuStep::batched`].
+pub struct CpuSeqs<'m> {
+    pub model: &'m Model,
+    pub cpu: &'m CpuBackend,
+    pub experts: &'m dyn ExpertSource,
+}
+
+impl SeqBackend for CpuSeqs<'_> {
+    type State = SeqState;
+    type Snap = Snapshot;
+    fn new_state(&mut self, n_ctx: usize) -> Result<SeqState, EngineError> {
+        Ok(SeqState::new(&self.model.plan, n_ctx))
+    }
+    fn state_bytes(s: &SeqState) -> usize {
+        s.bytes()
+    }
+    fn keepable(s: &SeqState, want: usize, have: usize) -> usize {
+        s.keepable(want, have)
+    }
+    fn has_recurrent(s: &SeqState) -> bool {
+        s.has_recurrent()
+    }
+    fn snapshot(&self, s: &SeqState, n_past: usize) -> Result<Snapshot, EngineError> {
+        Ok(s.snapshot(n_past))
+    }
+    fn snap_pos(snap: &Snapshot) -> usize {
+        snap.n_past
+    }
+    fn restore(&self, s: &mut SeqState, snap: &Snapshot) -> Result<(), EngineError> {
+        s.restore(snap).map(|_| ()).map_err(EngineError::Forward)
+    }
+    fn batches(&self) -> bool {
+        // A graph that reads a sequence's whole cache (an attention composed
+        // over `C`, minimax-m3's and qwen4exp's) runs one sequence a step.
+        let reads_cache = |p: &crate::graph::StepPlan| p.shapes.iter().any(|s| s.dims.contains(&pulsar_plugin_api::Dim::C));
+        !(reads_cache(&self.model.steps.decode) || reads_cache(&self.model.steps.prefill))
+    }
+    fn step(&mut self, states: &mut [SeqState], seqs: &[u32], tokens: &[u32], positions: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let mut step = CpuStep::batched(self.model, self.cpu, states, seqs, self.experts, tokens, positions, false);
+        let m = step.run(self.model.steps.for_tokens(tokens.len())).map_err(EngineError::Forward)?;
+        Ok(m.data.chunks(m.cols.max(1)).map(|r| r.to_vec()).collect())
+    }
+}
+
+struct Slot<S> {
     in_use: bool,
     /// The tokens in the slot's cache, in order (kept after `free` for prefix reuse).
     history: Vec<u32>,
@@ -134,34 +207,43 @@ struct Slot {
     /// Families with a recurrent state: the state at the end of the slot's
     /// last multi-token step (a prompt), the one point short of the history's
     /// end it can go back to.
-    checkpoint: Option<Snapshot>,
+    checkpoint: Option<S>,
 }
 
 /// Several sequences over one model, each with its own KV cache, decoded
-/// together in batched steps.
-pub struct BatchEngine<'m> {
-    pub model: &'m Model,
-    pub cpu: &'m CpuBackend,
-    pub experts: &'m dyn ExpertSource,
-    kvs: Vec<SeqState>,
-    slots: Vec<Slot>,
+/// together in batched steps, on the CPU ([`CpuSeqs`], the default) or a
+/// GPU (`crate::cuda::CudaSeqs`).
+pub struct BatchEngine<B: SeqBackend> {
+    backend: B,
+    states: Vec<B::State>,
+    slots: Vec<Slot<B::Snap>>,
     n_ctx: usize,
     clock: u64,
 }
 
-impl<'m> BatchEngine<'m> {
-    /// A pool of `n_seq` sequences of `n_ctx` positions each (caches allocated now).
-    pub fn new(model: &'m Model, cpu: &'m CpuBackend, experts: &'m dyn ExpertSource, n_ctx: usize, n_seq: usize) -> BatchEngine<'m> {
-        let n_seq = n_seq.max(1);
-        BatchEngine {
-            model,
-            cpu,
-            experts,
-            kvs: (0..n_seq).map(|_| SeqState::new(&model.plan, n_ctx)).collect(),
-            slots: (0..n_seq).map(|_| Slot::default()).collect(),
-            n_ctx,
-            clock: 0,
+impl<'m> BatchEngine<CpuSeqs<'m>> {
+    /// A pool of `n_seq` sequences of `n_ctx` positions each on the CPU (caches allocated now).
+    pub fn new(model: &'m Model, cpu: &'m CpuBackend, experts: &'m dyn ExpertSource, n_ctx: usize, n_seq: usize) -> BatchEngine<CpuSeqs<'m>> {
+        match BatchEngine::with_backend(CpuSeqs { model, cpu, experts }, n_ctx, n_seq) {
+            Ok(e) => e,
+            // CpuSeqs::new_state cannot fail.
+            Err(e) => unreachable!("{e}"),
         }
+    }
+}
+
+impl<B: SeqBackend> BatchEngine<B> {
+    /// A pool of `n_seq` sequences of `n_ctx` positions each on `backend`
+    /// (caches allocated now).
+    pub fn with_backend(mut backend: B, n_ctx: usize, n_seq: usize) -> Result<BatchEngine<B>, EngineError> {
+        let n_seq = n_seq.max(1);
+        let states = (0..n_seq).map(|_| backend.new_state(n_ctx)).collect::<Result<Vec<_>, _>>()?;
+        let slots = (0..n_seq).map(|_| Slot { in_use: false, history: Vec::new(), last_used: 0, checkpoint: None }).collect();
+        Ok(BatchEngine { backend, states, slots, n_ctx, clock: 0 })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -178,7 +260,7 @@ impl<'m> BatchEngine<'m> {
 
     /// Bytes of all KV caches.
     pub fn kv_bytes(&self) -> usize {
-        self.kvs.iter().map(SeqState::bytes).sum()
+        self.states.iter().map(B::state_bytes).sum()
     }
 
     /// Take a free slot for a sequence that starts with `prompt`: the one whose
@@ -205,8 +287,8 @@ impl<'m> BatchEngine<'m> {
     /// then its checkpoint's position when that is within `want`, else 0.
     fn reusable(&self, i: usize, want: usize) -> usize {
         let have = self.slots[i].history.len();
-        match self.kvs[i].keepable(want, have) {
-            k if k < want.min(have) => self.slots[i].checkpoint.as_ref().map(|c| c.n_past).filter(|&n| n <= want).unwrap_or(k),
+        match B::keepable(&self.states[i], want, have) {
+            k if k < want.min(have) => self.slots[i].checkpoint.as_ref().map(B::snap_pos).filter(|&n| n <= want).unwrap_or(k),
             k => k,
         }
     }
@@ -214,13 +296,14 @@ impl<'m> BatchEngine<'m> {
     /// Keep [`BatchEngine::reusable`] positions of slot `i` (restoring its
     /// checkpoint when that is the way back); returns how many.
     fn go_back(&mut self, i: usize, want: usize) -> usize {
-        let (keep, plain) = (self.reusable(i, want), self.kvs[i].keepable(want, self.slots[i].history.len()));
+        let (keep, plain) = (self.reusable(i, want), B::keepable(&self.states[i], want, self.slots[i].history.len()));
         let slot = &mut self.slots[i];
         if keep != plain {
             // The checkpoint is the way back.
             if let Some(c) = &slot.checkpoint {
-                // Only fails for a snapshot of another model's states: then restart.
-                if self.kvs[i].restore(c).is_err() {
+                // Only fails for a snapshot of another model's states (or a
+                // device error): then restart.
+                if self.backend.restore(&mut self.states[i], c).is_err() {
                     slot.history.clear();
                     slot.checkpoint = None;
                     return 0;
@@ -228,7 +311,7 @@ impl<'m> BatchEngine<'m> {
             }
         }
         slot.history.truncate(keep);
-        if slot.checkpoint.as_ref().is_some_and(|c| c.n_past > keep) {
+        if slot.checkpoint.as_ref().is_some_and(|c| B::snap_pos(c) > keep) {
             slot.checkpoint = None;
         }
         keep
@@ -248,7 +331,7 @@ impl<'m> BatchEngine<'m> {
         }
     }
 
-    fn slot(&self, seq: SeqId) -> Result<&Slot, EngineError> {
+    fn slot(&self, seq: SeqId) -> Result<&Slot<B::Snap>, EngineError> {
         self.slots.get(seq.0 as usize).filter(|s| s.in_use).ok_or(EngineError::NoSuchSeq(seq.0))
     }
 
@@ -290,32 +373,29 @@ impl<'m> BatchEngine<'m> {
             positions.extend((n_past..n_past + it.tokens.len()).map(|p| p as u32));
             seqs.extend(std::iter::repeat_n(it.seq.0, it.tokens.len()));
         }
-        // A graph that reads a sequence's whole cache (an attention composed
-        // over `C`, minimax-m3's and qwen4exp's) runs one sequence a step.
-        let reads_cache = |p: &crate::graph::StepPlan| p.shapes.iter().any(|s| s.dims.contains(&pulsar_plugin_api::Dim::C));
-        if items.len() > 1 && (reads_cache(&self.model.steps.decode) || reads_cache(&self.model.steps.prefill)) {
+        if items.len() > 1 && !self.backend.batches() {
             let mut out = Vec::with_capacity(items.len());
             for it in items {
                 out.extend(self.step(std::slice::from_ref(it))?);
             }
             return Ok(out);
         }
-        let mut step = CpuStep::batched(self.model, self.cpu, &mut self.kvs, &seqs, self.experts, &tokens, &positions, false);
-        let m = step.run(self.model.steps.for_tokens(tokens.len())).map_err(EngineError::Forward)?;
-        if m.rows != items.len() {
-            return Err(EngineError::Forward(format!("the step gave {} logit rows for {} sequences", m.rows, items.len())));
+        let rows = self.backend.step(&mut self.states, &seqs, &tokens, &positions)?;
+        if rows.len() != items.len() {
+            return Err(EngineError::Forward(format!("the step gave {} logit rows for {} sequences", rows.len(), items.len())));
         }
         self.clock += 1;
         for it in items {
-            let (slot, kv) = (&mut self.slots[it.seq.0 as usize], &self.kvs[it.seq.0 as usize]);
+            let i = it.seq.0 as usize;
+            let slot = &mut self.slots[i];
             slot.history.extend_from_slice(it.tokens);
             slot.last_used = self.clock;
-            if it.tokens.len() > 1 && kv.has_recurrent() {
+            if it.tokens.len() > 1 && B::has_recurrent(&self.states[i]) {
                 // A prompt (or a chunk of one): the next request's render of
                 // this turn may differ from the reply's tokens.
-                slot.checkpoint = Some(kv.snapshot(slot.history.len()));
+                slot.checkpoint = Some(self.backend.snapshot(&self.states[i], slot.history.len())?);
             }
         }
-        Ok(m.data.chunks(m.cols.max(1)).map(|r| r.to_vec()).collect())
+        Ok(rows)
     }
 }

@@ -34,7 +34,7 @@ fn start_opts(parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_st
 }
 
 fn start_model(model: Model, parallel: usize, n_ctx: usize, hook: Option<ShutdownHook>, tier_stats: Option<TierStats>, grace: Duration) -> Server {
-    let backend = Backend { model: Arc::new(model), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats };
+    let backend = Backend { tier_stats, ..Backend::cpu(Arc::new(model), Arc::new(CpuBackend::new(2).unwrap()), Arc::new(MappedExperts)) };
     let opts = ServeOptions {
         port: 0,
         api_key: Some(KEY.into()),
@@ -460,7 +460,7 @@ fn a_queued_request_whose_client_leaves_is_dropped_from_the_queue() {
 /// is a 404 and an unimplemented field a 400 naming it.
 #[test]
 fn llama_server_routes_defaults_and_refusals() {
-    let backend = Backend { model: Arc::new(common::tiny_model()), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats: None };
+    let backend = Backend::cpu(Arc::new(common::tiny_model()), Arc::new(CpuBackend::new(2).unwrap()), Arc::new(MappedExperts));
     let mut sampling = pulsar_host::sample::SamplerConfig::llama_server();
     sampling.temperature = 0.0;
     sampling.top_k = 7;

@@ -6,7 +6,8 @@
 mod common;
 
 use pulsar_host::cpu::{CpuBackend, MappedExperts};
-use pulsar_host::engine::{BatchEngine, BatchItem, Engine, EngineError, SeqId};
+use pulsar_host::cuda::{CudaEngine, CudaKv, CudaModel, CudaSeqs, LoadOptions};
+use pulsar_host::engine::{BatchEngine, BatchItem, Engine, EngineError, SeqBackend, SeqId};
 use pulsar_host::model::Model;
 use pulsar_host::sample::argmax;
 
@@ -25,13 +26,10 @@ fn solo(model: &Model, cpu: &CpuBackend, prompt: &[u32], n: usize) -> (Vec<u32>,
 }
 
 /// Two sequences, staggered: B's prompt prefills in the same step as A's
-/// first decode, then both decode together; every row must equal the solo run.
-fn check_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
-    let cpu = CpuBackend::new(2).unwrap();
-    let n = 6;
-    let (ta, ra) = solo(model, &cpu, a, n);
-    let (tb, rb) = solo(model, &cpu, b, n);
-    let mut be = BatchEngine::new(model, &cpu, &MappedExperts, 256, 3);
+/// first decode, then both decode together (fed the solo runs' greedy
+/// tokens `ta` / `tb`). Returns every row each sequence got.
+fn batched<B: SeqBackend>(be: &mut BatchEngine<B>, a: &[u32], b: &[u32], ta: &[u32], tb: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let n = ta.len();
     let (sa, ca) = be.alloc(a).unwrap();
     assert_eq!(ca, 0);
     // Step 1: A's prompt alone.
@@ -39,7 +37,7 @@ fn check_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
     let (sb, _) = be.alloc(b).unwrap();
     assert_ne!(sa, sb);
     // Step 2: A decodes one token while B's whole prompt prefills (B first in the batch).
-    let out = be.step(&[BatchItem { seq: sb, tokens: b }, BatchItem { seq: sa, tokens: &[ta[0]] }]).unwrap();
+    let out = be.step(&[BatchItem { seq: sb, tokens: b }, BatchItem { seq: sa, tokens: &ta[..1] }]).unwrap();
     assert_eq!(out.len(), 2);
     let mut got_b = vec![out[0].clone()];
     got_a.push(out[1].clone());
@@ -55,16 +53,72 @@ fn check_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
             got_a.push(out[1].clone());
         }
     }
-    assert_eq!(got_a.len(), ra.len());
-    assert_eq!(got_b.len(), rb.len());
-    for (i, (x, y)) in got_a.iter().zip(&ra).enumerate() {
-        assert!(x == y, "sequence A step {i}: batched logits differ from solo (max |d| {})", max_diff(x, y));
-    }
-    for (i, (x, y)) in got_b.iter().zip(&rb).enumerate() {
-        assert!(x == y, "sequence B step {i}: batched logits differ from solo (max |d| {})", max_diff(x, y));
-    }
     assert_eq!(be.n_past(sa).unwrap(), a.len() + n);
     assert_eq!(be.n_past(sb).unwrap(), b.len() + n);
+    (got_a, got_b)
+}
+
+fn assert_rows_equal(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
+    assert_eq!(got.len(), want.len(), "{what}: row count");
+    for (i, (x, y)) in got.iter().zip(want).enumerate() {
+        assert!(x == y, "{what} step {i}: batched logits differ from solo (max |d| {})", max_diff(x, y));
+    }
+}
+
+/// Every row of the staggered batch must equal the solo run's.
+fn check_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
+    let cpu = CpuBackend::new(2).unwrap();
+    let n = 6;
+    let (ta, ra) = solo(model, &cpu, a, n);
+    let (tb, rb) = solo(model, &cpu, b, n);
+    let mut be = BatchEngine::new(model, &cpu, &MappedExperts, 256, 3);
+    let (got_a, got_b) = batched(&mut be, a, b, &ta, &tb);
+    assert_rows_equal("sequence A", &got_a, &ra);
+    assert_rows_equal("sequence B", &got_b, &rb);
+}
+
+/// On a machine with a GPU (else it says so and passes: CI has none; the GPU
+/// machine runs this binary): the same staggered batch through the CUDA
+/// backend's sequence pool (rows of both sequences in one CUDA step, each
+/// attending over its own cache) equals, bit for bit, each sequence run
+/// alone on the CPU and alone on the GPU.
+fn check_cuda_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
+    let Ok(dev) = pulsar_cuda::CudaDevice::open(0) else {
+        eprintln!("no CUDA device: the CUDA batch check is skipped");
+        return;
+    };
+    let cpu = CpuBackend::new(2).unwrap();
+    let n = 6;
+    let (ta, ra) = solo(model, &cpu, a, n);
+    let (tb, rb) = solo(model, &cpu, b, n);
+    let opts = LoadOptions { kv_bytes: 4 * CudaKv::bytes_for(model, 256), lane_threads: Some(0), ..Default::default() };
+    let cm = CudaModel::load(dev, model, &opts).unwrap();
+    // Alone on the GPU, as the CLI runs it.
+    let mut one = CudaEngine::new(model, &cm, 256).unwrap();
+    let mut alone = vec![one.forward(a, false).unwrap().pop().unwrap()];
+    for &t in &ta {
+        alone.push(one.forward(&[t], false).unwrap().pop().unwrap());
+    }
+    assert_rows_equal("sequence A alone on CUDA vs the CPU", &alone, &ra);
+    let seqs = CudaSeqs::new(model, &cm, None).unwrap();
+    assert!(seqs.batches(), "this family's steps should batch on CUDA");
+    let mut be = BatchEngine::with_backend(seqs, 256, 3).unwrap();
+    let (got_a, got_b) = batched(&mut be, a, b, &ta, &tb);
+    assert_rows_equal("sequence A (CUDA batch)", &got_a, &ra);
+    assert_rows_equal("sequence B (CUDA batch)", &got_b, &rb);
+    // Three at once, one of them prefilling: the slot B left runs a new prompt.
+    let c: Vec<u32> = b.iter().rev().copied().collect();
+    let (tc, rc) = solo(model, &cpu, &c, 2);
+    let mut be = BatchEngine::with_backend(CudaSeqs::new(model, &cm, None).unwrap(), 256, 3).unwrap();
+    let (sa, _) = be.alloc(a).unwrap();
+    let (sb, _) = be.alloc(b).unwrap();
+    let out = be.step(&[BatchItem { seq: sa, tokens: a }, BatchItem { seq: sb, tokens: b }]).unwrap();
+    assert_rows_equal("two prompts in one CUDA step", &out, &[ra[0].clone(), rb[0].clone()]);
+    let (sc, _) = be.alloc(&c).unwrap();
+    let out = be.step(&[BatchItem { seq: sa, tokens: &ta[..1] }, BatchItem { seq: sc, tokens: &c }, BatchItem { seq: sb, tokens: &tb[..1] }]).unwrap();
+    assert_rows_equal("two decodes around a prompt in one CUDA step", &out, &[ra[1].clone(), rc[0].clone(), rb[1].clone()]);
+    let out = be.step(&[BatchItem { seq: sc, tokens: &tc[..1] }]).unwrap();
+    assert_rows_equal("a decode alone after the batch", &out, &rc[1..2]);
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -80,6 +134,14 @@ fn qwen3moe_batched_step_equals_each_sequence_alone() {
 }
 
 #[test]
+fn on_a_gpu_qwen3moe_batched_cuda_steps_equal_each_sequence_alone() {
+    let model = common::tiny_model();
+    let a: Vec<u32> = "Hello there, how are you?".bytes().map(u32::from).collect();
+    let b: Vec<u32> = "Two".bytes().map(u32::from).collect();
+    check_cuda_batched_equals_solo(&model, &a, &b);
+}
+
+#[test]
 fn gemma3_batched_step_equals_each_sequence_alone() {
     let p = std::env::var_os("PULSAR_GEMMA_GGUF")
         .map(std::path::PathBuf::from)
@@ -87,6 +149,20 @@ fn gemma3_batched_step_equals_each_sequence_alone() {
     assert!(p.is_file(), "{} is missing: run scripts/fetch-gemma.sh", p.display());
     let model = Model::open(&p, "gemma3", pulsar_arch_gemma3::plugin_module()).unwrap();
     check_batched_equals_solo(&model, &[2, 818, 5279, 529, 7001, 563], &[2, 9259, 236764]);
+}
+
+#[test]
+fn on_a_gpu_gemma3_batched_cuda_steps_equal_each_sequence_alone() {
+    if pulsar_cuda::CudaDevice::open(0).is_err() {
+        eprintln!("no CUDA device: the CUDA batch check is skipped");
+        return;
+    }
+    let p = std::env::var_os("PULSAR_GEMMA_GGUF")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pulsar/models/gemma-3-270m-Q4_K_M.gguf"));
+    assert!(p.is_file(), "{} is missing: run scripts/fetch-gemma.sh (or set PULSAR_GEMMA_GGUF)", p.display());
+    let model = Model::open(&p, "gemma3", pulsar_arch_gemma3::plugin_module()).unwrap();
+    check_cuda_batched_equals_solo(&model, &[2, 818, 5279, 529, 7001, 563], &[2, 9259, 236764]);
 }
 
 #[test]

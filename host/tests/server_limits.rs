@@ -26,7 +26,7 @@ fn start(o: ServeOptions) -> Server {
 }
 
 fn start_on(model: pulsar_host::model::Model, o: ServeOptions) -> Server {
-    let backend = Backend { model: Arc::new(model), cpu: Arc::new(CpuBackend::new(2).unwrap()), experts: Arc::new(MappedExperts), tier_stats: None };
+    let backend = Backend::cpu(Arc::new(model), Arc::new(CpuBackend::new(2).unwrap()), Arc::new(MappedExperts));
     let opts = ServeOptions { port: 0, api_key: Some(KEY.into()), grace: Duration::from_secs(1), model_id: "tiny".into(), ..o };
     Server::start(backend, opts, None).unwrap()
 }

@@ -148,6 +148,37 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const u32* p
     }
 }
 
+// Rows of several sequences in one launch, each over its own cache (a
+// batched step of the server): row t's layer cache is at kcs[t] / vcs[t].
+// The arithmetic is attn_partial's and kv_write's, so a row gets the bits it
+// gets alone; n_ctx only sizes the splits (the longest row's context).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_partial_rows_f32(
+    const float* q, const u32* positions, const u64* kcs, const u64* vcs, float* part, int n_q, int n_head,
+    int n_kv_head, int dk, int dv, int n_ctx, float scale, int window, float softcap, int chunk, int n_split) {
+    pdl_begin();
+    int t = blockIdx.y;
+    attn_partial<0>(q, positions, (const void*)kcs[t], (const void*)vcs[t], part, n_q, n_head, n_kv_head, dk, dv,
+                    n_ctx, scale, window, softcap, chunk, n_split);
+}
+
+// kv_write for rows of several sequences: row r goes to kcs[r] / vcs[r], each
+// a cache of n_ctx rows.
+extern "C" __global__ void kv_write_rows(const float* k, const float* v, const u32* positions, const u64* kcs,
+                                         const u64* vcs, int kw, int vw, int n_ctx) {
+    pdl_begin();
+    int r = blockIdx.y;
+    u32 pos = positions[r];
+    if (pos >= (u32)n_ctx) return;
+    float* kc = (float*)kcs[r];
+    float* vc = (float*)vcs[r];
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kw + vw; i += gridDim.x * blockDim.x) {
+        if (i < kw)
+            kc[(size_t)pos * kw + i] = k[(size_t)r * kw + i];
+        else
+            vc[(size_t)pos * vw + (i - kw)] = v[(size_t)r * vw + (i - kw)];
+    }
+}
+
 // ---- Prefill: the same `part` as attn_partial, bit for bit, for many queries.
 // A block takes one kv head, AP_ROWS consecutive (query, head-of-the-group)
 // rows (row g = t * group + h % group) and one split. It stages the keys the

@@ -259,8 +259,13 @@ const ATTENTION: &[&str] = &[
     "attn_prefill_f16_d128",
     "attn_prefill_f32_d256",
     "attn_prefill_f16_d256",
+    "attn_partial_rows_f32",
+    "kv_write_rows",
 ];
 pub(crate) const ATT_PREFILL: usize = 4;
+/// attn_partial_rows_f32 and kv_write_rows: rows of several sequences' caches.
+pub(crate) const ATT_ROWS: usize = ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len();
+pub(crate) const KV_WRITE_ROWS: usize = ATT_ROWS + 1;
 /// The head dims (d_k = d_v) attn_prefill_* is built for.
 pub(crate) const ATT_PREFILL_DIMS: [usize; 3] = [64, 128, 256];
 /// Threads and (query, head) rows of an attn_prefill block (AP_THREADS, AP_ROWS).
@@ -431,7 +436,9 @@ mod tests {
                 assert_eq!(large_smem(Family::Attention, e), Some(attn_prefill_smem(*d)));
             }
         }
-        assert_eq!(ATTENTION.len(), ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len());
+        assert_eq!(ATTENTION[ATT_ROWS], "attn_partial_rows_f32");
+        assert_eq!(ATTENTION[KV_WRITE_ROWS], "kv_write_rows");
+        assert_eq!(ATTENTION.len(), KV_WRITE_ROWS + 1);
         assert_eq!(large_smem(Family::Attention, 0), None);
         // The kernel's geometry (attention.cu), which the sizes above restate.
         let src = Family::Attention.source();

@@ -10,7 +10,8 @@ use anyhow::Context;
 use super::Ctx;
 use crate::config;
 use crate::cpu::{CpuBackend, MappedExperts};
-use crate::server::{self, Backend, ServeOptions};
+use crate::cuda::{CudaKv, CudaModel};
+use crate::server::{self, Backend, Compute, ServeOptions};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -94,6 +95,8 @@ pub struct Args {
     /// Default frequency penalty (0 = off).
     #[arg(long, allow_negative_numbers = true, help_heading = "Sampling defaults")]
     pub frequency_penalty: Option<f32>,
+    #[command(flatten)]
+    pub gpu: super::GpuArgs,
 }
 
 /// The sampling a request gets for the fields it leaves out: the flag, else
@@ -190,17 +193,22 @@ fn check_flags(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The KV caches `parallel` sequences of `n_ctx` positions take must fit
-/// the memory the machine has free (checked arithmetic: a huge `--ctx`
-/// is an error naming it, not an overflow).
-fn check_memory(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result<()> {
-    let need = (parallel as u64).checked_mul(n_ctx as u64).and_then(|x| x.checked_mul(per_token));
-    let free = available_memory();
-    match (need, free) {
-        (None, _) => anyhow::bail!("--parallel {parallel} x --ctx {n_ctx} sequences' KV caches overflow 64 bits"),
-        (Some(n), Some(f)) if n > f => anyhow::bail!(
-            "--parallel {parallel} x --ctx {n_ctx} need {:.1} GiB of KV cache, more than the {:.1} GiB of memory available",
-            n as f64 / (1u64 << 30) as f64,
+/// Bytes the KV caches of `parallel` sequences of `n_ctx` positions take
+/// (checked arithmetic: a huge `--ctx` is an error naming it, not an overflow).
+fn kv_bytes(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result<u64> {
+    (parallel as u64)
+        .checked_mul(n_ctx as u64)
+        .and_then(|x| x.checked_mul(per_token))
+        .ok_or_else(|| anyhow::anyhow!("--parallel {parallel} x --ctx {n_ctx} sequences' KV caches overflow 64 bits"))
+}
+
+/// The CPU's KV caches (`need` bytes, from `--parallel` x `--ctx`) must fit
+/// the memory the machine has free.
+fn check_memory(need: u64) -> anyhow::Result<()> {
+    match available_memory() {
+        Some(f) if need > f => anyhow::bail!(
+            "--parallel x --ctx need {:.1} GiB of KV cache, more than the {:.1} GiB of memory available",
+            need as f64 / (1u64 << 30) as f64,
             f as f64 / (1u64 << 30) as f64
         ),
         _ => Ok(()),
@@ -226,14 +234,25 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     check_flags(&a)?;
     a.host_cache = ctx.cfg.settle_opt(&ctx.sub, "host_cache", "host_cache_gb", a.host_cache, ctx.file.host_cache_gb);
     ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
+    a.gpu.settle(&mut ctx.cfg, &ctx.sub, &ctx.file);
     let model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     if n_ctx == 0 {
         anyhow::bail!("ctx 0 (from {}): at least one position", ctx.cfg.ctx.source);
     }
-    // Refuse impossible sizes before warning about merely unwise ones, so a
-    // refusal stays one line.
-    check_memory(a.parallel, n_ctx, model.memory_plan().kv_bytes_per_token)?;
+    // Refuse impossible sizes before any note or warning, so a refusal stays
+    // one line. On a GPU the caches take VRAM: the load checks them against
+    // the budget.
+    let kv_total = kv_bytes(a.parallel, n_ctx, CudaKv::bytes_for(&model, 1))?;
+    let choice = a.gpu.resolve_device(&model, ctx.print_config)?;
+    let gpu_likely = choice != crate::session::DeviceChoice::Cpu && pulsar_cuda::CudaDevice::available();
+    if !gpu_likely {
+        check_memory(kv_total)?;
+    }
+    let device = crate::session::open_device(choice)?;
+    if device.is_none() && gpu_likely {
+        check_memory(kv_total)?;
+    }
     super::warn_past_trained_ctx(&model, n_ctx);
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
@@ -287,17 +306,53 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         write_timeout: Duration::from_secs(a.write_timeout),
         queue_timeout: Duration::from_secs(a.queue_timeout),
     };
-    let store = crate::experts::experts_for(&model, a.host_cache)?.map(Arc::new);
-    let experts: Arc<dyn crate::cpu::ExpertSource + Send + Sync> = match &store {
-        Some(s) => s.clone(),
-        None => Arc::new(MappedExperts),
+    // On a GPU the host cache is page-locked, so its slabs upload by DMA.
+    let pinned = device.as_ref().map(|d| crate::cuda::PinnedAllocator::new(d.context().clone()));
+    let ranges = pinned.as_ref().map(|p| p.ranges());
+    let alloc = pinned.map(|p| Arc::new(p) as Arc<dyn pulsar_store::HostAllocator>);
+    let store = crate::experts::experts_for_with(&model, a.host_cache, alloc)?.map(Arc::new);
+    let (compute, backend_line) = match device {
+        Some(dev) => {
+            let census = crate::cuda::warm_census(&a.model, &model);
+            let opts = a.gpu.load_options(kv_total, census, store.as_ref().is_some_and(|s| s.cached));
+            let cm = CudaModel::load(dev, &model, &opts)?;
+            if let Some(r) = ranges {
+                cm.set_host_pinned(r);
+            }
+            let line = format!(
+                "CUDA on {} ({:.2} GiB resident, experts {})",
+                cm.dev.name(),
+                cm.resident_bytes as f64 / (1u64 << 30) as f64,
+                if cm.experts.is_some() { "streamed through a VRAM pool" } else { "resident" }
+            );
+            (Compute::Cuda { cm: Arc::new(cm), store: store.clone() }, line)
+        }
+        None => {
+            let experts: Arc<dyn crate::cpu::ExpertSource + Send + Sync> = match &store {
+                Some(s) => s.clone(),
+                None => Arc::new(MappedExperts),
+            };
+            let line = format!("the CPU ({} threads, {})", cpu.pool.current_num_threads(), cpu.kernels.isa().name());
+            (Compute::Cpu { cpu: Arc::new(cpu), experts }, line)
+        }
     };
-    let tier_stats: Option<server::metrics::TierStats> = store.clone().map(|s| {
-        let f: server::metrics::TierStats = Arc::new(move || crate::experts::tier_hit_rates(&s.store.stats()));
-        f
-    });
+    let cuda = match &compute {
+        Compute::Cuda { cm, .. } => Some(cm.clone()),
+        Compute::Cpu { .. } => None,
+    };
+    // /metrics: the host store's tier hit rates, and on a GPU the VRAM
+    // pool's traffic (hits, uploads, zero-copy and CPU-lane bytes).
+    let tier_stats: Option<server::metrics::TierStats> = match (cuda.clone().filter(|cm| cm.experts.is_some()), store.clone()) {
+        (None, None) => None,
+        (None, Some(s)) => Some(Arc::new(move || crate::experts::tier_hit_rates(&s.store.stats()))),
+        (Some(cm), s) => Some(Arc::new(move || {
+            let mut v = s.as_ref().map_or_else(|| serde_json::json!({}), |s| crate::experts::tier_hit_rates(&s.store.stats()));
+            v["gpu_pool"] = cm.pool_stats().and_then(|p| serde_json::to_value(p).ok()).unwrap_or(serde_json::Value::Null);
+            v
+        })),
+    };
     let model = Arc::new(model);
-    let backend = Backend { model: model.clone(), cpu: Arc::new(cpu), experts, tier_stats };
+    let backend = Backend { model: model.clone(), compute, tier_stats };
     let model_path = a.model.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().thread_name("pulsar-http").build()?;
     rt.block_on(async move {
@@ -305,7 +360,7 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         let addr = listener.local_addr()?;
         let shown = if addr.is_ipv6() { format!("[{}]:{}", addr.ip(), addr.port()) } else { addr.to_string() };
         eprintln!(
-            "pulsar-host serve: listening on http://{shown} (model {}, ctx {}, {} parallel sequences{})",
+            "pulsar-host serve: listening on http://{shown} (model {}, on {backend_line}, ctx {} per sequence, {} sequence slots{})",
             opts.model_id,
             opts.n_ctx,
             opts.parallel,
@@ -313,7 +368,13 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         );
         // Save the expert census like the CLI does, once nothing runs the model.
         let on_shutdown: server::ShutdownHook = Box::new(move || {
-            if let Some(s) = &store {
+            if let Some(cm) = &cuda {
+                match cm.save_census(&model_path, &model) {
+                    Ok(Some(p)) => tracing::info!("census saved to {}", p.display()),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("could not save the census: {e:#}"),
+                }
+            } else if let Some(s) = &store {
                 match s.save_census(&model_path, &model) {
                     Ok(p) => tracing::info!("census saved to {}", p.display()),
                     Err(e) => tracing::warn!("could not save the census: {e:#}"),

@@ -22,6 +22,7 @@ pub mod prim;
 pub(crate) mod pool;
 mod profile;
 pub mod roles;
+mod seqs;
 mod step;
 
 use std::collections::HashMap;
@@ -37,7 +38,8 @@ use crate::model::Model;
 pub use measure::measure_h2d;
 pub use pinned::{PinnedAllocator, PinnedRanges};
 pub use pool::{ExpertPool, LayerPlan, LayerRequest, PoolStats};
-pub use step::{CudaEngine, CudaSnapshot};
+pub use seqs::CudaSeqs;
+pub use step::{CudaEngine, CudaRunner, CudaSnapshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaBackendError {

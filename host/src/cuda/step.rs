@@ -1,5 +1,7 @@
 //! One forward step on the GPU: [`CudaStep`] implements the plugin ops,
-//! [`CudaEngine`] is the session (KV cache, position, pools).
+//! [`CudaRunner`] runs steps (pools, lowering, captured graphs) over caches
+//! it is given; [`CudaEngine`] is one sequence's session (its cache, its
+//! position, a runner).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -115,26 +117,66 @@ struct DecodeGraph {
     /// The context length attention's splits were sized for.
     split_ctx: usize,
     all_rows: bool,
+    /// The caches it was captured over ([`CudaKv::id`]): another sequence's
+    /// decode captures its own.
+    kv_id: u64,
     /// The step's output, owned here (out of the pools) so nothing else writes it.
     out: DeviceBuf<f32>,
     rows: usize,
     cols: usize,
 }
 
-/// A model session on one GPU.
 /// What a CUDA rollback needs: the position and every recurrent state.
 pub struct CudaSnapshot {
     pub n_past: usize,
     recurrent: Vec<(usize, Vec<f32>)>,
 }
 
-pub struct CudaEngine<'m> {
+impl CudaKv {
+    /// The recurrent states now, copied to the host, with the position they are at.
+    pub fn snapshot(&self, dev: &pulsar_cuda::CudaDevice, n_past: usize) -> Result<CudaSnapshot, EngineError> {
+        let stream = dev.compute();
+        let mut recurrent = Vec::with_capacity(self.recurrent.len());
+        for (&i, b) in &self.recurrent {
+            let mut v = vec![0f32; b.len()];
+            b.download(stream, &mut v).map_err(|e| EngineError::Forward(format!("snapshot of state {i}: {e}")))?;
+            recurrent.push((i, v));
+        }
+        Ok(CudaSnapshot { n_past, recurrent })
+    }
+
+    /// Put `snap`'s recurrent states back.
+    pub fn restore(&mut self, dev: &pulsar_cuda::CudaDevice, snap: &CudaSnapshot) -> Result<(), EngineError> {
+        let stream = dev.compute();
+        for (i, v) in &snap.recurrent {
+            let b = self.recurrent.get_mut(i).ok_or_else(|| EngineError::Forward(format!("the snapshot's state {i} is not a recurrent state of this model")))?;
+            b.upload(stream, v).map_err(|e| EngineError::Forward(format!("restoring state {i}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// An identity for the caches (the lowest address among their buffers,
+    /// which no other live allocation shares).
+    pub fn id(&self) -> u64 {
+        let kv = self.layers.values().flat_map(|(_, _, k, v)| [k.device_ptr(), v.device_ptr()]);
+        let rest = self.rows.values().map(|(_, b)| b.device_ptr()).chain(self.recurrent.values().map(|b| b.device_ptr()));
+        kv.chain(rest).min().unwrap_or(0)
+    }
+
+    /// Bytes of the device buffers.
+    pub fn bytes(&self) -> usize {
+        let kv: usize = self.layers.values().map(|(_, _, k, v)| k.bytes() + v.bytes()).sum();
+        kv + self.rows.values().map(|(_, b)| b.bytes()).sum::<usize>() + self.recurrent.values().map(|b| b.bytes()).sum::<usize>()
+    }
+}
+
+/// What runs steps on one GPU for one or several sequences: the lowering of
+/// the model's graphs, the step buffers' pools, the recorded value
+/// lifetimes and the captured decode graph. The caches are the caller's
+/// ([`CudaEngine`] owns one, `CudaSeqs` one per sequence slot).
+pub struct CudaRunner<'m> {
     pub model: &'m Model,
     pub cm: &'m CudaModel,
-    pub kv: CudaKv,
-    pub n_past: usize,
-    pub ubatch: usize,
-    pub history: Vec<u32>,
     /// Streamed experts come through this store's host cache (else the mapping).
     store: Option<&'m StoreExperts>,
     pools: Pools,
@@ -162,17 +204,22 @@ pub struct CudaEngine<'m> {
     lowering: [Lowering; 2],
 }
 
-impl<'m> CudaEngine<'m> {
-    pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
+/// A model session on one GPU: one sequence's caches, its position, and the runner.
+pub struct CudaEngine<'m> {
+    pub kv: CudaKv,
+    pub n_past: usize,
+    pub ubatch: usize,
+    pub history: Vec<u32>,
+    run: CudaRunner<'m>,
+}
+
+impl<'m> CudaRunner<'m> {
+    pub fn new(model: &'m Model, cm: &'m CudaModel) -> Result<CudaRunner<'m>, CudaBackendError> {
         let lower = |p| Lowering::new(p).map_err(|e| CudaBackendError::Other(format!("plugin `{}`: {e}", model.plugin)));
         let lowering = [lower(&model.steps.decode)?, lower(&model.steps.prefill)?];
-        Ok(CudaEngine {
+        Ok(CudaRunner {
             model,
             cm,
-            kv: CudaKv::new(&cm.dev, model, n_ctx)?,
-            n_past: 0,
-            ubatch: 512,
-            history: Vec::new(),
             store: None,
             pools: Pools::default(),
             live: Default::default(),
@@ -195,62 +242,6 @@ impl<'m> CudaEngine<'m> {
         self
     }
 
-    /// Measure every op's GPU time (steps then run without graphs).
-    pub fn with_profile(mut self, on: bool) -> Result<Self, CudaBackendError> {
-        self.profile = if on { Some(OpProfile::new(&self.cm.dev)?) } else { None };
-        Ok(self)
-    }
-
-    /// The op profile's table, when profiling.
-    pub fn profile_report(&self) -> Option<String> {
-        self.profile.as_ref().map(OpProfile::report)
-    }
-
-    pub fn n_ctx(&self) -> usize {
-        self.kv.n_ctx
-    }
-
-    pub fn reset(&mut self) {
-        self.n_past = 0;
-        self.history.clear();
-    }
-
-    /// Keep the first `n` positions; a recurrent state cannot go back, so a
-    /// family with one restarts at 0 (as the CPU engine does).
-    pub fn truncate(&mut self, n: usize) {
-        let back = n < self.n_past;
-        self.n_past = if back && !self.kv.recurrent.is_empty() { 0 } else { self.n_past.min(n) };
-        self.history.truncate(self.n_past);
-    }
-
-    /// The sequence's recurrent states and position now, copied to the host,
-    /// for [`CudaEngine::restore`] (a recurrent state cannot go back without one).
-    pub fn snapshot(&self) -> Result<CudaSnapshot, EngineError> {
-        let stream = self.cm.dev.compute();
-        let mut recurrent = Vec::with_capacity(self.kv.recurrent.len());
-        for (&i, b) in &self.kv.recurrent {
-            let mut v = vec![0f32; b.len()];
-            b.download(stream, &mut v).map_err(|e| EngineError::Forward(format!("snapshot of state {i}: {e}")))?;
-            recurrent.push((i, v));
-        }
-        Ok(CudaSnapshot { n_past: self.n_past, recurrent })
-    }
-
-    /// Go back to `snap` (taken from this engine at or before now).
-    pub fn restore(&mut self, snap: &CudaSnapshot) -> Result<(), EngineError> {
-        if snap.n_past > self.n_past {
-            return Err(EngineError::Forward(format!("a snapshot at position {} is ahead of the sequence ({})", snap.n_past, self.n_past)));
-        }
-        let stream = self.cm.dev.compute();
-        for (i, v) in &snap.recurrent {
-            let b = self.kv.recurrent.get_mut(i).ok_or_else(|| EngineError::Forward(format!("the snapshot's state {i} is not a recurrent state of this model")))?;
-            b.upload(stream, v).map_err(|e| EngineError::Forward(format!("restoring state {i}: {e}")))?;
-        }
-        self.n_past = snap.n_past;
-        self.history.truncate(snap.n_past);
-        Ok(())
-    }
-
     /// Device buffers allocated so far (stops growing after the first steps).
     pub fn allocations(&self) -> u64 {
         let p = &self.pools;
@@ -263,40 +254,37 @@ impl<'m> CudaEngine<'m> {
         p.f32.held_bytes + p.u8.held_bytes + p.u32.held_bytes + p.i32.held_bytes + p.u64.held_bytes
     }
 
-    pub fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
-        if tokens.is_empty() {
-            return Err(EngineError::Empty);
+    /// Warn once when the step buffers outgrow what the VRAM budget kept for them.
+    fn check_reserve(&mut self) {
+        let held = self.activation_bytes();
+        if self.cm.activation_reserve > 0 && held > self.cm.activation_reserve && !self.over_reserve {
+            self.over_reserve = true;
+            tracing::warn!(
+                "step buffers hold {:.0} MiB, more than the {:.0} MiB of the VRAM budget kept for them",
+                held as f64 / (1u64 << 20) as f64,
+                self.cm.activation_reserve as f64 / (1u64 << 20) as f64
+            );
         }
-        if self.n_past + tokens.len() > self.n_ctx() {
-            return Err(EngineError::ContextFull { need: self.n_past + tokens.len(), n_ctx: self.n_ctx() });
-        }
-        let mut out = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.clamp(1, self.cm.max_chunk)).collect();
-        let last = chunks.len() - 1;
-        for (ci, chunk) in chunks.into_iter().enumerate() {
-            let positions: Vec<u32> = (self.n_past..self.n_past + chunk.len()).map(|p| p as u32).collect();
-            let rows = self.step(chunk, &positions, all).map_err(EngineError::Forward)?;
-            let held = self.activation_bytes();
-            if self.cm.activation_reserve > 0 && held > self.cm.activation_reserve && !self.over_reserve {
-                self.over_reserve = true;
-                tracing::warn!(
-                    "step buffers hold {:.0} MiB, more than the {:.0} MiB of the VRAM budget kept for them",
-                    held as f64 / (1u64 << 20) as f64,
-                    self.cm.activation_reserve as f64 / (1u64 << 20) as f64
-                );
-            }
-            self.n_past += chunk.len();
-            self.history.extend_from_slice(chunk);
-            if all {
-                out.extend(rows);
-            } else if ci == last {
-                out.extend(rows.into_iter().last());
-            }
-        }
-        Ok(out)
     }
 
-    fn step(&mut self, tokens: &[u32], positions: &[u32], all: bool) -> R<Vec<Vec<f32>>> {
+    /// Whether a step may carry rows of several sequences: every state the
+    /// model declares is a KV cache, and no graph reads a whole cache as a
+    /// value (those run one sequence a step).
+    pub fn batches(&self) -> bool {
+        let reads_cache = |p: &crate::graph::StepPlan| p.shapes.iter().any(|s| s.dims.contains(&pulsar_plugin_api::Dim::C));
+        self.model.plan.states.iter().all(|s| s.as_kv().is_some()) && !reads_cache(&self.model.steps.decode) && !reads_cache(&self.model.steps.prefill)
+    }
+
+    /// One step over `tokens` at `positions`. `seqs` None: every row is
+    /// `kvs[0]`'s; else row `i` belongs to `kvs[seqs[i]]` (a sequence's rows
+    /// contiguous and in order, [`CudaRunner::batches`] true). Returns every
+    /// row's logits (`all`) or each sequence's last row's.
+    pub fn step(&mut self, kvs: &mut [CudaKv], seqs: Option<&[u32]>, tokens: &[u32], positions: &[u32], all: bool) -> R<Vec<Vec<f32>>> {
+        let runs = seq_runs(seqs, tokens.len(), kvs.len())?;
+        if runs.len() > 1 && !self.batches() {
+            return Err(format!("plugin `{}`: its states cannot be batched over sequences on the GPU", self.model.plugin));
+        }
+        let single = runs.len() == 1;
         let p = &mut self.pools;
         // `|` not `||`: every flag is read and cleared.
         if p.f32.take_trimmed() | p.u8.take_trimmed() | p.u32.take_trimmed() | p.i32.take_trimmed() | p.u64.take_trimmed() {
@@ -306,16 +294,17 @@ impl<'m> CudaEngine<'m> {
         let stream = dev.compute().clone();
         let decode = tokens.len() == 1;
         let kind = usize::from(!decode);
+        let n_ctx0 = kvs[runs[0].2].n_ctx;
         // A decode after one that set the plan may run as a graph: replayed
         // when one was captured for this split bucket, else captured now.
         let split_ctx = (decode && self.graphs && self.lowering[0].capturable && self.profile.is_none() && self.release_early && !self.live[0].ops.is_empty())
-            .then(|| attention_graph_ctx(positions[0] as usize + 1, self.kv.n_ctx));
+            .then(|| attention_graph_ctx(positions[0] as usize + 1, n_ctx0));
         let (mut own_pos, mut own_tok) = (None, None);
         if decode {
             self.dec_tok.upload(&stream, tokens).map_err(err)?;
             self.dec_pos.upload(&stream, positions).map_err(err)?;
             if let (Some(sc), Some(g)) = (split_ctx, &self.graph) {
-                if g.split_ctx == sc && g.all_rows == all {
+                if g.split_ctx == sc && g.all_rows == all && g.kv_id == kvs[runs[0].2].id() {
                     g.graph.launch().map_err(err)?;
                     return download_rows(&stream, &g.out, g.rows, g.cols);
                 }
@@ -327,7 +316,25 @@ impl<'m> CudaEngine<'m> {
             t.upload(&stream, tokens).map_err(err)?;
             (own_pos, own_tok) = (Some(p), Some(t));
         }
+        // Rows of several sequences: each KV layer's per-row cache addresses.
+        let (mut tables, mut table_at) = (None, HashMap::new());
+        if !single {
+            let mut host: Vec<u64> = Vec::new();
+            for &state in kvs[0].layers.keys() {
+                table_at.insert(state, host.len());
+                for side in 0..2 {
+                    for &(start, end, s) in &runs {
+                        let (_, _, k, v) = kvs[s].layers.get(&state).ok_or_else(|| format!("sequence {s} has no cache for state {state}"))?;
+                        host.extend(std::iter::repeat_n(if side == 0 { k.device_ptr() } else { v.device_ptr() }, end - start));
+                    }
+                }
+            }
+            let mut t = self.pools.u64.take(dev, host.len().max(1)).map_err(err)?;
+            t.upload_prefix(&stream, &host).map_err(err)?;
+            tables = Some(t);
+        }
         let capture = split_ctx.is_some();
+        let kv_id = kvs[runs[0].2].id();
         if capture {
             stream.begin_capture(cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(err)?;
         }
@@ -341,7 +348,9 @@ impl<'m> CudaEngine<'m> {
             graph,
             cm: self.cm,
             store: self.store,
-            kv: &mut self.kv,
+            kvs: &mut *kvs,
+            runs: runs.clone(),
+            tables: tables.as_ref().map(|t| (t, &table_at)),
             pools: &mut self.pools,
             tokens,
             positions,
@@ -374,7 +383,7 @@ impl<'m> CudaEngine<'m> {
                 (Ok(v), Ok(Some(graph))) => step.take_output(v).and_then(|(out, rows, cols)| {
                     graph.launch().map_err(err)?;
                     let host = download_rows(&stream, &out, rows, cols)?;
-                    captured = Some(DecodeGraph { graph, split_ctx: split_ctx.unwrap_or(0), all_rows: all, out, rows, cols });
+                    captured = Some(DecodeGraph { graph, split_ctx: split_ctx.unwrap_or(0), all_rows: all, kv_id, out, rows, cols });
                     Ok(host)
                 }),
                 (Ok(_), Ok(None)) => Err("the captured decode graph is empty".to_string()),
@@ -402,6 +411,9 @@ impl<'m> CudaEngine<'m> {
         if let Some(t) = own_tok {
             self.pools.u32.give(t);
         }
+        if let Some(t) = tables {
+            self.pools.u64.give(t);
+        }
         if capture {
             match &result {
                 Ok(_) => {
@@ -413,7 +425,7 @@ impl<'m> CudaEngine<'m> {
                     self.graphs = false;
                     self.graph = None;
                     tracing::warn!("decode steps run without CUDA graphs: {e}");
-                    return self.step(tokens, positions, all);
+                    return self.step(kvs, seqs, tokens, positions, all);
                 }
             }
         }
@@ -424,12 +436,141 @@ impl<'m> CudaEngine<'m> {
             self.release_early = false;
             self.graph = None;
             tracing::warn!("the model's op sequence varies between steps; step buffers now live to the end of each step");
-            return self.step(tokens, positions, all);
+            return self.step(kvs, seqs, tokens, positions, all);
         }
         if result.is_ok() {
             self.live[kind] = Liveness::from_trace(trace);
         }
+        self.check_reserve();
         result
+    }
+}
+
+/// Row ranges `[start, end)` of one sequence each, with its cache index.
+fn seq_runs(seqs: Option<&[u32]>, rows: usize, n_kv: usize) -> R<Vec<(usize, usize, usize)>> {
+    let Some(seqs) = seqs else {
+        return if n_kv == 0 { Err("a step without a cache".into()) } else { Ok(vec![(0, rows, 0)]) };
+    };
+    if seqs.len() != rows {
+        return Err(format!("{rows} rows for {} sequence ids", seqs.len()));
+    }
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut start = 0;
+    while start < rows {
+        let s = seqs[start] as usize;
+        if s >= n_kv {
+            return Err(format!("sequence {s} has no cache ({n_kv} in the step)"));
+        }
+        if runs.iter().any(|r| r.2 == s) {
+            return Err(format!("the rows of sequence {s} are not contiguous"));
+        }
+        let end = (start..rows).find(|&i| seqs[i] as usize != s).unwrap_or(rows);
+        runs.push((start, end, s));
+        start = end;
+    }
+    if runs.is_empty() {
+        return Err("an empty step".into());
+    }
+    Ok(runs)
+}
+
+impl<'m> CudaEngine<'m> {
+    pub fn new(model: &'m Model, cm: &'m CudaModel, n_ctx: usize) -> Result<CudaEngine<'m>, CudaBackendError> {
+        Ok(CudaEngine { kv: CudaKv::new(&cm.dev, model, n_ctx)?, n_past: 0, ubatch: 512, history: Vec::new(), run: CudaRunner::new(model, cm)? })
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.run.model
+    }
+
+    pub fn cm(&self) -> &'m CudaModel {
+        self.run.cm
+    }
+
+    /// Serve streamed experts through `store` when it has a budgeted host
+    /// cache (a mapped store gives the same bytes as the file mapping).
+    pub fn with_store(mut self, store: Option<&'m StoreExperts>) -> Self {
+        self.run = self.run.with_store(store);
+        self
+    }
+
+    /// Measure every op's GPU time (steps then run without graphs).
+    pub fn with_profile(mut self, on: bool) -> Result<Self, CudaBackendError> {
+        self.run.profile = if on { Some(OpProfile::new(&self.run.cm.dev)?) } else { None };
+        Ok(self)
+    }
+
+    /// The op profile's table, when profiling.
+    pub fn profile_report(&self) -> Option<String> {
+        self.run.profile.as_ref().map(OpProfile::report)
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.kv.n_ctx
+    }
+
+    pub fn reset(&mut self) {
+        self.n_past = 0;
+        self.history.clear();
+    }
+
+    /// Keep the first `n` positions; a recurrent state cannot go back, so a
+    /// family with one restarts at 0 (as the CPU engine does).
+    pub fn truncate(&mut self, n: usize) {
+        let back = n < self.n_past;
+        self.n_past = if back && !self.kv.recurrent.is_empty() { 0 } else { self.n_past.min(n) };
+        self.history.truncate(self.n_past);
+    }
+
+    /// The sequence's recurrent states and position now, copied to the host,
+    /// for [`CudaEngine::restore`] (a recurrent state cannot go back without one).
+    pub fn snapshot(&self) -> Result<CudaSnapshot, EngineError> {
+        self.kv.snapshot(&self.run.cm.dev, self.n_past)
+    }
+
+    /// Go back to `snap` (taken from this engine at or before now).
+    pub fn restore(&mut self, snap: &CudaSnapshot) -> Result<(), EngineError> {
+        if snap.n_past > self.n_past {
+            return Err(EngineError::Forward(format!("a snapshot at position {} is ahead of the sequence ({})", snap.n_past, self.n_past)));
+        }
+        self.kv.restore(&self.run.cm.dev, snap)?;
+        self.n_past = snap.n_past;
+        self.history.truncate(snap.n_past);
+        Ok(())
+    }
+
+    /// Device buffers allocated so far (stops growing after the first steps).
+    pub fn allocations(&self) -> u64 {
+        self.run.allocations()
+    }
+
+    /// Device memory the step buffers hold (activations and work space).
+    pub fn activation_bytes(&self) -> u64 {
+        self.run.activation_bytes()
+    }
+
+    pub fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::Empty);
+        }
+        if self.n_past + tokens.len() > self.n_ctx() {
+            return Err(EngineError::ContextFull { need: self.n_past + tokens.len(), n_ctx: self.n_ctx() });
+        }
+        let mut out = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.clamp(1, self.run.cm.max_chunk)).collect();
+        let last = chunks.len() - 1;
+        for (ci, chunk) in chunks.into_iter().enumerate() {
+            let positions: Vec<u32> = (self.n_past..self.n_past + chunk.len()).map(|p| p as u32).collect();
+            let rows = self.run.step(std::slice::from_mut(&mut self.kv), None, chunk, &positions, all).map_err(EngineError::Forward)?;
+            self.n_past += chunk.len();
+            self.history.extend_from_slice(chunk);
+            if all {
+                out.extend(rows);
+            } else if ci == last {
+                out.extend(rows.into_iter().last());
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -446,7 +587,13 @@ struct CudaStep<'a> {
     graph: &'a crate::graph::StepPlan,
     cm: &'a CudaModel,
     store: Option<&'a StoreExperts>,
-    kv: &'a mut CudaKv,
+    /// The caches of the step's sequences (one, unless batched).
+    kvs: &'a mut [CudaKv],
+    /// Row ranges `[start, end)` of one sequence each, with its index into `kvs`.
+    runs: Vec<(usize, usize, usize)>,
+    /// Rows of several sequences: each KV layer's per-row cache addresses
+    /// (keys, then values), at their offset by state.
+    tables: Option<(&'a DeviceBuf<u64>, &'a HashMap<usize, usize>)>,
     pools: &'a mut Pools,
     tokens: &'a [u32],
     positions: &'a [u32],

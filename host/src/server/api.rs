@@ -143,6 +143,10 @@ pub struct Common {
     /// llama.cpp's server names.
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<i64>,
+    /// llama-server's: keep generating past end-of-turn tokens (benchmarks;
+    /// stop strings and `max_tokens` still end the generation).
+    #[serde(default)]
+    pub ignore_eos: bool,
     // Fields this server does not implement yet: refused when they ask for
     // something (see `check_supported`), never silently ignored.
     pub tools: Option<Value>,

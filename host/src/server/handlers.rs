@@ -351,7 +351,7 @@ async fn generate(st: Arc<AppState>, prompt: Vec<u32>, common: Common, kind: Kin
     }
     let (tx, rx) = unbounded_channel();
     let n_prompt = prompt.len();
-    let job = Job { prompt, sampling, max_tokens, stops, events: tx, enqueued: Instant::now() };
+    let job = Job { prompt, sampling, max_tokens, stops, ignore_eos: common.ignore_eos, events: tx, enqueued: Instant::now() };
     if st.engine.send(Cmd::Submit(job)).is_err() {
         st.metrics.queue_depth.fetch_sub(1, Relaxed);
         return Err(rejected(ApiError::unavailable("the server is shutting down")));

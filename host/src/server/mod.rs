@@ -26,7 +26,8 @@
 //! the context), `stop` (string or up to 16), `n` (1 only), `model` (the
 //! served id or absent; another name is a 404),
 //! `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2]) and
-//! llama.cpp's `repeat_penalty` / `repeat_last_n` (64 by default); a field
+//! llama.cpp's `repeat_penalty` / `repeat_last_n` (64 by default) and
+//! `ignore_eos` (end-of-turn tokens do not stop it); a field
 //! left out takes the server's default (`serve --temp ...`, else the GGUF's
 //! `general.sampling.*`, else llama-server's 0.8 / 40 / 0.95 / 0.05).
 //! Fields not implemented yet (`tools`, `response_format`, `logprobs`,
@@ -125,10 +126,24 @@ impl Default for ServeOptions {
 /// What the server runs: a model with its compute resources.
 pub struct Backend {
     pub model: Arc<Model>,
-    pub cpu: Arc<CpuBackend>,
-    pub experts: Arc<dyn ExpertSource + Send + Sync>,
+    pub compute: Compute,
     /// The expert store's hit rate per tier for `/metrics` (None: not measured).
     pub tier_stats: Option<metrics::TierStats>,
+}
+
+impl Backend {
+    /// The model on the CPU, its experts from `experts`.
+    pub fn cpu(model: Arc<Model>, cpu: Arc<CpuBackend>, experts: Arc<dyn ExpertSource + Send + Sync>) -> Backend {
+        Backend { model, compute: Compute::Cpu { cpu, experts }, tier_stats: None }
+    }
+}
+
+/// Where the steps run.
+pub enum Compute {
+    Cpu { cpu: Arc<CpuBackend>, experts: Arc<dyn ExpertSource + Send + Sync> },
+    /// On a GPU; streamed experts come through `store`'s host cache when it
+    /// has one (else the file mapping).
+    Cuda { cm: Arc<crate::cuda::CudaModel>, store: Option<Arc<crate::experts::StoreExperts>> },
 }
 
 /// Called once when the server stops, after the engine thread has finished
@@ -197,8 +212,7 @@ pub async fn serve(
     let parts = scheduler::EngineParts {
         stop_ids: stop_ids(&backend.model, &tok),
         model: backend.model,
-        cpu: backend.cpu,
-        experts: backend.experts,
+        compute: backend.compute,
         tok: tok.clone(),
         n_ctx: opts.n_ctx,
         parallel: opts.parallel.max(1),

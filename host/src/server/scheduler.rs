@@ -20,8 +20,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{ApiError, CachedTokens, Timings, Usage};
 use super::metrics::Metrics;
 use super::stop::StopMatcher;
-use crate::cpu::{CpuBackend, ExpertSource};
-use crate::engine::{BatchEngine, BatchItem, EngineError, SeqId};
+use super::Compute;
+use crate::engine::{BatchEngine, BatchItem, EngineError, SeqBackend, SeqId};
 use crate::model::Model;
 use crate::sample::{Sampler, SamplerConfig};
 
@@ -51,6 +51,8 @@ pub struct Job {
     /// Already clamped so that prompt + max_tokens fits the context.
     pub max_tokens: usize,
     pub stops: Vec<String>,
+    /// End-of-turn tokens do not end it (llama-server's `ignore_eos`).
+    pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
     pub enqueued: Instant,
 }
@@ -65,8 +67,7 @@ pub enum Cmd {
 /// Everything the engine thread owns.
 pub struct EngineParts {
     pub model: Arc<Model>,
-    pub cpu: Arc<CpuBackend>,
-    pub experts: Arc<dyn ExpertSource + Send + Sync>,
+    pub compute: Compute,
     pub tok: Arc<Tokenizer>,
     /// Token ids that end a generation.
     pub stop_ids: Vec<u32>,
@@ -144,8 +145,48 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 
 /// Run the engine loop until shutdown (or every sender is gone).
 pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
+    match &p.compute {
+        Compute::Cpu { cpu, experts } => {
+            let engine = BatchEngine::new(&p.model, cpu, &**experts, p.n_ctx, p.parallel);
+            serve_loop(&p, engine, p.ubatch, rx)
+        }
+        Compute::Cuda { cm, store } => {
+            // The engine thread makes the GPU calls: the context is current here.
+            if let Err(e) = cm.dev.context().bind_to_thread() {
+                tracing::error!("engine: cannot use the GPU on this thread: {e}");
+                return fail_all(&p, rx, &format!("the GPU is not usable: {e}"));
+            }
+            let seqs = match crate::cuda::CudaSeqs::new(&p.model, cm, store.as_deref()) {
+                Ok(s) => s,
+                Err(e) => return fail_all(&p, rx, &e.to_string()),
+            };
+            // A step carries at most the chunk the VRAM budget's activation reserve holds.
+            let ubatch = p.ubatch.min(seqs.max_rows()).max(1);
+            match BatchEngine::with_backend(seqs, p.n_ctx, p.parallel) {
+                Ok(engine) => serve_loop(&p, engine, ubatch, rx),
+                Err(e) => fail_all(&p, rx, &format!("allocating the sequences' caches on the GPU: {e}")),
+            }
+        }
+    }
+}
+
+/// No engine could start: answer every request with why, until shutdown.
+fn fail_all(p: &EngineParts, rx: Receiver<Cmd>, why: &str) {
+    tracing::error!("engine: {why}");
+    *p.metrics.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
+    while let Ok(c) = rx.recv() {
+        match c {
+            Cmd::Submit(job) => {
+                p.metrics.queue_depth.fetch_sub(1, Relaxed);
+                let _ = job.events.send(Event::Error(ApiError::unavailable(why.to_string())));
+            }
+            Cmd::Shutdown => break,
+        }
+    }
+}
+
+fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch: usize, rx: Receiver<Cmd>) {
     let tok: &Tokenizer = &p.tok;
-    let mut engine = BatchEngine::new(&p.model, &p.cpu, &*p.experts, p.n_ctx, p.parallel);
     tracing::info!("engine: {} sequence slots of {} positions, {:.1} MiB of KV cache", engine.n_seq(), p.n_ctx, engine.kv_bytes() as f64 / 1048576.0);
     p.metrics.slots.store(engine.n_seq() as u64, Relaxed);
     let m = &p.metrics;
@@ -291,7 +332,7 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
         let n = active.len();
         rr = (rr + 1) % n;
         let n_decode = active.iter().filter(|a| a.prefilled).count();
-        let mut budget = p.ubatch.saturating_sub(n_decode).max(16);
+        let mut budget = ubatch.saturating_sub(n_decode).max(16);
         let mut take = vec![0usize; n];
         for k in 0..n {
             let i = (rr + k) % n;
@@ -342,7 +383,7 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
                 m.first_token(a.job.enqueued.elapsed());
             }
             let t = a.sampler.sample(row);
-            if p.stop_ids.contains(&t) {
+            if !a.job.ignore_eos && p.stop_ids.contains(&t) {
                 done.push((i, "stop"));
                 continue;
             }

@@ -197,4 +197,100 @@ impl CudaDevice {
             )
         }
     }
+    /// [`CudaDevice::kv_write`] for rows of several sequences: row `r`'s key
+    /// and value go to the layer caches whose device addresses are
+    /// `tables[k_at + r]` and `tables[v_at + r]`, at row `positions[r]`.
+    ///
+    /// # Safety
+    /// Every address must be the start of a live f32 cache of at least
+    /// `n_ctx` rows of `kw` (keys) or `vw` (values) values, and no two rows
+    /// of one cache may name the same position.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn kv_write_rows(
+        &self,
+        stream: &CudaStream,
+        k: &DeviceBuf<f32>,
+        v: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        tables: &DeviceBuf<u64>,
+        (k_at, v_at): (usize, usize),
+        (kw, vw): (usize, usize),
+        n_ctx: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "kv_write_rows";
+        let n = positions.len();
+        want(OP, "k", k.len(), n * kw)?;
+        want(OP, "v", v.len(), n * vw)?;
+        if kw == 0 || vw == 0 || k_at.max(v_at) + n > tables.len() || n > 65535 {
+            return Err(shape(OP, format!("{n} rows of widths {kw}/{vw} at table entries {k_at}/{v_at} of {}", tables.len())));
+        }
+        let (kwi, vwi, nc) = (to_i32(OP, "kw", kw)?, to_i32(OP, "vw", vw)?, to_i32(OP, "n_ctx", n_ctx)?);
+        let f = self.func(Family::Attention, KV_WRITE_ROWS)?;
+        let (kt, vt) = (tables.device_ptr_at(k_at)?, tables.device_ptr_at(v_at)?);
+        let (kp, vp, pp) = (k.device_ptr(), v.device_ptr(), positions.device_ptr());
+        let grid = ((kw + vw).div_ceil(256).min(64) as u32, n as u32, 1);
+        // SAFETY: (k, v, positions, kcs, vcs, kw, vw, n_ctx) as kv_write_rows;
+        // sizes checked above, the caches by the caller.
+        unsafe { self.launch(f, grid, 256, 0, stream, &mut params![kp, vp, pp, kt, vt, kwi, vwi, nc]) }
+    }
+
+    /// [`CudaDevice::attention`] (the per-query kernel) for rows of several
+    /// sequences, each over its own f32 cache: row `t` reads the layer
+    /// caches at the device addresses `tables[k_at + t]` / `tables[v_at + t]`.
+    /// A row's output has the bits it has alone. `n_ctx` is the longest
+    /// row's context (it sizes the splits); `work` holds
+    /// [`attention_workspace_len`] values for it.
+    ///
+    /// # Safety
+    /// Every address must be the start of a live f32 cache holding at least
+    /// `positions[t] + 1` rows of the widths `p` gives.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attention_rows(
+        &self,
+        stream: &CudaStream,
+        p: &AttnParams,
+        q: &DeviceBuf<f32>,
+        positions: &DeviceBuf<u32>,
+        tables: &DeviceBuf<u64>,
+        (k_at, v_at): (usize, usize),
+        n_ctx: usize,
+        work: &mut DeviceBuf<f32>,
+        out: &mut DeviceBuf<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "attention_rows";
+        if p.n_kv_head == 0 || p.n_head % p.n_kv_head != 0 || p.head_dim_k == 0 || p.head_dim_v == 0 || p.head_dim_k > 1024 {
+            return Err(shape(OP, format!("{} heads over {} kv heads, head dims {}/{}", p.n_head, p.n_kv_head, p.head_dim_k, p.head_dim_v)));
+        }
+        let n_q = positions.len();
+        want(OP, "q", q.len(), n_q * p.n_head * p.head_dim_k)?;
+        want(OP, "out", out.len(), n_q * p.n_head * p.head_dim_v)?;
+        want(OP, "work", work.len(), attention_workspace_len(p, n_q, n_ctx))?;
+        let n_split = attention_splits(p, n_ctx);
+        if k_at.max(v_at) + n_q > tables.len() || n_q > 65535 || p.n_head > 65535 || n_split > 65535 {
+            return Err(shape(OP, format!("{n_q} rows at table entries {k_at}/{v_at} of {}, or a grid too large", tables.len())));
+        }
+        let (nq, nh, nkv) = (n_q as i32, p.n_head as i32, p.n_kv_head as i32);
+        let (dk, dv, nc) = (p.head_dim_k as i32, p.head_dim_v as i32, to_i32(OP, "n_ctx", n_ctx)?);
+        let (scale, window, softcap) = (p.scale, to_i32(OP, "window", p.window)?, p.softcap);
+        let (chunk, ns) = (ATT_CHUNK as i32, n_split as i32);
+        let (kt, vt) = (tables.device_ptr_at(k_at)?, tables.device_ptr_at(v_at)?);
+        let (qp, pp, wp, op) = (q.device_ptr(), positions.device_ptr(), work.device_ptr(), out.device_ptr());
+        let f = self.func(Family::Attention, ATT_ROWS)?;
+        let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
+        // SAFETY: parameters as attn_partial_rows_f32; sizes checked above,
+        // the caches by the caller.
+        unsafe {
+            self.launch(
+                f,
+                (p.n_head as u32, n_q as u32, n_split as u32),
+                ATT_THREADS,
+                smem,
+                stream,
+                &mut params![qp, pp, kt, vt, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns],
+            )?;
+        }
+        let f = self.func(Family::Attention, 2)?;
+        // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.
+        unsafe { self.launch(f, (p.n_head as u32, n_q as u32, 1), ATT_THREADS, 0, stream, &mut params![wp, op, nq, nh, dv, ns]) }
+    }
 }

@@ -243,37 +243,57 @@ impl<'a> CudaStep<'a> {
                 return Err(format!("attention layer {}: q/k/v shapes do not match the spec", s.layer));
             }
         }
-        let p0 = self.positions[0] as usize;
-        let n_ctx = p0 + n;
+        let state = s.layer as usize;
         let (kw, vw) = (nkv * dk, nkv * dv);
-        {
-            let (lkw, lvw, _, _) = self.kv.layers.get(&(s.layer as usize)).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
+        // Each sequence's context after this step, checked against its cache.
+        let mut n_ctx = 0;
+        for &(start, end, seq) in &self.runs {
+            let kv = &self.kvs[seq];
+            let (lkw, lvw, _, _) = kv.layers.get(&state).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
             if (*lkw, *lvw) != (kw, vw) {
                 return Err(format!("layer {}: k/v widths {kw}/{vw} differ from the plan's {lkw}/{lvw}", s.layer));
             }
-            if n_ctx > self.kv.n_ctx {
-                return Err(format!("context is full: position {} beyond {}", n_ctx - 1, self.kv.n_ctx));
+            let ctx = self.positions[start..end].iter().max().map_or(0, |&p| p as usize + 1);
+            if ctx > kv.n_ctx {
+                return Err(format!("context is full: position {} beyond {}", ctx - 1, kv.n_ctx));
             }
+            n_ctx = n_ctx.max(ctx);
         }
-        {
-            let stream = self.cm.dev.compute().clone();
-            let val = |x: Val| self.vals.get(x.0 as usize).and_then(|d| d.buf());
-            let (kb, vb) = (val(k), val(v));
-            let (Some(kb), Some(vb)) = (kb, vb) else {
-                self.released_early.set(true);
-                return Err(format!("attention layer {}: k or v was released before this read", s.layer));
-            };
-            let (_, _, kc, vc) = self.kv.layers.get_mut(&(s.layer as usize)).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
-            self.cm.dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc).map_err(err)?;
+        let stream = self.cm.dev.compute().clone();
+        let val = |x: Val| self.vals.get(x.0 as usize).and_then(|d| d.buf());
+        let (Some(kb), Some(vb)) = (val(k), val(v)) else {
+            self.released_early.set(true);
+            return Err(format!("attention layer {}: k or v was released before this read", s.layer));
+        };
+        let cap = self.runs.iter().map(|r| self.kvs[r.2].n_ctx).min().unwrap_or(0);
+        let tables = match self.tables {
+            Some((t, at)) => Some((t, *at.get(&state).ok_or_else(|| format!("no cache table for state {state}"))?)),
+            None => None,
+        };
+        match tables {
+            // SAFETY: the table holds, per row, the addresses of its
+            // sequence's caches for this state (CudaRunner::step), each of
+            // `cap` or more rows of these widths (checked above).
+            Some((t, at)) => unsafe { self.cm.dev.kv_write_rows(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }.map_err(err)?,
+            None => {
+                let one = self.runs[0].2;
+                let (_, _, kc, vc) = self.kvs[one].layers.get_mut(&state).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
+                self.cm.dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc).map_err(err)?;
+            }
         }
         // A graph being captured sizes the splits for its bucket of contexts.
         let n_ctx = self.split_ctx.unwrap_or(n_ctx).max(n_ctx);
         let params = AttnParams { n_head: nh, n_kv_head: nkv, head_dim_k: dk, head_dim_v: dv, scale: s.scale, window: s.window as usize, softcap: s.softcap };
         let mut work = self.pools.f32.take(&self.cm.dev, attention_workspace_len(&params, n, n_ctx)).map_err(err)?;
         let mut out = self.new_val(n, nh * dv)?;
-        let stream = self.cm.dev.compute().clone();
-        let (_, _, kc, vc) = &self.kv.layers[&(s.layer as usize)];
-        self.cm.dev.attention(&stream, &params, self.buf(q)?, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out).map_err(err)?;
+        match tables {
+            // SAFETY: as for kv_write_rows; every row's position is below its cache's rows.
+            Some((t, at)) => unsafe { self.cm.dev.attention_rows(&stream, &params, self.buf(q)?, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) }.map_err(err)?,
+            None => {
+                let (_, _, kc, vc) = &self.kvs[self.runs[0].2].layers[&state];
+                self.cm.dev.attention(&stream, &params, self.buf(q)?, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out).map_err(err)?;
+            }
+        }
         self.pools.f32.give(work);
         self.push(out, n, nh * dv)
     }
@@ -294,7 +314,7 @@ impl Exec for CudaStep<'_> {
     }
     fn sizes(&self) -> Sizes {
         let t = self.positions.len();
-        Sizes { t, o: if self.all_rows { t } else { 1 }, c: self.positions.first().map_or(0, |&p| p as usize) + t }
+        Sizes { t, o: if self.all_rows { t } else { self.runs.len() }, c: self.positions.first().map_or(0, |&p| p as usize) + t }
     }
     fn embed(&mut self, table: Wt, scale: f32) -> R<Val> {
         self.note(&[]);
@@ -449,12 +469,23 @@ impl Exec for CudaStep<'_> {
         self.mark(Some(&|| "output_rows".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
-            let keep = if self.all_rows { rows } else { 1 };
-            let mut y = self.new_val(keep, cols)?;
-            let src = self.buf(x)?.device_ptr() + ((rows - keep) * cols * 4) as u64;
-            self.copy_rows(y.device_ptr(), src, keep * cols * 4)?;
-            let _ = &mut y;
-            self.push(y, keep, cols)
+            if self.all_rows || self.runs.len() == 1 {
+                let keep = if self.all_rows { rows } else { 1 };
+                let y = self.new_val(keep, cols)?;
+                let src = self.buf(x)?.device_ptr() + ((rows - keep) * cols * 4) as u64;
+                self.copy_rows(y.device_ptr(), src, keep * cols * 4)?;
+                return self.push(y, keep, cols);
+            }
+            // The last row of each sequence's run.
+            let y = self.new_val(self.runs.len(), cols)?;
+            let base = self.buf(x)?.device_ptr();
+            for (i, &(_, end, _)) in self.runs.iter().enumerate() {
+                if end > rows {
+                    return Err(format!("output_rows: {rows} rows, a sequence ends at row {end}"));
+                }
+                self.copy_rows(y.device_ptr() + (i * cols * 4) as u64, base + ((end - 1) * cols * 4) as u64, cols * 4)?;
+            }
+            self.push(y, self.runs.len(), cols)
         })();
         self.done(r)
     }

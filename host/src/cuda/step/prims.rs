@@ -7,6 +7,7 @@ use pulsar_plugin_api::graph::{Experts, Op, Rope};
 use pulsar_plugin_api::{Val, Wt};
 
 use super::{err, CudaStep, DVal, Store, R};
+use crate::cuda::CudaKv;
 use crate::cuda::prim::{self, DIn, DevCx};
 use crate::graph::{Gating, MoeSpec};
 
@@ -43,7 +44,7 @@ impl<'a> CudaStep<'a> {
             }
             Op::StateRows { state } => {
                 let x = Self::live(&self.vals, ins[0]).inspect_err(|_| self.released_early.set(true))?;
-                let (w, cache) = self.kv.rows.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a rows state"))?;
+                let (w, cache) = one_kv(self.kvs, &self.runs)?.rows.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a rows state"))?;
                 let w = *w;
                 if cols != w || x.len() != n * w {
                     return Err(format!("state_rows {state}: rows of {w}, the graph gives {} values for {n} rows and reads {want:?}", x.len()));
@@ -64,7 +65,7 @@ impl<'a> CudaStep<'a> {
                     self.released_early.set(true);
                     return Err("scan: an input was released before this read".into());
                 };
-                let s = self.kv.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
+                let s = one_kv(self.kvs, &self.runs)?.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
                 dev.prim_scan(&stream, a, b, s, &mut y, self.pos_buf, n).map_err(err)?;
                 self.push(y, rows, cols)
             }
@@ -75,7 +76,7 @@ impl<'a> CudaStep<'a> {
                     return Err("short_conv: its input was released before this read".into());
                 };
                 let w = cm.weights.get(weight.0 as usize).and_then(|d| d.f32.as_ref()).ok_or_else(|| format!("weight {} has no f32 copy on the device", weight.0))?;
-                let s = self.kv.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
+                let s = one_kv(self.kvs, &self.runs)?.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
                 dev.prim_short_conv(&stream, x, w, s, &mut y, self.pos_buf, n, cols).map_err(err)?;
                 self.push(y, rows, cols)
             }
@@ -90,7 +91,7 @@ impl<'a> CudaStep<'a> {
                 };
                 let (q, v) = (&in_dims[0], &in_dims[2]);
                 let dims = [n, q[1], v[1], q[2], v[2]];
-                let s = self.kv.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
+                let s = one_kv(self.kvs, &self.runs)?.recurrent.get_mut(&(*state as usize)).ok_or_else(|| format!("state {state} is not a recurrent state"))?;
                 dev.prim_delta_net(&stream, [bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]], s, &mut y, self.pos_buf, dims, *scale).map_err(err)?;
                 self.push(y, rows, cols)
             }
@@ -135,5 +136,14 @@ impl<'a> CudaStep<'a> {
             act: e.act,
         };
         self.do_moe(x, &spec, Some((ids, weights)))
+    }
+}
+
+/// The cache of a step's only sequence: the ops over rows and recurrent
+/// states run one sequence a step (`CudaRunner::batches`).
+fn one_kv<'k>(kvs: &'k mut [CudaKv], runs: &[(usize, usize, usize)]) -> R<&'k mut CudaKv> {
+    match runs {
+        [(_, _, s)] => kvs.get_mut(*s).ok_or_else(|| format!("sequence {s} has no cache")),
+        _ => Err(format!("a state op over {} sequences in one step", runs.len())),
     }
 }

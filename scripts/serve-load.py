@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""A bounded load generator for `pulsar-host serve` (loopback, stdlib only).
+
+For each concurrency level N it runs N streams at once; each stream sends
+ROUNDS streaming greedy /v1/completions requests one after another (its own
+prompt, `max_tokens` tokens, ignore_eos so every request generates the same
+count). It reports the aggregate generated tokens per second, the mean time to
+first token, and, from /metrics before and after, the mean rows per step and
+the routed-expert bytes the GPU pool moved per generated token (uploads,
+zero-copy reads and CPU-lane reads; the host store's hit rates where there
+is no GPU).
+
+  scripts/serve-load.py --url http://127.0.0.1:11435 --streams 1,4,16,64 \
+      --tokens 64 --rounds 2 [--api-key KEY] [--json out.json]
+
+Every request is bounded (a timeout, a fixed token count); the run stops at
+the first failed request and says which.
+"""
+
+import argparse
+import http.client
+import json
+import sys
+import threading
+import time
+import urllib.parse
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+
+
+def prompt_for(i):
+    # Distinct prompts (no shared prefix beyond a few tokens) so prefix reuse
+    # does not flatter the numbers.
+    w = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(12)]
+    return f"Request {i}: " + " ".join(w) + ". Continue the list:"
+
+
+class Target:
+    def __init__(self, url, key, timeout):
+        u = urllib.parse.urlparse(url)
+        self.host, self.port = u.hostname, u.port or 80
+        self.headers = {"Content-Type": "application/json"}
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
+        self.timeout = timeout
+
+    def conn(self):
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def metrics(self):
+        c = self.conn()
+        c.request("GET", "/metrics?format=json", headers={**self.headers, "Accept": "application/json"})
+        r = c.getresponse()
+        body = r.read()
+        c.close()
+        if r.status != 200:
+            raise RuntimeError(f"/metrics: HTTP {r.status}")
+        return json.loads(body)
+
+    def stream(self, prompt, tokens):
+        """One streaming completion: (seconds to the first token, tokens, seconds)."""
+        body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True})
+        t0 = time.monotonic()
+        c = self.conn()
+        c.request("POST", "/v1/completions", body=body, headers=self.headers)
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"/v1/completions: HTTP {r.status}: {r.read()[:300]!r}")
+        first, n_chunks, usage = None, 0, None
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            ev = json.loads(data)
+            if ev.get("usage"):
+                usage = ev["usage"]
+            if any(ch.get("text") for ch in ev.get("choices", [])):
+                n_chunks += 1
+                if first is None:
+                    first = time.monotonic() - t0
+        c.close()
+        n = usage["completion_tokens"] if usage else n_chunks
+        return (first if first is not None else time.monotonic() - t0), n, time.monotonic() - t0
+
+
+def expert_bytes(m):
+    s = m.get("expert_tier_hit_rates") or {}
+    pool = s.get("gpu_pool") if isinstance(s, dict) else None
+    if not pool:
+        return None
+    return pool.get("uploaded_bytes", 0) + pool.get("zero_copy_bytes", 0) + pool.get("cpu_lane_bytes", 0)
+
+
+def level(t, n, tokens, rounds):
+    before = t.metrics()
+    ttfts, counts, errors = [], [0] * n, []
+    lock = threading.Lock()
+
+    def worker(i):
+        for r in range(rounds):
+            try:
+                ttft, got, _ = t.stream(prompt_for(i * rounds + r), tokens)
+            except Exception as e:  # noqa: BLE001 - reported, then the run stops
+                with lock:
+                    errors.append(f"stream {i} round {r}: {e}")
+                return
+            with lock:
+                ttfts.append(ttft)
+                counts[i] += got
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.monotonic() - t0
+    after = t.metrics()
+    if errors:
+        raise RuntimeError("; ".join(errors[:3]))
+    gen = sum(counts)
+    steps = after["steps_total"] - before["steps_total"]
+    rows = None
+    if "step_rows_total" in after:
+        rows = (after["step_rows_total"] - before["step_rows_total"]) / max(steps, 1)
+    eb = (expert_bytes(after) or 0) - (expert_bytes(before) or 0) if expert_bytes(after) is not None else None
+    return {
+        "streams": n,
+        "generated": gen,
+        "seconds": wall,
+        "aggregate_tok_s": gen / wall if wall > 0 else 0.0,
+        "mean_ttft_ms": 1e3 * sum(ttfts) / max(len(ttfts), 1),
+        "steps": steps,
+        "mean_rows_per_step": rows if rows is not None else after.get("mean_rows_per_step"),
+        "expert_bytes_per_token": (eb / gen) if (eb is not None and gen) else None,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:11435")
+    ap.add_argument("--streams", default="1,4,16,64", help="comma-separated concurrency levels")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per stream, one after another")
+    ap.add_argument("--api-key")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds any one request may take")
+    ap.add_argument("--json", help="also write the rows here")
+    a = ap.parse_args()
+    t = Target(a.url, a.api_key, a.timeout)
+    rows = []
+    print("| streams | generated | aggregate tok/s | mean TTFT ms | mean rows/step | expert MiB/token |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in [int(x) for x in a.streams.split(",") if x]:
+        try:
+            r = level(t, n, a.tokens, a.rounds)
+        except Exception as e:  # noqa: BLE001
+            print(f"streams {n}: {e}", file=sys.stderr)
+            sys.exit(1)
+        rows.append(r)
+        eb = "n/a" if r["expert_bytes_per_token"] is None else f"{r['expert_bytes_per_token'] / 2**20:.1f}"
+        mr = r["mean_rows_per_step"]
+        print(f"| {n} | {r['generated']} | {r['aggregate_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} | {mr if mr is None else round(mr, 1)} | {eb} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
