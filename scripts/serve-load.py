@@ -59,7 +59,7 @@ class Target:
 
     def stream(self, prompt, tokens):
         """One streaming completion: (seconds to the first token, tokens, seconds)."""
-        body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True})
+        body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True})
         t0 = time.monotonic()
         c = self.conn()
         c.request("POST", "/v1/completions", body=body, headers=self.headers)

@@ -151,18 +151,13 @@ fn gemma3_batched_step_equals_each_sequence_alone() {
     check_batched_equals_solo(&model, &[2, 818, 5279, 529, 7001, 563], &[2, 9259, 236764]);
 }
 
+/// gemma3 (the parity fixture: sliding-window and full layers, soft-capping,
+/// a 7-layer stack) through the CUDA batch.
 #[test]
 fn on_a_gpu_gemma3_batched_cuda_steps_equal_each_sequence_alone() {
-    if pulsar_cuda::CudaDevice::open(0).is_err() {
-        eprintln!("no CUDA device: the CUDA batch check is skipped");
-        return;
-    }
-    let p = std::env::var_os("PULSAR_GEMMA_GGUF")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/pulsar/models/gemma-3-270m-Q4_K_M.gguf"));
-    assert!(p.is_file(), "{} is missing: run scripts/fetch-gemma.sh (or set PULSAR_GEMMA_GGUF)", p.display());
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/gemma3/model-f32.gguf");
     let model = Model::open(&p, "gemma3", pulsar_arch_gemma3::plugin_module()).unwrap();
-    check_cuda_batched_equals_solo(&model, &[2, 818, 5279, 529, 7001, 563], &[2, 9259, 236764]);
+    check_cuda_batched_equals_solo(&model, &[2, 81, 52, 29, 70, 56, 300, 12, 9], &[2, 92, 236]);
 }
 
 #[test]
@@ -209,17 +204,40 @@ fn hybrid_prefix_reuse_only_from_a_state_checkpoint() {
     let (name, module) = common::plugin("qwen35moe");
     let model = Model::open(&p, &name, module).unwrap();
     let cpu = CpuBackend::new(2).unwrap();
-    // A run alone, its tokens fed in the given pieces (the same steps, so the
-    // same order of sums as the batched engine's).
+    check_hybrid_reuse(&model, &cpu, BatchEngine::new(&model, &cpu, &MappedExperts, 64, 2));
+}
+
+/// On a GPU (else skipped): the same through the CUDA sequence pool, whose
+/// checkpoints are device states copied to the host and back; every step
+/// equals the CPU run alone bit for bit (the hybrid runs one sequence a step).
+#[test]
+fn on_a_gpu_hybrid_prefix_reuse_only_from_a_state_checkpoint() {
+    let Ok(dev) = pulsar_cuda::CudaDevice::open(0) else {
+        eprintln!("no CUDA device: the CUDA hybrid reuse check is skipped");
+        return;
+    };
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/qwen35moe/model-f32.gguf");
+    let (name, module) = common::plugin("qwen35moe");
+    let model = Model::open(&p, &name, module).unwrap();
+    let cpu = CpuBackend::new(2).unwrap();
+    let opts = LoadOptions { kv_bytes: 2 * CudaKv::bytes_for(&model, 64), lane_threads: Some(0), ..Default::default() };
+    let cm = CudaModel::load(dev, &model, &opts).unwrap();
+    let seqs = CudaSeqs::new(&model, &cm, None).unwrap();
+    assert!(!seqs.batches(), "a recurrent family runs one sequence a step on CUDA");
+    check_hybrid_reuse(&model, &cpu, BatchEngine::with_backend(seqs, 64, 2).unwrap());
+}
+
+fn check_hybrid_reuse<B: SeqBackend>(model: &Model, cpu: &CpuBackend, mut be: BatchEngine<B>) {
+    // A run alone on the CPU, its tokens fed in the given pieces (the same
+    // steps, so the same order of sums as the batched engine's).
     let alone = |pieces: &[&[u32]]| {
-        let mut e = Engine::new(&model, &cpu, &MappedExperts, 64);
+        let mut e = Engine::new(model, cpu, &MappedExperts, 64);
         let mut last = Vec::new();
         for p in pieces {
             last = e.forward(p, false).unwrap().pop().unwrap();
         }
         last
     };
-    let mut be = BatchEngine::new(&model, &cpu, &MappedExperts, 64, 2);
     let conv: Vec<u32> = (10..20).collect();
     let (s0, c0) = be.alloc(&conv).unwrap();
     assert_eq!(c0, 0);

@@ -768,7 +768,18 @@ impl<'a> CudaStep<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Liveness, OpKey, TraceOp};
+    use super::{seq_runs, Liveness, OpKey, TraceOp};
+
+    #[test]
+    fn rows_split_into_one_run_per_sequence_and_misuse_is_an_error() {
+        assert_eq!(seq_runs(None, 5, 1).unwrap(), vec![(0, 5, 0)]);
+        assert_eq!(seq_runs(Some(&[2, 2, 0, 1, 1, 1]), 6, 3).unwrap(), vec![(0, 2, 2), (2, 3, 0), (3, 6, 1)]);
+        // A sequence's rows split by another's, a missing cache, a count mismatch.
+        assert!(seq_runs(Some(&[0, 1, 0]), 3, 2).unwrap_err().contains("not contiguous"));
+        assert!(seq_runs(Some(&[0, 3]), 2, 2).unwrap_err().contains("no cache"));
+        assert!(seq_runs(Some(&[0]), 2, 2).is_err());
+        assert!(seq_runs(None, 1, 0).is_err());
+    }
 
     #[test]
     fn a_value_is_released_after_its_last_reader() {

@@ -4,8 +4,9 @@
 //! Routes: `GET /` (chat UI), `GET /health`, `GET /metrics`,
 //! `GET /v1/models[/{id}]`, `POST /v1/chat/completions`, `POST /v1/completions`.
 //!
-//! One engine thread owns the model's sequence pool ([`crate::engine::BatchEngine`])
-//! and runs every active request's next tokens in one batched step
+//! One engine thread owns the model's sequence pool ([`crate::engine::BatchEngine`],
+//! on the CPU or on a GPU: [`Compute`]) and runs every active request's next
+//! tokens in one batched step
 //! ([`scheduler`]); HTTP handlers tokenize, validate, queue a job and relay its
 //! events as a JSON body or an SSE stream.
 //!
