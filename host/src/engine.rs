@@ -145,6 +145,9 @@ pub trait SeqBackend {
     fn snapshot(&self, s: &Self::State, n_past: usize) -> Result<Self::Snap, EngineError>;
     fn snap_pos(snap: &Self::Snap) -> usize;
     fn restore(&self, s: &mut Self::State, snap: &Self::Snap) -> Result<(), EngineError>;
+    /// Copy the first `n` cached positions of `from` into `to` (states
+    /// without a recurrent part: [`SeqBackend::has_recurrent`] false).
+    fn copy_prefix(&self, to: &mut Self::State, from: &Self::State, n: usize) -> Result<(), EngineError>;
     /// Whether rows of several sequences may share a step (else the engine
     /// runs one sequence a step).
     fn batches(&self) -> bool;
@@ -184,6 +187,9 @@ impl SeqBackend for CpuSeqs<'_> {
     }
     fn restore(&self, s: &mut SeqState, snap: &Snapshot) -> Result<(), EngineError> {
         s.restore(snap).map(|_| ()).map_err(EngineError::Forward)
+    }
+    fn copy_prefix(&self, to: &mut SeqState, from: &SeqState, n: usize) -> Result<(), EngineError> {
+        to.copy_prefix(from, n).map_err(EngineError::Forward)
     }
     fn batches(&self) -> bool {
         // A graph that reads a sequence's whole cache (an attention composed
@@ -274,7 +280,27 @@ impl<B: SeqBackend> BatchEngine<B> {
             .filter(|&i| !self.slots[i].in_use)
             // Longest reusable prefix first; among equals, the least recently used.
             .max_by_key(|&i| (self.reusable(i, common(&self.slots[i].history)), std::cmp::Reverse(self.slots[i].last_used)))?;
-        let keep = self.go_back(best, common(&self.slots[best].history));
+        let mut keep = self.go_back(best, common(&self.slots[best].history));
+        // A longer prefix cached in a sequence still running (requests that
+        // share a system prompt arriving together): copy its rows instead
+        // of computing them again. Recurrent states hold no prefix to copy.
+        if !B::has_recurrent(&self.states[best]) {
+            let donor = (0..self.slots.len()).filter(|&i| self.slots[i].in_use).map(|i| (common(&self.slots[i].history), i)).max();
+            if let Some((n, from)) = donor.filter(|&(n, _)| n > keep) {
+                let (to_s, from_s) = if best < from {
+                    let (a, b) = self.states.split_at_mut(from);
+                    (&mut a[best], &b[0])
+                } else {
+                    let (a, b) = self.states.split_at_mut(best);
+                    (&mut b[0], &a[from])
+                };
+                if self.backend.copy_prefix(to_s, from_s, n).is_ok() {
+                    self.slots[best].history = prompt[..n].to_vec();
+                    self.slots[best].checkpoint = None;
+                    keep = n;
+                }
+            }
+        }
         let slot = &mut self.slots[best];
         slot.in_use = true;
         self.clock += 1;

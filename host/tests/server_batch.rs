@@ -34,10 +34,12 @@ fn batched<B: SeqBackend>(be: &mut BatchEngine<B>, a: &[u32], b: &[u32], ta: &[u
     assert_eq!(ca, 0);
     // Step 1: A's prompt alone.
     let mut got_a = vec![be.step(&[BatchItem { seq: sa, tokens: a }]).unwrap().pop().unwrap()];
-    let (sb, _) = be.alloc(b).unwrap();
+    // B's prompt may share a prefix with A's (gemma's BOS): that much is
+    // copied from A's cache, the rest runs.
+    let (sb, cb) = be.alloc(b).unwrap();
     assert_ne!(sa, sb);
-    // Step 2: A decodes one token while B's whole prompt prefills (B first in the batch).
-    let out = be.step(&[BatchItem { seq: sb, tokens: b }, BatchItem { seq: sa, tokens: &ta[..1] }]).unwrap();
+    // Step 2: A decodes one token while B's prompt prefills (B first in the batch).
+    let out = be.step(&[BatchItem { seq: sb, tokens: &b[cb..] }, BatchItem { seq: sa, tokens: &ta[..1] }]).unwrap();
     assert_eq!(out.len(), 2);
     let mut got_b = vec![out[0].clone()];
     got_a.push(out[1].clone());
@@ -111,11 +113,13 @@ fn check_cuda_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
     let (tc, rc) = solo(model, &cpu, &c, 2);
     let mut be = BatchEngine::with_backend(CudaSeqs::new(model, &cm, None).unwrap(), 256, 3).unwrap();
     let (sa, _) = be.alloc(a).unwrap();
-    let (sb, _) = be.alloc(b).unwrap();
+    // Nothing cached yet to share: both prompts run whole.
+    let (sb, cb) = be.alloc(b).unwrap();
+    assert_eq!(cb, 0);
     let out = be.step(&[BatchItem { seq: sa, tokens: a }, BatchItem { seq: sb, tokens: b }]).unwrap();
     assert_rows_equal("two prompts in one CUDA step", &out, &[ra[0].clone(), rb[0].clone()]);
-    let (sc, _) = be.alloc(&c).unwrap();
-    let out = be.step(&[BatchItem { seq: sa, tokens: &ta[..1] }, BatchItem { seq: sc, tokens: &c }, BatchItem { seq: sb, tokens: &tb[..1] }]).unwrap();
+    let (sc, cc) = be.alloc(&c).unwrap();
+    let out = be.step(&[BatchItem { seq: sa, tokens: &ta[..1] }, BatchItem { seq: sc, tokens: &c[cc..] }, BatchItem { seq: sb, tokens: &tb[..1] }]).unwrap();
     assert_rows_equal("two decodes around a prompt in one CUDA step", &out, &[ra[1].clone(), rc[0].clone(), rb[1].clone()]);
     let out = be.step(&[BatchItem { seq: sc, tokens: &tc[..1] }]).unwrap();
     assert_rows_equal("a decode alone after the batch", &out, &rc[1..2]);
@@ -158,6 +162,51 @@ fn on_a_gpu_gemma3_batched_cuda_steps_equal_each_sequence_alone() {
     let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/parity/gemma3/model-f32.gguf");
     let model = Model::open(&p, "gemma3", pulsar_arch_gemma3::plugin_module()).unwrap();
     check_cuda_batched_equals_solo(&model, &[2, 81, 52, 29, 70, 56, 300, 12, 9], &[2, 92, 236]);
+}
+
+/// Two requests sharing a system prompt, the second arriving while the
+/// first still runs: the second's slot copies the first's cached rows of the
+/// shared prefix instead of computing them, and its logits are a solo run's.
+fn check_shared_prefix_copied<B: SeqBackend>(model: &Model, mut be: BatchEngine<B>) {
+    let cpu = CpuBackend::new(2).unwrap();
+    let system: Vec<u32> = "You are terse. Answer in one word.".bytes().map(u32::from).collect();
+    let (mut p1, mut p2) = (system.clone(), system.clone());
+    p1.extend("Hi?".bytes().map(u32::from));
+    p2.extend("Why?".bytes().map(u32::from));
+    let (s1, c1) = be.alloc(&p1).unwrap();
+    assert_eq!(c1, 0);
+    be.step(&[BatchItem { seq: s1, tokens: &p1 }]).unwrap();
+    be.step(&[BatchItem { seq: s1, tokens: &[7] }]).unwrap();
+    let (s2, c2) = be.alloc(&p2).unwrap();
+    assert_ne!(s1, s2);
+    assert_eq!(c2, system.len(), "the shared system prompt was not taken from the running sequence");
+    // The copy's rows and the donor's continue together, each as if alone.
+    let out = be.step(&[BatchItem { seq: s2, tokens: &p2[c2..] }, BatchItem { seq: s1, tokens: &[8] }]).unwrap();
+    let (_, r2) = solo(model, &cpu, &p2, 0);
+    let mut alone = Engine::new(model, &cpu, &MappedExperts, 256);
+    alone.forward(&p1, false).unwrap();
+    alone.forward(&[7], false).unwrap();
+    let r1 = alone.forward(&[8], false).unwrap().pop().unwrap();
+    assert_rows_equal("shared-prefix copies", &out, &[r2[0].clone(), r1]);
+}
+
+#[test]
+fn a_running_sequences_prefix_is_copied_for_a_request_that_shares_it() {
+    let model = common::tiny_model();
+    let cpu = CpuBackend::new(2).unwrap();
+    check_shared_prefix_copied(&model, BatchEngine::new(&model, &cpu, &MappedExperts, 256, 3));
+}
+
+#[test]
+fn on_a_gpu_a_running_sequences_prefix_is_copied_on_the_device() {
+    let Ok(dev) = pulsar_cuda::CudaDevice::open(0) else {
+        eprintln!("no CUDA device: the CUDA prefix copy check is skipped");
+        return;
+    };
+    let model = common::tiny_model();
+    let opts = LoadOptions { kv_bytes: 3 * CudaKv::bytes_for(&model, 256), lane_threads: Some(0), ..Default::default() };
+    let cm = CudaModel::load(dev, &model, &opts).unwrap();
+    check_shared_prefix_copied(&model, BatchEngine::with_backend(CudaSeqs::new(&model, &cm, None).unwrap(), 256, 3).unwrap());
 }
 
 #[test]

@@ -171,6 +171,31 @@ impl SeqState {
         }
     }
 
+    /// Copy the first `n` positions of every KV and rows cache of `from`
+    /// (a state of the same plan) into this one: the rows a prefix of the
+    /// same tokens would write. Refused for recurrent states, which hold
+    /// their whole history, not a prefix.
+    pub fn copy_prefix(&mut self, from: &SeqState, n: usize) -> Result<(), String> {
+        if self.has_recurrent() || self.slots.len() != from.slots.len() {
+            return Err("only the caches of the same plan without recurrent states copy a prefix".into());
+        }
+        if n > self.n_ctx.min(from.n_ctx) {
+            return Err(full(n - 1, self.n_ctx.min(from.n_ctx)));
+        }
+        for (dst, src) in self.slots.iter_mut().zip(&from.slots) {
+            match (dst, src) {
+                (Some(Slot::Kv(d)), Some(Slot::Kv(s))) if (d.kw, d.vw) == (s.kw, s.vw) => {
+                    d.k[..n * d.kw].copy_from_slice(&s.k[..n * s.kw]);
+                    d.v[..n * d.vw].copy_from_slice(&s.v[..n * s.vw]);
+                }
+                (Some(Slot::Rows(d)), Some(Slot::Rows(s))) if d.width == s.width => d.data[..n * d.width].copy_from_slice(&s.data[..n * s.width]),
+                (None, None) => {}
+                _ => return Err("the two states' slots differ".into()),
+            }
+        }
+        Ok(())
+    }
+
     /// The state after `n_past` positions, for [`SeqState::restore`]
     /// (speculative decoding: try tokens, go back).
     pub fn snapshot(&self, n_past: usize) -> Snapshot {
@@ -216,6 +241,24 @@ mod tests {
         assert!(s.recurrent_mut(2).is_ok() && s.recurrent_mut(1).is_err());
         let e = s.rows_mut(1).unwrap().write(8, &[0.0; 5]).unwrap_err();
         assert!(e.contains("--ctx"), "{e}");
+    }
+
+    #[test]
+    fn a_prefix_copies_kv_and_rows_and_never_a_recurrent_state() {
+        let p = plan(vec![StateSpec::kv(0, 1, 2, 2, 0), StateSpec::rows(0, 3)]);
+        let (mut a, mut b) = (SeqState::new(&p, 4), SeqState::new(&p, 4));
+        for pos in 0..4 {
+            let x = pos as f32;
+            a.layer_mut(0, 2, 2).unwrap().write(pos, &[x, x + 0.5], &[-x, -x - 0.5]).unwrap();
+            a.rows_mut(1).unwrap().write(pos, &[x; 3]).unwrap();
+        }
+        b.copy_prefix(&a, 3).unwrap();
+        assert_eq!(b.layer(0).unwrap().keys(4), &[0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 0.0, 0.0]);
+        assert_eq!(b.layer(0).unwrap().values(3), a.layer(0).unwrap().values(3));
+        assert_eq!(&b.rows_mut(1).unwrap().rows(4)[6..], &[2.0, 2.0, 2.0, 0.0, 0.0, 0.0]);
+        assert!(b.copy_prefix(&a, 5).unwrap_err().contains("--ctx"));
+        let r = plan(vec![StateSpec::kv(0, 1, 2, 2, 0), StateSpec::recurrent(0, &[3])]);
+        assert!(SeqState::new(&r, 4).copy_prefix(&SeqState::new(&r, 4), 1).is_err());
     }
 
     #[test]

@@ -63,6 +63,9 @@ impl SeqBackend for CudaSeqs<'_> {
     fn restore(&self, s: &mut CudaKv, snap: &CudaSnapshot) -> Result<(), EngineError> {
         s.restore(&self.run.cm.dev, snap)
     }
+    fn copy_prefix(&self, to: &mut CudaKv, from: &CudaKv, n: usize) -> Result<(), EngineError> {
+        to.copy_prefix(&self.run.cm.dev, from, n)
+    }
     fn batches(&self) -> bool {
         self.run.batches()
     }

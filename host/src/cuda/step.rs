@@ -155,6 +155,39 @@ impl CudaKv {
         Ok(())
     }
 
+    /// Copy the first `n` positions of every KV and rows cache of `from`
+    /// into these (on the compute stream, in order with the steps): what a
+    /// prefix of the same tokens would write. Refused for recurrent states.
+    pub fn copy_prefix(&mut self, dev: &pulsar_cuda::CudaDevice, from: &CudaKv, n: usize) -> Result<(), EngineError> {
+        let fail = |m: String| EngineError::Forward(format!("copying a cached prefix: {m}"));
+        if !self.recurrent.is_empty() || n > self.n_ctx.min(from.n_ctx) {
+            return Err(fail(format!("{n} positions of caches of {} and {} (or a recurrent state)", self.n_ctx, from.n_ctx)));
+        }
+        let mut copies = Vec::new();
+        for (i, (kw, vw, k, v)) in &self.layers {
+            let (skw, svw, sk, sv) = from.layers.get(i).ok_or_else(|| fail(format!("no state {i} to copy from")))?;
+            if (kw, vw) != (skw, svw) {
+                return Err(fail(format!("state {i}: widths differ")));
+            }
+            copies.push((k.device_ptr(), sk.device_ptr(), n * kw * 4));
+            copies.push((v.device_ptr(), sv.device_ptr(), n * vw * 4));
+        }
+        for (i, (w, b)) in &self.rows {
+            let (sw, sb) = from.rows.get(i).ok_or_else(|| fail(format!("no state {i} to copy from")))?;
+            if w != sw {
+                return Err(fail(format!("state {i}: widths differ")));
+            }
+            copies.push((b.device_ptr(), sb.device_ptr(), n * w * 4));
+        }
+        dev.context().bind_to_thread().map_err(|e| fail(e.to_string()))?;
+        for (dst, src, bytes) in copies.into_iter().filter(|c| c.2 > 0) {
+            // SAFETY: both ranges are the first `n` rows of live caches of
+            // at least `n` rows (checked above).
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, dev.compute().cu_stream()) }.map_err(|e| fail(e.to_string()))?;
+        }
+        Ok(())
+    }
+
     /// An identity for the caches (the lowest address among their buffers,
     /// which no other live allocation shares).
     pub fn id(&self) -> u64 {
