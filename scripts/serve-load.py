@@ -123,9 +123,9 @@ def level(t, n, tokens, rounds):
         raise RuntimeError("; ".join(errors[:3]))
     gen = sum(counts)
     steps = after["steps_total"] - before["steps_total"]
-    rows = None
-    if "step_rows_total" in after:
-        rows = (after["step_rows_total"] - before["step_rows_total"]) / max(steps, 1)
+    # /metrics gives the mean over the server's life: this level's rows are
+    # the difference of the running totals.
+    rows = (after["mean_rows_per_step"] * after["steps_total"] - before["mean_rows_per_step"] * before["steps_total"]) / max(steps, 1)
     eb = (expert_bytes(after) or 0) - (expert_bytes(before) or 0) if expert_bytes(after) is not None else None
     return {
         "streams": n,
@@ -134,7 +134,7 @@ def level(t, n, tokens, rounds):
         "aggregate_tok_s": gen / wall if wall > 0 else 0.0,
         "mean_ttft_ms": 1e3 * sum(ttfts) / max(len(ttfts), 1),
         "steps": steps,
-        "mean_rows_per_step": rows if rows is not None else after.get("mean_rows_per_step"),
+        "mean_rows_per_step": rows,
         "expert_bytes_per_token": (eb / gen) if (eb is not None and gen) else None,
     }
 
@@ -161,8 +161,7 @@ def main():
             sys.exit(1)
         rows.append(r)
         eb = "n/a" if r["expert_bytes_per_token"] is None else f"{r['expert_bytes_per_token'] / 2**20:.1f}"
-        mr = r["mean_rows_per_step"]
-        print(f"| {n} | {r['generated']} | {r['aggregate_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} | {mr if mr is None else round(mr, 1)} | {eb} |", flush=True)
+        print(f"| {n} | {r['generated']} | {r['aggregate_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} | {r['mean_rows_per_step']:.1f} | {eb} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -25,6 +25,18 @@ pub enum EngineError {
     DuplicateSeq(u32),
 }
 
+/// A step of `n` tokens after `n_past` cached ones: refused when empty or
+/// past the context.
+pub(crate) fn check_room(n: usize, n_past: usize, n_ctx: usize) -> Result<(), EngineError> {
+    if n == 0 {
+        return Err(EngineError::Empty);
+    }
+    if n_past + n > n_ctx {
+        return Err(EngineError::ContextFull { need: n_past + n, n_ctx });
+    }
+    Ok(())
+}
+
 pub struct Engine<'m> {
     pub model: &'m Model,
     pub cpu: &'m CpuBackend,
@@ -83,12 +95,7 @@ impl<'m> Engine<'m> {
     /// Run `tokens` after the cached ones. Returns the logits of every token
     /// (`all`) or of the last only, one `Vec` per row.
     pub fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
-        if tokens.is_empty() {
-            return Err(EngineError::Empty);
-        }
-        if self.n_past + tokens.len() > self.n_ctx() {
-            return Err(EngineError::ContextFull { need: self.n_past + tokens.len(), n_ctx: self.n_ctx() });
-        }
+        check_room(tokens.len(), self.n_past, self.n_ctx())?;
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.max(1)).collect();
         let last_chunk = chunks.len() - 1;

@@ -131,6 +131,21 @@ impl GpuArgs {
     }
 }
 
+/// Save the expert census beside the model once nothing runs it: the GPU
+/// pool's when the model ran on one, else the host store's.
+pub fn save_census(cuda: Option<&crate::cuda::CudaModel>, store: Option<&crate::experts::StoreExperts>, path: &std::path::Path, model: &Model) {
+    let saved = match (cuda, store) {
+        (Some(cm), _) => cm.save_census(path, model),
+        (None, Some(st)) => st.save_census(path, model).map(Some),
+        (None, None) => Ok(None),
+    };
+    match saved {
+        Ok(Some(p)) => tracing::info!("census saved to {}", p.display()),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("could not save the census: {e:#}"),
+    }
+}
+
 /// A context longer than the model was trained on runs, but the positions
 /// past it are out of distribution (text degrades): say so once.
 pub fn warn_past_trained_ctx(model: &Model, n_ctx: usize) {

@@ -305,21 +305,10 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
             eprintln!("vram expert pool: {}", serde_json::to_string(&p)?);
         }
     }
-    if let Some(cm) = &cuda_model {
-        match cm.save_census(&model_path, &model) {
-            Ok(Some(p)) => tracing::info!("census saved to {}", p.display()),
-            Ok(None) => {}
-            Err(e) => tracing::warn!("could not save the census: {e:#}"),
-        }
-    } else if let Some(st) = &store {
-        if a.stats {
-            eprintln!("{}", stats_line(&st.store.stats()));
-        }
-        match st.save_census(&model_path, &model) {
-            Ok(p) => tracing::info!("census saved to {}", p.display()),
-            Err(e) => tracing::warn!("could not save the census: {e:#}"),
-        }
+    if let (None, Some(st), true) = (&cuda_model, &store, a.stats) {
+        eprintln!("{}", stats_line(&st.store.stats()));
     }
+    super::save_census(cuda_model.as_ref(), store.as_ref(), &model_path, &model);
     Ok(code)
 }
 

@@ -367,20 +367,7 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
             if opts.api_key.is_some() { ", API key required" } else { "" }
         );
         // Save the expert census like the CLI does, once nothing runs the model.
-        let on_shutdown: server::ShutdownHook = Box::new(move || {
-            if let Some(cm) = &cuda {
-                match cm.save_census(&model_path, &model) {
-                    Ok(Some(p)) => tracing::info!("census saved to {}", p.display()),
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!("could not save the census: {e:#}"),
-                }
-            } else if let Some(s) = &store {
-                match s.save_census(&model_path, &model) {
-                    Ok(p) => tracing::info!("census saved to {}", p.display()),
-                    Err(e) => tracing::warn!("could not save the census: {e:#}"),
-                }
-            }
-        });
+        let on_shutdown: server::ShutdownHook = Box::new(move || super::save_census(cuda.as_deref(), store.as_deref(), &model_path, &model));
         server::serve(listener, backend, opts, shutdown_signal(), Some(on_shutdown)).await
     })?;
     Ok(ExitCode::SUCCESS)

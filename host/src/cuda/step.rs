@@ -583,12 +583,7 @@ impl<'m> CudaEngine<'m> {
     }
 
     pub fn forward(&mut self, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
-        if tokens.is_empty() {
-            return Err(EngineError::Empty);
-        }
-        if self.n_past + tokens.len() > self.n_ctx() {
-            return Err(EngineError::ContextFull { need: self.n_past + tokens.len(), n_ctx: self.n_ctx() });
-        }
+        crate::engine::check_room(tokens.len(), self.n_past, self.n_ctx())?;
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(self.ubatch.clamp(1, self.run.cm.max_chunk)).collect();
         let last = chunks.len() - 1;
