@@ -12,6 +12,9 @@ use crate::graph::{Gating, MoeSpec};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Val, Wt};
 
+/// Most rows a MoE op on resident experts runs pair by pair (see do_moe).
+const PAIR_ROWS_MAX: usize = 16;
+
 fn cgating(g: Gating) -> CGating {
     match g {
         Gating::Softmax => CGating::Softmax,
@@ -59,13 +62,17 @@ impl<'a> CudaStep<'a> {
         if float != (dfmt == ActFormat::F32) || (float && gate_ty != down_ty) {
             return Err(format!("moe layer {}: CUDA expert kernels need one float format or two quantized ones, not {gate_ty}/{down_ty}", spec.layer));
         }
-        // Prefill chunks of quantized experts go expert by expert (each weight
-        // read once per tile of its tokens); decode goes pair by pair.
-        let grouped = rows > 1 && !float;
         let resident: Option<[&DeviceBuf<u64>; 3]> = match widx.map(|i| cm.expert_tables.get(&i)) {
             [Some(g), Some(u), Some(d)] => Some([g, u, d]),
             _ => None,
         };
+        // Prefill chunks of quantized experts go expert by expert (each weight
+        // read once per tile of its tokens); decode goes pair by pair. So do
+        // a few rows on resident experts (a batched decode step of several
+        // sequences, a short prompt): grouping needs the routing on the host,
+        // three stream syncs a layer that cost more than the pairs' repeated
+        // weight reads. Both paths sum in the GEMV's order: the same bits.
+        let grouped = rows > 1 && !float && !(resident.is_some() && rows <= PAIR_ROWS_MAX);
         let mut pbufs = Vec::with_capacity(3);
         for _ in 0..3 {
             pbufs.push(self.pools.u64.take(dev, n_pairs).map_err(err)?);
