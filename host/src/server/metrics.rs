@@ -1,6 +1,7 @@
 //! Server counters for `GET /metrics`: Prometheus text, or JSON when asked.
 //!
-//! Expert-store tier hit rates are not measured here: the server asks
+//! Expert-store tier hit rates (and, on a GPU, the VRAM expert pool's
+//! counters under `gpu_pool`) are not measured here: the server asks
 //! [`Backend::tier_stats`](super::Backend::tier_stats) for them. Until the
 //! store is wired in that is `None`, and the field is `null` in JSON and a
 //! comment in Prometheus text (no made-up numbers).
@@ -169,6 +170,32 @@ impl Snapshot {
             }
             None => s.push_str("# pulsar_expert_tier_hit_rate: not measured (no expert store is wired to the server yet)\n"),
         }
+        // On a GPU with streamed experts: the VRAM pool's counters (hits,
+        // uploads, zero-copy and CPU-lane bytes, ...), one gauge each.
+        if let Some(pool) = self.expert_tier_hit_rates.as_ref().and_then(|v| v.get("gpu_pool")).and_then(|p| p.as_object()) {
+            s.push_str("# HELP pulsar_gpu_expert_pool The VRAM expert pool's counters since start, by field.\n# TYPE pulsar_gpu_expert_pool gauge\n");
+            for (field, v) in pool {
+                if let Some(x) = v.as_f64() {
+                    s.push_str(&format!("pulsar_gpu_expert_pool{{field=\"{field}\"}} {x}\n"));
+                }
+            }
+        }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_lists_the_tiers_and_the_gpu_pool_counters() {
+        let stats: TierStats = Arc::new(|| serde_json::json!({"host": 0.25, "disk": 0.75, "gpu_pool": {"uploaded_bytes": 1024, "hits": 7, "slots": 3}}));
+        let text = Metrics::new(Some(stats)).snapshot().prometheus();
+        assert!(text.contains("pulsar_expert_tier_hit_rate{tier=\"disk\"} 0.75"), "{text}");
+        assert!(text.contains("pulsar_gpu_expert_pool{field=\"uploaded_bytes\"} 1024"), "{text}");
+        assert!(text.contains("pulsar_gpu_expert_pool{field=\"hits\"} 7"), "{text}");
+        let none = Metrics::new(None).snapshot().prometheus();
+        assert!(none.contains("not measured") && !none.contains("gpu_expert_pool"), "{none}");
     }
 }
