@@ -12,8 +12,10 @@ use crate::graph::{Gating, MoeSpec};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Val, Wt};
 
-/// Most rows a MoE op on resident experts runs pair by pair (see do_moe).
-const PAIR_ROWS_MAX: usize = 16;
+/// Most rows a MoE op on resident experts runs pair by pair (see do_moe):
+/// measured on the 48-layer q2_K twin, 4 and 8 rows prefill 21% faster pair
+/// by pair, while 16-row decode steps of 16 sequences served slower than grouped.
+const PAIR_ROWS_MAX: usize = 8;
 
 fn cgating(g: Gating) -> CGating {
     match g {
