@@ -287,6 +287,27 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     Ok(())
 }
 
+/// `q4_0` / `q5_0` rows rewritten as `q8_0` rows of the same values: each
+/// block's f16 `d` copied and its levels stored as signed bytes. The q8_0
+/// dot of the copy is the source's dot bit for bit (the same integer sum
+/// `s = sum(q y)` and the same `d_w * d_x * s`), so a prefill tile can be
+/// decoded once and dotted by every token of the chunk with the faster
+/// q8_0 kernel. Returns false (and writes nothing) for any other type.
+pub(crate) fn levels_as_q8_0(ty: GgmlType, src: &[u8], dst: &mut Vec<u8>) -> bool {
+    let (bytes, levels): (usize, fn(&[u8]) -> [i8; 32]) = match ty {
+        GgmlType::Q4_0 => (q4_0::BYTES, q4_0::levels),
+        GgmlType::Q5_0 => (q5_0::BYTES, q5_0::levels),
+        _ => return false,
+    };
+    dst.clear();
+    dst.reserve(src.len() / bytes * q8_0::BYTES);
+    for b in src.chunks_exact(bytes) {
+        dst.extend_from_slice(&b[..2]);
+        dst.extend(levels(b).iter().map(|&q| q as u8));
+    }
+    true
+}
+
 impl Kernels {
     /// The dot product of one weight row of type `ty` with one activation row.
     /// `x` must be in the format [`ActFormat::for_weight`] gives for `ty`, and

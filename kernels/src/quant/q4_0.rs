@@ -9,7 +9,7 @@ pub(crate) const BYTES: usize = 18;
 
 /// The 32 signed 4-bit levels of one block, in value order.
 #[inline(always)]
-fn levels(b: &[u8]) -> [i8; QK] {
+pub(crate) fn levels(b: &[u8]) -> [i8; QK] {
     let mut q = [0i8; QK];
     for j in 0..16 {
         q[j] = (b[2 + j] & 0x0f) as i8 - 8;

@@ -8,7 +8,7 @@ pub(crate) const QK: usize = 32;
 pub(crate) const BYTES: usize = 22;
 
 #[inline(always)]
-fn levels(b: &[u8]) -> [i8; QK] {
+pub(crate) fn levels(b: &[u8]) -> [i8; QK] {
     let qh = rd_u32(b, 2);
     let mut q = [0i8; QK];
     for j in 0..16 {
