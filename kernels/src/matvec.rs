@@ -220,7 +220,7 @@ impl Kernels {
             // once to q8_0 for the chunk's tokens: the same bits, and the q8_0
             // rows kernel skips the per-token nibble and high-bit unpacking.
             let mut q8 = Vec::new();
-            let (ty, tile) = if n >= GEMM_MIN_TOKENS && crate::quant::levels_as_q8_0(w.ty(), tile, &mut q8) {
+            let (ty, tile) = if n >= GEMM_MIN_TOKENS && crate::quant::levels_as_q8_0(self, w.ty(), tile, &mut q8) {
                 (GgmlType::Q8_0, &q8[..])
             } else {
                 (w.ty(), tile)
