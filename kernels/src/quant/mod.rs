@@ -294,7 +294,8 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
 /// decoded once and dotted by every token of the chunk with the faster
 /// q8_0 kernel. Returns false (and writes nothing) for any other type.
 pub(crate) fn levels_as_q8_0(k: &Kernels, ty: GgmlType, src: &[u8], dst: &mut Vec<u8>) -> bool {
-    let (bytes, levels): (usize, fn(&[u8]) -> [i8; 32]) = match ty {
+    type Levels = fn(&[u8]) -> [i8; 32];
+    let (bytes, levels): (usize, Levels) = match ty {
         GgmlType::Q4_0 => (q4_0::BYTES, q4_0::levels),
         GgmlType::Q5_0 => (q5_0::BYTES, q5_0::levels),
         _ => return false,
