@@ -216,9 +216,18 @@ impl Kernels {
                 }
                 return;
             }
+            // Without a repacking GEMM (AVX2), q4_0 / q5_0 tiles are decoded
+            // once to q8_0 for the chunk's tokens: the same bits, and the q8_0
+            // rows kernel skips the per-token nibble and high-bit unpacking.
+            let mut q8 = Vec::new();
+            let (ty, tile) = if n >= GEMM_MIN_TOKENS && crate::quant::levels_as_q8_0(self, w.ty(), tile, &mut q8) {
+                (GgmlType::Q8_0, &q8[..])
+            } else {
+                (w.ty(), tile)
+            };
             for (t, out) in outs.iter_mut().enumerate() {
                 let xr = x.row(t).expect("t < n");
-                self.dot_rows_checked(w.ty(), tile, xr, out);
+                self.dot_rows_checked(ty, tile, xr, out);
             }
         };
 

@@ -112,6 +112,9 @@ fn dot_rows_seeded_sweep_for_the_multi_row_kernels() {
             GgmlType::Q4_K,
             GgmlType::Q4_0,
             GgmlType::Q5_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_1,
+            GgmlType::Q6_K,
         ] {
             let be = ty.block_elems() as usize;
             for seed in 0..40u64 {

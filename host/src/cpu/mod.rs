@@ -51,19 +51,33 @@ pub struct Mat {
 /// `wt`'s matrix (one expert's, for a 3-D expert tensor) in `bytes`. Callable
 /// from inside the pool: its tasks then join the running job.
 pub(crate) fn linear(cpu: &CpuBackend, wt: &Weight, bytes: &[u8], x: &[f32], cols: usize) -> R<Mat> {
-    let (n_in, n_out) = match wt.dims.as_slice() {
-        [i, o] => (*i as usize, *o as usize),
-        [i, o, _] => (*i as usize, *o as usize),
+    let n_in = match wt.dims.as_slice() {
+        [i, _] | [i, _, _] => *i as usize,
         d => return Err(format!("{}: not a matrix {d:?}", wt.name)),
     };
     if cols != n_in {
         return Err(format!("linear {}: input width {cols} but weight takes {n_in}", wt.name));
     }
-    let rows = x.len() / n_in.max(1);
-    let wm = WeightMatrix::new(wt.ty, bytes, n_out, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
     let acts = Activations::for_weight(wt.ty, x, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
+    linear_acts(cpu, wt, bytes, &acts)
+}
+
+/// [`linear`] of activations already in the form `wt` dots against (the
+/// experts of one MoE layer share them: one quantization, not one per
+/// expert and projection).
+pub(crate) fn linear_acts(cpu: &CpuBackend, wt: &Weight, bytes: &[u8], acts: &Activations) -> R<Mat> {
+    let (n_in, n_out) = match wt.dims.as_slice() {
+        [i, o] => (*i as usize, *o as usize),
+        [i, o, _] => (*i as usize, *o as usize),
+        d => return Err(format!("{}: not a matrix {d:?}", wt.name)),
+    };
+    if acts.cols() != n_in {
+        return Err(format!("linear {}: input width {} but weight takes {n_in}", wt.name, acts.cols()));
+    }
+    let rows = acts.rows();
+    let wm = WeightMatrix::new(wt.ty, bytes, n_out, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
     let mut y = vec![0f32; rows * n_out];
-    cpu.kernels.matmul(&cpu.pool, &wm, &acts, &mut y).map_err(|e| format!("{}: {e}", wt.name))?;
+    cpu.kernels.matmul(&cpu.pool, &wm, acts, &mut y).map_err(|e| format!("{}: {e}", wt.name))?;
     Ok(Mat { rows, cols: n_out, data: y })
 }
 

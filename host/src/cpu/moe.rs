@@ -2,13 +2,13 @@
 //! routed to it, summed per token in selection order (so the result does not
 //! depend on batching or on where the expert bytes came from).
 
-use pulsar_kernels::ops;
+use pulsar_kernels::{ops, ActFormat, Activations};
 use pulsar_plugin_api::graph::Experts;
 use pulsar_store::{Selection, SlabKind};
 
 use rayon::prelude::*;
 
-use super::{act_of, linear, CpuStep, Mat, Tensor, R};
+use super::{act_of, linear, linear_acts, CpuStep, Mat, Tensor, R};
 use crate::graph::{moe::route, StepPlan};
 use crate::model::{Model, Weight};
 
@@ -120,14 +120,31 @@ pub(super) fn run_experts(step: &CpuStep<'_>, plan: &StepPlan, x: &Tensor, ids: 
             .iter()
             .map(|&e| Ok((e, [slabs.slab(gate_w, e)?, slabs.slab(up_w, e)?, slabs.slab(down_w, e)?])))
             .collect::<R<Vec<_>>>()?;
+        // Gate and up dot against the same quantized rows (when their types
+        // pair with one activation format); a one-row step's experts all
+        // share the layer's one row, quantized once for all of them.
+        let fmt = ActFormat::for_weight(gate_w.ty).filter(|&f| ActFormat::for_weight(up_w.ty) == Some(f));
+        let shared = match fmt {
+            Some(f) if rows == 1 => Some(Activations::quantize(f, xd, n_embd).map_err(|e| format!("{}: {e}", gate_w.name))?),
+            _ => None,
+        };
         let ffn = |&(e, [g, u, d]): &(u32, [SlabBytes<'_>; 3])| -> R<Vec<f32>> {
             let routed = &by_expert[e as usize];
-            let mut xe = Vec::with_capacity(routed.len() * n_embd);
-            for &(r, _) in routed {
-                xe.extend_from_slice(&xd[r * n_embd..(r + 1) * n_embd]);
-            }
-            let mut h = linear(cpu, gate_w, g, &xe, n_embd)?;
-            let up = linear(cpu, up_w, u, &xe, n_embd)?;
+            let (mut h, up) = if let Some(a) = &shared {
+                (linear_acts(cpu, gate_w, g, a)?, linear_acts(cpu, up_w, u, a)?)
+            } else {
+                let mut xe = Vec::with_capacity(routed.len() * n_embd);
+                for &(r, _) in routed {
+                    xe.extend_from_slice(&xd[r * n_embd..(r + 1) * n_embd]);
+                }
+                match fmt {
+                    Some(f) => {
+                        let a = Activations::quantize(f, &xe, n_embd).map_err(|e| format!("{}: {e}", gate_w.name))?;
+                        (linear_acts(cpu, gate_w, g, &a)?, linear_acts(cpu, up_w, u, &a)?)
+                    }
+                    None => (linear(cpu, gate_w, g, &xe, n_embd)?, linear(cpu, up_w, u, &xe, n_embd)?),
+                }
+            };
             ops::glu_rows(&mut h.data, &up.data, act);
             let y = linear(cpu, down_w, d, &h.data, h.cols)?;
             if y.cols != n_embd {

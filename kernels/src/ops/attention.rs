@@ -18,23 +18,33 @@ pub struct AttnParams {
 }
 
 /// The attention's float loops at the widest level this CPU has (the same
-/// bits at every level: see `float_dot::dot_f32_avx512`).
+/// bits at every level: see `float_dot::dot_f32_avx512`): 2 = AVX-512,
+/// 1 = AVX2, 0 = portable.
 #[derive(Clone, Copy)]
-struct Wide(bool);
+struct Wide(u8);
 
 impl Wide {
     fn detect() -> Wide {
         #[cfg(target_arch = "x86_64")]
-        return Wide(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2"));
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            if avx2 && is_x86_feature_detected!("avx512f") {
+                return Wide(2);
+            }
+            Wide(avx2 as u8)
+        }
         #[cfg(not(target_arch = "x86_64"))]
-        Wide(false)
+        Wide(0)
     }
     #[inline(always)]
     fn dot(self, a: &[f32], b: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
-        if self.0 {
+        match self.0 {
             // SAFETY: detect() saw AVX-512 F and AVX2.
-            return unsafe { crate::quant::float_dot::dot_f32_avx512(a, b) };
+            2 => return unsafe { crate::quant::float_dot::dot_f32_avx512(a, b) },
+            // SAFETY: detect() saw AVX2, FMA and F16C.
+            1 => return unsafe { crate::quant::float_dot::dot_f32_avx2(a, b) },
+            _ => {}
         }
         crate::quant::float_dot::dot_f32(a, b)
     }
@@ -42,9 +52,12 @@ impl Wide {
     #[inline(always)]
     fn axpy(self, y: &mut [f32], w: f32, x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
-        if self.0 {
+        match self.0 {
             // SAFETY: detect() saw AVX-512 F.
-            return unsafe { crate::quant::float_dot::axpy_avx512(y, w, x) };
+            2 => return unsafe { crate::quant::float_dot::axpy_avx512(y, w, x) },
+            // SAFETY: detect() saw AVX2.
+            1 => return unsafe { crate::quant::float_dot::axpy_avx2(y, w, x) },
+            _ => {}
         }
         y.iter_mut().zip(x).for_each(|(a, &b)| *a += w * b);
     }

@@ -85,3 +85,118 @@ unsafe fn group<F: Block32, D: U8I8Dot>(w: &[u8], x: &[u8], i0: usize, n: usize,
         add_lanes(acc, v, n)
     }
 }
+
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, four rows
+/// at a time, bit for bit: the activation scales (and, with mins, the
+/// activation sums) are formed once for the four rows, and the block values
+/// of the four rows are transposed so the per-row accumulators take them in
+/// block order as the lanes of one vector, instead of one row's serial chain
+/// of scalar adds after another.
+///
+/// # Safety
+/// As [`dot`], with `w` holding `out.len()` rows of `x.len() / q8_0::BYTES` blocks.
+#[inline(always)]
+pub(crate) unsafe fn dot_rows<F: Block32, D: U8I8Dot>(w: &[u8], x: &[u8], out: &mut [f32]) {
+    let rb = x.len() / q8_0::BYTES * F::BYTES;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    let mut r = 0;
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe {
+        while r + 4 <= out.len() {
+            rows::<F, D, 4>(w, r * rb, rb, x, &mut out[r..r + 4]);
+            r += 4;
+        }
+        match out.len() - r {
+            3 => rows::<F, D, 3>(w, r * rb, rb, x, &mut out[r..]),
+            2 => rows::<F, D, 2>(w, r * rb, rb, x, &mut out[r..]),
+            1 => rows::<F, D, 1>(w, r * rb, rb, x, &mut out[r..]),
+            _ => {}
+        }
+    }
+}
+
+/// `R <= 4` rows from byte `o0` of `w`, `rb` bytes each.
+#[inline(always)]
+unsafe fn rows<F: Block32, D: U8I8Dot, const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    let nb = rb / F::BYTES;
+    let mut i = 0;
+    // SAFETY: groups cover blocks 0..nb of each row, each at most 8 blocks.
+    unsafe {
+        let mut acc = _mm_setzero_ps();
+        while i + 8 <= nb {
+            acc = rows_group::<F, D, R>(w, o0, rb, x, i, 8, acc);
+            i += 8;
+        }
+        if i < nb {
+            acc = rows_group::<F, D, R>(w, o0, rb, x, i, nb - i, acc);
+        }
+        store_lanes(acc, out);
+    }
+}
+
+/// Blocks `i0..i0 + n` (`1 <= n <= 8`) of `R <= 4` rows added to `acc`
+/// (lane r: row r) in block order.
+#[inline(always)]
+unsafe fn rows_group<F: Block32, D: U8I8Dot, const R: usize>(
+    w: &[u8],
+    o0: usize,
+    rb: usize,
+    x: &[u8],
+    i0: usize,
+    n: usize,
+    acc: __m128,
+) -> __m128 {
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        let ox = i0 * q8_0::BYTES;
+        let dx = f16x8_strided(x, ox, q8_0::BYTES, n);
+        let mut syf = _mm256_setzero_ps();
+        if F::MINS {
+            let ones = _mm256_set1_epi8(1);
+            let mut sy = [zero; 8];
+            for (k, s) in sy.iter_mut().enumerate().take(n) {
+                *s = D::dpbusd(zero, ones, load256(x, ox + k * q8_0::BYTES + 2));
+            }
+            syf = _mm256_cvtepi32_ps(hsum8_i32(&sy));
+        }
+        if R == 4 {
+            // The four rows' next blocks, to L2 (as the AVX-512 row kernels).
+            prefetch_lines::<false>(w, o0 + prefetch_ahead(rb) + i0 * 4 * F::BYTES, (32 * F::BYTES).div_ceil(64) + 1);
+        }
+        let mut v = [_mm256_setzero_ps(); 4];
+        for (r, vr) in v.iter_mut().enumerate().take(R) {
+            let ow = o0 + r * rb + i0 * F::BYTES;
+            let mut s = [zero; 8];
+            for (k, sk) in s.iter_mut().enumerate().take(n) {
+                *sk = F::ints::<D>(w, ow + k * F::BYTES, load256(x, ox + k * q8_0::BYTES + 2));
+            }
+            // The block values exactly as `group` forms them.
+            let d = _mm256_mul_ps(f16x8_strided(w, ow, F::BYTES, n), dx);
+            *vr = _mm256_mul_ps(d, _mm256_cvtepi32_ps(hsum8_i32(&s)));
+            if F::MINS {
+                let m = _mm256_mul_ps(f16x8_strided(w, ow + 2, F::BYTES, n), dx);
+                *vr = _mm256_add_ps(*vr, _mm256_mul_ps(m, syf));
+            }
+        }
+        // Transpose: `b[k]` holds block k (low half) and block k + 4 (high
+        // half) of rows 0-3 as lanes 0-3.
+        let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+        let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+        let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        let b = [
+            _mm256_shuffle_ps::<0x44>(t0, t2),
+            _mm256_shuffle_ps::<0xEE>(t0, t2),
+            _mm256_shuffle_ps::<0x44>(t1, t3),
+            _mm256_shuffle_ps::<0xEE>(t1, t3),
+        ];
+        let mut acc = acc;
+        for k in 0..n.min(4) {
+            acc = _mm_add_ps(acc, _mm256_castps256_ps128(b[k]));
+        }
+        for k in 4..n {
+            acc = _mm_add_ps(acc, _mm256_extractf128_ps::<1>(b[k - 4]));
+        }
+        acc
+    }
+}

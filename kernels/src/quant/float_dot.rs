@@ -164,6 +164,49 @@ pub(crate) unsafe fn dot_avx2(
     }
 }
 
+/// [`dot_f32`] with AVX2 (for the attention's scores on CPUs without
+/// AVX-512): the canonical order through [`dot_avx2`]; `b[i] * a[i]` rounds
+/// as `a[i] * b[i]` does. Same bits.
+///
+/// # Safety
+/// AVX2 + FMA + F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    assert_eq!(a.len(), b.len());
+    let pb = b.as_ptr();
+    // SAFETY: `dot_avx2` loads only full chunks of eight inside `a` and `b`.
+    unsafe { dot_avx2(a, |i| _mm256_loadu_ps(pb.add(i)), |i| b[i]) }
+}
+
+/// `y[i] += w * x[i]` (the product rounded, then the add), AVX2 wide; the
+/// tail as the scalar loop does it.
+///
+/// # Safety
+/// AVX2; `x.len() == y.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn axpy_avx2(y: &mut [f32], w: f32, x: &[f32]) {
+    use std::arch::x86_64::*;
+    assert_eq!(x.len(), y.len());
+    let n = x.len();
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: every vector access is a full chunk of eight inside x and y.
+    unsafe {
+        let wv = _mm256_set1_ps(w);
+        while i + 8 <= n {
+            let p = _mm256_mul_ps(wv, _mm256_loadu_ps(px.add(i)));
+            _mm256_storeu_ps(py.add(i), _mm256_add_ps(_mm256_loadu_ps(py.add(i)), p));
+            i += 8;
+        }
+    }
+    for j in i..n {
+        y[j] += w * x[j];
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod wide_tests {
     use super::*;
@@ -190,5 +233,28 @@ mod wide_tests {
         let a = [-0.0f32; 40];
         let b = [1.0f32; 40];
         assert_eq!(unsafe { dot_f32_avx512(&a, &b) }.to_bits(), dot_f32(&a, &b).to_bits());
+    }
+
+    #[test]
+    fn avx2_dot_and_axpy_give_the_scalar_bits() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            return;
+        }
+        let f = |i: usize| ((i * 7919 + 13) % 201) as f32 / 37.0 - 2.7;
+        for n in 0..140 {
+            let a: Vec<f32> = (0..n).map(f).collect();
+            let b: Vec<f32> = (0..n).map(|i| f(i + 61) * 1e-3).collect();
+            // SAFETY: the features were checked above.
+            let got = unsafe { dot_f32_avx2(&a, &b) };
+            assert_eq!(got.to_bits(), dot_f32(&a, &b).to_bits(), "n={n}");
+            let mut y: Vec<f32> = (0..n).map(|i| f(i + 5)).collect();
+            let mut want = y.clone();
+            want.iter_mut().zip(&a).for_each(|(y, &x)| *y += 0.37 * x);
+            unsafe { axpy_avx2(&mut y, 0.37, &a) };
+            assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "axpy n={n}");
+        }
+        let a = [-0.0f32; 40];
+        let b = [1.0f32; 40];
+        assert_eq!(unsafe { dot_f32_avx2(&a, &b) }.to_bits(), dot_f32(&a, &b).to_bits());
     }
 }

@@ -287,6 +287,44 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     Ok(())
 }
 
+/// `q4_0` / `q5_0` rows rewritten as `q8_0` rows of the same values: each
+/// block's f16 `d` copied and its levels stored as signed bytes. The q8_0
+/// dot of the copy is the source's dot bit for bit (the same integer sum
+/// `s = sum(q y)` and the same `d_w * d_x * s`), so a prefill tile can be
+/// decoded once and dotted by every token of the chunk with the faster
+/// q8_0 kernel. Returns false (and writes nothing) for any other type.
+pub(crate) fn levels_as_q8_0(k: &Kernels, ty: GgmlType, src: &[u8], dst: &mut Vec<u8>) -> bool {
+    type Levels = fn(&[u8]) -> [i8; 32];
+    let (bytes, levels): (usize, Levels) = match ty {
+        GgmlType::Q4_0 => (q4_0::BYTES, q4_0::levels),
+        GgmlType::Q5_0 => (q5_0::BYTES, q5_0::levels),
+        _ => return false,
+    };
+    let nb = src.len() / bytes;
+    dst.clear();
+    dst.resize(nb * q8_0::BYTES, 0);
+    #[cfg(target_arch = "x86_64")]
+    if k.isa() >= Isa::Avx2 {
+        // SAFETY: a Kernels at Avx2 or above exists only on a CPU with AVX2,
+        // FMA and F16C; `dst` holds nb q8_0 blocks.
+        unsafe {
+            match ty {
+                GgmlType::Q4_0 => q4_0::to_q8_0_avx2(src, dst),
+                _ => q5_0::to_q8_0_avx2(src, dst),
+            }
+        }
+        return true;
+    }
+    let _ = k;
+    for (b, d) in src.chunks_exact(bytes).zip(dst.chunks_exact_mut(q8_0::BYTES)) {
+        d[..2].copy_from_slice(&b[..2]);
+        for (o, q) in d[2..].iter_mut().zip(levels(b)) {
+            *o = q as u8;
+        }
+    }
+    true
+}
+
 impl Kernels {
     /// The dot product of one weight row of type `ty` with one activation row.
     /// `x` must be in the format [`ActFormat::for_weight`] gives for `ty`, and

@@ -288,6 +288,109 @@ unsafe fn rows_avx512<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], 
     }
 }
 
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, bit for
+/// bit, four rows at a time with AVX2 (the machines without AVX-512): each
+/// superblock's activations and pair sums are read once for the four rows,
+/// the scales and mins unpacked with vector shifts instead of per-byte
+/// scalar code, the integer sums of the four rows reduced together, and the
+/// scalar's float expression formed with rows as vector lanes.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; `x` is whole superblocks and `w` is `out.len()` rows of
+/// as many superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows_avx2(w: &[u8], x: &[u8], out: &mut [f32]) {
+    let rb = x.len() / q8_k::BYTES * BYTES;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe { row_groups!(rows_avx2, w, rb, x, out) }
+}
+
+/// `R <= 4` rows starting at byte `o0` of `w`, `rb` bytes each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_avx2<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = rb / BYTES;
+    // SAFETY: the caller has the CPU features; every load lies in superblock i
+    // of rows 0..R of `w` (from o0) or of `x`, which are whole superblocks.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0f);
+        // Dwords [u0, u2, u1, u2] and [u0, u0, u1, u1] of the 12 scale bytes
+        // give [sc0-3, sc4-7, m0-3, m4-7] (see `scales_mins`).
+        let lo_shift = _mm_setr_epi32(0, 0, 0, 4);
+        let lo_mask = _mm_setr_epi32(0x3f3f_3f3f, 0x0f0f_0f0f, 0x3f3f_3f3f, 0x0f0f_0f0f);
+        let hi_mask = _mm_setr_epi32(0, 0x3030_3030, 0, 0x3030_3030);
+        // Word j of every 128-bit lane to all eight words of the lane.
+        let bcast: [__m256i; 8] = std::array::from_fn(|j| {
+            let b = (2 * j) as i8;
+            _mm256_set1_epi16(i16::from_le_bytes([b as u8, b as u8 + 1]))
+        });
+        let split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        let mut acc = _mm_setzero_ps();
+        for i in 0..nb {
+            let ox = i * q8_k::BYTES;
+            // The sixteen-value pair sums (one per sub-block) as eight words:
+            // each is at most 32 * 127 in magnitude, so the words are exact.
+            let bs = load256(x, ox + q8_k::BSUMS);
+            let pair_sums = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+            if R == 4 {
+                // To L2, as `rows_avx512` (the DRAM stream of a decode matmul).
+                prefetch_lines::<false>(w, o0 + prefetch_ahead(rb) + i * 4 * BYTES, (4 * BYTES).div_ceil(64) + 1);
+            }
+            let mut v = [_mm256_setzero_si256(); 4];
+            let mut mins = [_mm_setzero_si128(); 4];
+            let mut dd = [0u32; 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                dd[r] = ld_u32(w, ow);
+                let s = load128(w, ow + 4);
+                let a = _mm_shuffle_epi32::<0b10_01_10_00>(s);
+                let b = _mm_shuffle_epi32::<0b01_01_00_00>(s);
+                let sm = _mm_or_si128(
+                    _mm_and_si128(_mm_srlv_epi32(a, lo_shift), lo_mask),
+                    _mm_and_si128(_mm_srli_epi32::<2>(b), hi_mask),
+                );
+                // m_j * pair_sum_j, four dwords whose sum is the scalar `summ`.
+                mins[r] = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128::<8>(sm)), pair_sums);
+                let sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+                for c in 0..4 {
+                    let q = load256(w, ow + 16 + 32 * c);
+                    let lo = _mm256_and_si256(q, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                    let y = ox + q8_k::QS + 64 * c;
+                    // Each word is at most 2 * 15 * 127: no saturation.
+                    let p1 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(lo, load256(x, y)),
+                        _mm256_shuffle_epi8(sc, bcast[2 * c]),
+                    );
+                    let p2 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(hi, load256(x, y + 32)),
+                        _mm256_shuffle_epi8(sc, bcast[2 * c + 1]),
+                    );
+                    v[r] = _mm256_add_epi32(v[r], _mm256_add_epi32(p1, p2));
+                }
+            }
+            // sumi and summ of the rows, row r in lane r (exact integer sums).
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let sumi = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let summ = _mm_hadd_epi32(_mm_hadd_epi32(mins[0], mins[1]), _mm_hadd_epi32(mins[2], mins[3]));
+            // d (low half of each u32) and dmin (high) of the rows, as f32.
+            let hd = _mm_set_epi32(dd[3] as i32, dd[2] as i32, dd[1] as i32, dd[0] as i32);
+            let f = _mm256_cvtph_ps(_mm_shuffle_epi8(hd, split));
+            let (d, dmin) = (_mm256_castps256_ps128(f), _mm256_extractf128_ps::<1>(f));
+            let dx = _mm_set1_ps(ld_f32(x, ox));
+            // The scalar `dx * d * sumi - dx * dmin * summ`, then `acc +=`.
+            let a = _mm_mul_ps(_mm_mul_ps(dx, d), _mm_cvtepi32_ps(sumi));
+            let b = _mm_mul_ps(_mm_mul_ps(dx, dmin), _mm_cvtepi32_ps(summ));
+            acc = _mm_add_ps(acc, _mm_sub_ps(a, b));
+        }
+        store_lanes(acc, out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

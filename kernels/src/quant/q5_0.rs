@@ -8,7 +8,7 @@ pub(crate) const QK: usize = 32;
 pub(crate) const BYTES: usize = 22;
 
 #[inline(always)]
-fn levels(b: &[u8]) -> [i8; QK] {
+pub(crate) fn levels(b: &[u8]) -> [i8; QK] {
     let qh = rd_u32(b, 2);
     let mut q = [0i8; QK];
     for j in 0..16 {
@@ -76,13 +76,47 @@ impl super::block32::Block32 for Fmt {
         use crate::simd::*;
         use std::arch::x86_64::*;
         unsafe {
-            // q - 16 as a signed byte is the nibble with 0xF0 or'ed in where the fifth bit is clear.
-            let hi = _mm256_andnot_si256(
-                D::bit_bytes(ld_u32(w, ow + 2)),
-                _mm256_set1_epi8(0xf0u8 as i8),
-            );
-            let q = _mm256_or_si256(nibbles_lo_hi(load128(w, ow + 6)), hi);
-            dot_i8::<D>(_mm256_setzero_si256(), q, y)
+            dot_i8::<D>(_mm256_setzero_si256(), level_bytes::<D>(w, ow), y)
+        }
+    }
+}
+
+/// The 32 levels of the block at `w[ow..]` as signed bytes.
+///
+/// # Safety
+/// The CPU has the features of `D`; the block lies inside `w`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn level_bytes<D: crate::simd::U8I8Dot>(w: &[u8], ow: usize) -> std::arch::x86_64::__m256i {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    unsafe {
+        // q - 16 as a signed byte is the nibble with 0xF0 or'ed in where the fifth bit is clear.
+        let hi = _mm256_andnot_si256(
+            D::bit_bytes(ld_u32(w, ow + 2)),
+            _mm256_set1_epi8(0xf0u8 as i8),
+        );
+        _mm256_or_si256(nibbles_lo_hi(load128(w, ow + 6)), hi)
+    }
+}
+
+/// The blocks of `src` as q8_0 blocks in `dst` (the same `d`, the levels
+/// as signed bytes), as `quant::levels_as_q8_0`.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; `dst` holds `src.len() / BYTES` q8_0 blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn to_q8_0_avx2(src: &[u8], dst: &mut [u8]) {
+    let nb = src.len() / BYTES;
+    assert_eq!(dst.len(), nb * q8_0::BYTES);
+    for i in 0..nb {
+        let (o, od) = (i * BYTES, i * q8_0::BYTES);
+        dst[od..od + 2].copy_from_slice(&src[o..o + 2]);
+        // SAFETY: block i lies in `src` and its q8_0 copy in `dst` (lengths above).
+        unsafe {
+            let q = level_bytes::<crate::simd::Avx2Dot>(src, o);
+            std::arch::x86_64::_mm256_storeu_si256(dst.as_mut_ptr().add(od + 2).cast(), q);
         }
     }
 }
@@ -91,6 +125,17 @@ impl super::block32::Block32 for Fmt {
 #[inline(always)]
 unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
     unsafe { super::block32::dot::<Fmt, D>(w, x) }
+}
+
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, four at a
+/// time (`block32::dot_rows`), bit for bit.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; `x` is whole blocks and `w` is `out.len()` rows of as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows_avx2(w: &[u8], x: &[u8], out: &mut [f32]) {
+    unsafe { super::block32::dot_rows::<Fmt, crate::simd::Avx2Dot>(w, x, out) }
 }
 
 /// # Safety

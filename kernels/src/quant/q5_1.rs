@@ -95,6 +95,17 @@ unsafe fn dot_impl<D: crate::simd::U8I8Dot>(w: &[u8], x: &[u8]) -> f32 {
     unsafe { super::block32::dot::<Fmt, D>(w, x) }
 }
 
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, four at a
+/// time (`block32::dot_rows`), bit for bit.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; `x` is whole blocks and `w` is `out.len()` rows of as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows_avx2(w: &[u8], x: &[u8], out: &mut [f32]) {
+    unsafe { super::block32::dot_rows::<Fmt, crate::simd::Avx2Dot>(w, x, out) }
+}
+
 /// # Safety
 /// AVX2 + FMA + F16C; `w` and `x` the same whole number of blocks.
 #[cfg(target_arch = "x86_64")]

@@ -143,3 +143,88 @@ pub(crate) unsafe fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
     }
     acc
 }
+
+/// [`dot`] of each of the `out.len()` rows laid end to end in `w`, bit for
+/// bit, four rows at a time with AVX2: the rows' integer sums (the -32
+/// offset folded in lane-wise, exact in wrapping arithmetic) reduced
+/// together, and `acc += (dx * d) * sumi` with rows as vector lanes.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; `x` is whole superblocks and `w` is `out.len()` rows of
+/// as many superblocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows_avx2(w: &[u8], x: &[u8], out: &mut [f32]) {
+    let rb = x.len() / q8_k::BYTES * BYTES;
+    debug_assert_eq!(w.len(), out.len() * rb);
+    // SAFETY: rows r.. of `w` exist for every r < out.len() (caller's lengths).
+    unsafe { row_groups!(rows_avx2, w, rb, x, out) }
+}
+
+/// `R <= 4` rows starting at byte `o0` of `w`, `rb` bytes each.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_avx2<const R: usize>(w: &[u8], o0: usize, rb: usize, x: &[u8], out: &mut [f32]) {
+    use crate::simd::*;
+    use std::arch::x86_64::*;
+    let nb = rb / BYTES;
+    // SAFETY: the caller has the CPU features; every load lies in superblock i
+    // of rows 0..R of `w` (from o0) or of `x`, which are whole superblocks.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(0x03);
+        let pick = pair_shuffles();
+        let mut acc = _mm_setzero_ps();
+        for i in 0..nb {
+            let ox = i * q8_k::BYTES;
+            if R == 4 {
+                prefetch_lines::<false>(w, o0 + prefetch_ahead(rb) + i * 4 * BYTES, (4 * BYTES).div_ceil(64) + 1);
+            }
+            let bs = load256(x, ox + q8_k::BSUMS);
+            let mut v = [_mm256_setzero_si256(); 4];
+            let mut d = [0f32; 4];
+            for r in 0..R {
+                let ow = o0 + r * rb + i * BYTES;
+                let sc16 = _mm256_cvtepi8_epi16(load128(w, ow + SC));
+                // The -32 offset, lane-wise: sum_j scale_j * 32 * bsum_j.
+                let mut vr = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs, sc16)));
+                for c in 0..2 {
+                    let ql0 = load256(w, ow + 64 * c);
+                    let ql1 = load256(w, ow + 64 * c + 32);
+                    let qh = load256(w, ow + QH + 32 * c);
+                    // As `dot_avx2`: the four runs of 32 levels, unsigned 0..=63.
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m2))),
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql1, m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2)),
+                        ),
+                    ];
+                    let half = half_scales(sc16, c);
+                    for (k, qk) in q.iter().enumerate() {
+                        let y = load256(x, ox + q8_k::QS + 128 * c + 32 * k);
+                        vr = _mm256_add_epi32(vr, dot_u8i8_scaled(*qk, y, _mm256_shuffle_epi8(half, pick[k])));
+                    }
+                }
+                v[r] = vr;
+                d[r] = f16_pair(ld_u32(w, ow + D - 2)).1;
+            }
+            // sumi of the rows, row r in lane r.
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let sumi = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let dx = _mm_set1_ps(ld_f32(x, ox));
+            // The scalar `dx * d * sumi`, then `acc +=`.
+            let dv = _mm_loadu_ps(d.as_ptr());
+            acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(dx, dv), _mm_cvtepi32_ps(sumi)));
+        }
+        store_lanes(acc, out);
+    }
+}

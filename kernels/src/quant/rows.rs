@@ -1,12 +1,13 @@
 //! `Kernels::dot_rows`: the dots of several weight rows with one activation
 //! row. Each output is bit for bit the [`Kernels::dot`] of its row; where a
-//! multi-row kernel exists (AVX-512 VNNI: q2_K, q3_K, q4_K, q8_0, q4_0, q5_0) it reuses every
+//! multi-row kernel exists (AVX-512 VNNI: q2_K, q3_K, q4_K, q8_0, q4_0, q5_0;
+//! AVX2: q4_K, q6_K and the 32-value block formats) it reuses every
 //! activation load across rows and reduces integer sums for several rows at
 //! once, else it is a loop over the single-row kernel.
 
 use pulsar_gguf::GgmlType;
 
-use super::{dot_row_bytes, q2_k, q3_k, q4_k, ActRow};
+use super::{dot_row_bytes, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q6_k, q8_0, ActRow};
 use crate::error::QuantError;
 use crate::isa::{Isa, Kernels};
 
@@ -72,6 +73,21 @@ impl Kernels {
                     let fmt = super::gemm32::Fmt::of(ty).expect("a 32-block format");
                     return unsafe { super::gemm32::dot_rows_avx512(fmt, rows, x.bytes(), out) };
                 }
+                _ => {}
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa() == Isa::Avx2 {
+            // SAFETY: a Kernels at Avx2 exists only on a CPU with AVX2, FMA
+            // and F16C; lengths as above.
+            match ty {
+                GgmlType::Q4_K => return unsafe { q4_k::dot_rows_avx2(rows, x.bytes(), out) },
+                GgmlType::Q6_K => return unsafe { q6_k::dot_rows_avx2(rows, x.bytes(), out) },
+                GgmlType::Q8_0 => return unsafe { q8_0::dot_rows_avx2(rows, x.bytes(), out) },
+                GgmlType::Q4_0 => return unsafe { q4_0::dot_rows_avx2(rows, x.bytes(), out) },
+                GgmlType::Q5_0 => return unsafe { q5_0::dot_rows_avx2(rows, x.bytes(), out) },
+                GgmlType::Q4_1 => return unsafe { q4_1::dot_rows_avx2(rows, x.bytes(), out) },
+                GgmlType::Q5_1 => return unsafe { q5_1::dot_rows_avx2(rows, x.bytes(), out) },
                 _ => {}
             }
         }
