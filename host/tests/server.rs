@@ -1,8 +1,9 @@
 //! `pulsar-host serve` end to end over loopback, in process, on a tiny
 //! synthetic qwen3moe: the OpenAI routes with and without streaming, 64
 //! concurrent streaming clients against a sequential run (also on the
-//! qwen35moe fixture, a delta-net hybrid), a client that
-//! disconnects mid-stream, bad requests, and graceful shutdown.
+//! qwen35moe fixture, a delta-net hybrid), a long prompt beside 16 decoding
+//! streams, a client that disconnects mid-stream, bad requests, and
+//! graceful shutdown.
 
 #[path = "server/common.rs"]
 mod common;
@@ -211,6 +212,61 @@ fn sixty_four_streams_against_sequential(srv: Server) {
     assert!(steps * 3 < tokens, "{steps} steps for {tokens} tokens: sequences did not share steps");
     assert_eq!(m["active_sequences"], 0);
     assert_eq!(m["queue_depth"], 0);
+    srv.shutdown().unwrap();
+}
+
+/// A long prompt arriving while 16 streams decode does not stop them: its
+/// prefill is cut into chunks that share each step with the decodes, so
+/// every stream keeps getting tokens while it runs. Counted in tokens, not
+/// seconds (a loaded machine slows both alike): with a 48-row prompt share
+/// per step (ubatch 64, 16 decodes), its ~1800 tokens take ~38 steps, and a
+/// stream stalled behind a whole-prompt step would get none in that window.
+#[test]
+fn a_long_prompt_does_not_stall_sixteen_decoding_streams() {
+    let backend = Backend::cpu(Arc::new(common::tiny_model()), Arc::new(CpuBackend::new(2).unwrap()), Arc::new(MappedExperts));
+    let opts = ServeOptions { port: 0, api_key: Some(KEY.into()), n_ctx: 2048, parallel: 17, ubatch: 64, model_id: "tiny".into(), ..ServeOptions::default() };
+    let srv = Server::start(backend, opts, None).unwrap();
+    let c = Client::new(srv.addr(), Some(KEY));
+    let stop = Arc::new(AtomicBool::new(false));
+    // Each stream's token arrival times.
+    let streams: Vec<_> = (0..16)
+        .map(|i| {
+            let (addr, stop) = (srv.addr(), stop.clone());
+            std::thread::spawn(move || {
+                use std::io::Read;
+                let body = json!({"prompt": format!("Stream {i} says"), "max_tokens": 1500, "temperature": 0, "stream": true, "ignore_eos": true});
+                let mut s = Client::new(addr, Some(KEY)).open_stream("/v1/completions", &body);
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                let (mut raw, mut buf, mut times) = (Vec::new(), [0u8; 4096], Vec::new());
+                while !stop.load(Ordering::Relaxed) {
+                    let k = s.read(&mut buf).expect("read");
+                    assert!(k > 0, "stream {i} ended before the test did");
+                    raw.extend_from_slice(&buf[..k]);
+                    let n = raw.windows(2).filter(|w| w == b"\n\n").count();
+                    times.extend(std::iter::repeat_n(Instant::now(), n - times.len().min(n)));
+                }
+                times
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics(&c)["active_sequences"] != 16 || metrics(&c)["completion_tokens_total"].as_u64().unwrap() < 16 * 4 {
+        assert!(Instant::now() < deadline, "the 16 streams never all started: {}", metrics(&c));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let prompt: String = (0..180).map(|k| format!("item {k:04}.")).collect();
+    let t_submit = Instant::now();
+    let mut long = c.open_stream("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": true}));
+    http::read_events(&mut long, 1);
+    let t_first = Instant::now();
+    stop.store(true, Ordering::Relaxed);
+    for (i, t) in streams.into_iter().enumerate() {
+        let times = t.join().expect("stream thread");
+        let during = times.iter().filter(|&&x| x > t_submit && x < t_first).count();
+        // ~38 steps of prefill, one token a step each; half of that is a safe floor.
+        assert!(during >= 15, "stream {i} got {during} tokens while the long prompt prefilled ({:?})", t_first - t_submit);
+    }
+    drop(long);
     srv.shutdown().unwrap();
 }
 
