@@ -23,6 +23,8 @@ pub enum EngineError {
     NoSuchSeq(u32),
     #[error("sequence {0} appears twice in one step")]
     DuplicateSeq(u32),
+    #[error("the KV pool is full: sequence {seq} needs {need} more blocks of {block} positions and {free} are free (raise --kv-pool)")]
+    KvFull { seq: u32, need: usize, free: usize, block: usize },
 }
 
 /// A step of `n` tokens after `n_past` cached ones: refused when empty or
@@ -158,6 +160,11 @@ pub trait SeqBackend {
     /// Whether rows of several sequences may share a step (else the engine
     /// runs one sequence a step).
     fn batches(&self) -> bool;
+    /// `s`'s cached positions were evicted (its blocks went back to the
+    /// pool): give their memory back where the backend can.
+    fn release(&mut self, s: &mut Self::State) {
+        let _ = s;
+    }
     /// One forward step: row `i` (`tokens[i]` at `positions[i]`) reads and
     /// extends `states[seqs[i]]`; a sequence's rows are contiguous and in
     /// position order. Returns the logits of the last row of each sequence.
@@ -198,6 +205,9 @@ impl SeqBackend for CpuSeqs<'_> {
     fn copy_prefix(&self, to: &mut SeqState, from: &SeqState, n: usize) -> Result<(), EngineError> {
         to.copy_prefix(from, n).map_err(EngineError::Forward)
     }
+    fn release(&mut self, s: &mut SeqState) {
+        s.release();
+    }
     fn batches(&self) -> bool {
         // A graph that reads a sequence's whole cache (an attention composed
         // over `C`, minimax-m3's and qwen4exp's) runs one sequence a step.
@@ -221,17 +231,50 @@ struct Slot<S> {
     /// last multi-token step (a prompt), the one point short of the history's
     /// end it can go back to.
     checkpoint: Option<S>,
+    /// KV blocks this slot's cache holds (of [`KV_BLOCK`] positions): enough
+    /// for its history, taken as it grows and given back when it is cut or
+    /// evicted.
+    blocks: usize,
+}
+
+/// Positions per KV block: the unit the pool hands out. Small enough that a
+/// short request holds little more than it uses.
+pub const KV_BLOCK: usize = 16;
+
+fn blocks_for(positions: usize) -> usize {
+    positions.div_ceil(KV_BLOCK)
+}
+
+/// Where a [`BatchEngine`]'s KV pool stands, in blocks of `block` positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct KvUsage {
+    pub block: usize,
+    pub total: usize,
+    /// Held by running sequences.
+    pub used: usize,
+    /// Held by free slots' caches (kept for prefix reuse, evicted first
+    /// when a running sequence needs room).
+    pub cached: usize,
 }
 
 /// Several sequences over one model, each with its own KV cache, decoded
 /// together in batched steps, on the CPU ([`CpuSeqs`], the default) or a
 /// GPU (`crate::cuda::CudaSeqs`).
+///
+/// The caches draw blocks of [`KV_BLOCK`] positions from one pool as they
+/// grow, so a pool smaller than every slot at full context serves many
+/// short sequences: a step that needs a block evicts free slots' cached
+/// prefixes (least recently used first) and, when none is left, fails with
+/// [`EngineError::KvFull`] naming the sequence (the server then pauses
+/// that sequence until room comes back).
 pub struct BatchEngine<B: SeqBackend> {
     backend: B,
     states: Vec<B::State>,
     slots: Vec<Slot<B::Snap>>,
     n_ctx: usize,
     clock: u64,
+    /// Blocks in the pool.
+    pool: usize,
 }
 
 impl<'m> BatchEngine<CpuSeqs<'m>> {
@@ -251,8 +294,63 @@ impl<B: SeqBackend> BatchEngine<B> {
     pub fn with_backend(mut backend: B, n_ctx: usize, n_seq: usize) -> Result<BatchEngine<B>, EngineError> {
         let n_seq = n_seq.max(1);
         let states = (0..n_seq).map(|_| backend.new_state(n_ctx)).collect::<Result<Vec<_>, _>>()?;
-        let slots = (0..n_seq).map(|_| Slot { in_use: false, history: Vec::new(), last_used: 0, checkpoint: None }).collect();
-        Ok(BatchEngine { backend, states, slots, n_ctx, clock: 0 })
+        let slots = (0..n_seq).map(|_| Slot { in_use: false, history: Vec::new(), last_used: 0, checkpoint: None, blocks: 0 }).collect();
+        Ok(BatchEngine { backend, states, slots, n_ctx, clock: 0, pool: n_seq * blocks_for(n_ctx) })
+    }
+
+    /// Limit the KV pool to `positions` (rounded down to whole blocks; never
+    /// below one full context, so any single sequence can always run; never
+    /// above every slot at full context).
+    pub fn with_kv_pool(mut self, positions: usize) -> BatchEngine<B> {
+        self.pool = (positions / KV_BLOCK).clamp(blocks_for(self.n_ctx), self.slots.len() * blocks_for(self.n_ctx));
+        self
+    }
+
+    /// The pool's blocks: total, held by running sequences, held by free slots' caches.
+    pub fn kv_usage(&self) -> KvUsage {
+        let held = |busy: bool| self.slots.iter().filter(|s| s.in_use == busy).map(|s| s.blocks).sum();
+        KvUsage { block: KV_BLOCK, total: self.pool, used: held(true), cached: held(false) }
+    }
+
+    /// Whether a prompt of `n` positions can start now: its blocks are free
+    /// or held only by free slots' caches.
+    pub fn has_room_for(&self, n: usize) -> bool {
+        blocks_for(n) <= self.pool - self.kv_usage().used
+    }
+
+    /// Give slot `i`'s blocks past its first `keep` positions back.
+    fn trim_blocks(&mut self, i: usize, keep: usize) {
+        let slot = &mut self.slots[i];
+        slot.blocks = slot.blocks.min(blocks_for(keep));
+    }
+
+    /// Drop free slot `i`'s cache and give its blocks back.
+    fn evict(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        tracing::debug!("kv pool: evicting free slot {i}'s {} cached positions", slot.history.len());
+        slot.history.clear();
+        slot.checkpoint = None;
+        slot.blocks = 0;
+        self.backend.release(&mut self.states[i]);
+    }
+
+    /// Make slot `i` hold blocks for `positions`, evicting free slots'
+    /// caches (least recently used first) when the pool is short.
+    fn reserve(&mut self, i: usize, positions: usize) -> Result<(), EngineError> {
+        let need = blocks_for(positions).saturating_sub(self.slots[i].blocks);
+        if need == 0 {
+            return Ok(());
+        }
+        let free = |e: &Self| e.pool - e.slots.iter().map(|s| s.blocks).sum::<usize>();
+        while free(self) < need {
+            let victim = (0..self.slots.len()).filter(|&j| j != i && !self.slots[j].in_use && self.slots[j].blocks > 0).min_by_key(|&j| self.slots[j].last_used);
+            match victim {
+                Some(j) => self.evict(j),
+                None => return Err(EngineError::KvFull { seq: i as u32, need, free: free(self), block: KV_BLOCK }),
+            }
+        }
+        self.slots[i].blocks += need;
+        Ok(())
     }
 
     pub fn backend(&self) -> &B {
@@ -287,13 +385,15 @@ impl<B: SeqBackend> BatchEngine<B> {
             .filter(|&i| !self.slots[i].in_use)
             // Longest reusable prefix first; among equals, the least recently used.
             .max_by_key(|&i| (self.reusable(i, common(&self.slots[i].history)), std::cmp::Reverse(self.slots[i].last_used)))?;
+        self.slots[best].in_use = true;
         let mut keep = self.go_back(best, common(&self.slots[best].history));
         // A longer prefix cached in a sequence still running (requests that
         // share a system prompt arriving together): copy its rows instead
         // of computing them again. Recurrent states hold no prefix to copy.
         if !B::has_recurrent(&self.states[best]) {
             let donor = (0..self.slots.len()).filter(|&i| self.slots[i].in_use).map(|i| (common(&self.slots[i].history), i)).max();
-            if let Some((n, from)) = donor.filter(|&(n, _)| n > keep) {
+            // Room for the copy comes from the pool like any growth; without it, compute.
+            if let Some((n, from)) = donor.filter(|&(n, _)| n > keep && self.reserve(best, n).is_ok()) {
                 let (to_s, from_s) = if best < from {
                     let (a, b) = self.states.split_at_mut(from);
                     (&mut a[best], &b[0])
@@ -306,10 +406,10 @@ impl<B: SeqBackend> BatchEngine<B> {
                     self.slots[best].checkpoint = None;
                     keep = n;
                 }
+                self.trim_blocks(best, keep);
             }
         }
         let slot = &mut self.slots[best];
-        slot.in_use = true;
         self.clock += 1;
         slot.last_used = self.clock;
         Some((SeqId(best as u32), keep))
@@ -347,6 +447,7 @@ impl<B: SeqBackend> BatchEngine<B> {
         if slot.checkpoint.as_ref().is_some_and(|c| B::snap_pos(c) > keep) {
             slot.checkpoint = None;
         }
+        self.trim_blocks(i, keep);
         keep
     }
 
@@ -357,10 +458,13 @@ impl<B: SeqBackend> BatchEngine<B> {
         }
     }
 
-    /// Forget every free slot's cached history (the next allocations start cold).
+    /// Forget every free slot's cached history (the next allocations start
+    /// cold) and give its blocks back.
     pub fn forget_free(&mut self) {
-        for s in self.slots.iter_mut().filter(|s| !s.in_use) {
-            s.history.clear();
+        for i in 0..self.slots.len() {
+            if !self.slots[i].in_use {
+                self.evict(i);
+            }
         }
     }
 
@@ -402,6 +506,7 @@ impl<B: SeqBackend> BatchEngine<B> {
             if n_past + it.tokens.len() > self.n_ctx {
                 return Err(EngineError::ContextFull { need: n_past + it.tokens.len(), n_ctx: self.n_ctx });
             }
+            self.reserve(s, n_past + it.tokens.len())?;
             tokens.extend_from_slice(it.tokens);
             positions.extend((n_past..n_past + it.tokens.len()).map(|p| p as u32));
             seqs.extend(std::iter::repeat_n(it.seq.0, it.tokens.len()));
@@ -430,5 +535,145 @@ impl<B: SeqBackend> BatchEngine<B> {
             }
         }
         Ok(rows)
+    }
+}
+
+#[cfg(test)]
+mod pool_tests {
+    use super::*;
+
+    /// A backend whose state is the tokens at each position and whose
+    /// logits are `[n_past]`: enough to watch the engine's pool.
+    struct Fake {
+        released: usize,
+    }
+
+    impl SeqBackend for Fake {
+        type State = Vec<u32>;
+        type Snap = usize;
+        fn new_state(&mut self, _: usize) -> Result<Vec<u32>, EngineError> {
+            Ok(Vec::new())
+        }
+        fn state_bytes(_: &Vec<u32>) -> usize {
+            0
+        }
+        fn keepable(_: &Vec<u32>, want: usize, have: usize) -> usize {
+            want.min(have)
+        }
+        fn has_recurrent(_: &Vec<u32>) -> bool {
+            false
+        }
+        fn snapshot(&self, _: &Vec<u32>, n: usize) -> Result<usize, EngineError> {
+            Ok(n)
+        }
+        fn snap_pos(s: &usize) -> usize {
+            *s
+        }
+        fn restore(&self, _: &mut Vec<u32>, _: &usize) -> Result<(), EngineError> {
+            Ok(())
+        }
+        fn copy_prefix(&self, to: &mut Vec<u32>, from: &Vec<u32>, n: usize) -> Result<(), EngineError> {
+            *to = from[..n].to_vec();
+            Ok(())
+        }
+        fn batches(&self) -> bool {
+            true
+        }
+        fn release(&mut self, s: &mut Vec<u32>) {
+            s.clear();
+            self.released += 1;
+        }
+        fn step(&mut self, states: &mut [Vec<u32>], seqs: &[u32], tokens: &[u32], positions: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+            let mut out: Vec<Vec<f32>> = Vec::new();
+            for (i, (&s, (&t, &p))) in seqs.iter().zip(tokens.iter().zip(positions)).enumerate() {
+                let st = &mut states[s as usize];
+                st.truncate(p as usize);
+                st.push(t);
+                if i + 1 == seqs.len() || seqs[i + 1] != s {
+                    out.push(vec![st.len() as f32]);
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    fn engine(n_ctx: usize, n_seq: usize, pool: usize) -> BatchEngine<Fake> {
+        BatchEngine::with_backend(Fake { released: 0 }, n_ctx, n_seq).unwrap().with_kv_pool(pool)
+    }
+
+    fn run(e: &mut BatchEngine<Fake>, seq: SeqId, tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+        e.step(&[BatchItem { seq, tokens }])
+    }
+
+    #[test]
+    fn blocks_follow_the_history_and_a_freed_cache_counts_as_cached() {
+        let mut e = engine(64, 2, 1 << 20);
+        assert_eq!(e.kv_usage(), KvUsage { block: KV_BLOCK, total: 8, used: 0, cached: 0 }, "the pool is clamped to every slot at full context");
+        let (a, _) = e.alloc(&[1; 20]).unwrap();
+        run(&mut e, a, &[1; 20]).unwrap();
+        assert_eq!(e.kv_usage().used, 2, "20 positions hold two blocks of 16");
+        for _ in 0..12 {
+            run(&mut e, a, &[2]).unwrap();
+        }
+        assert_eq!(e.kv_usage().used, 2, "32 positions still two");
+        run(&mut e, a, &[3]).unwrap();
+        assert_eq!(e.kv_usage().used, 3);
+        e.truncate(a, 5).unwrap();
+        assert_eq!(e.kv_usage().used, 1, "cutting the history gives its blocks back");
+        e.free(a);
+        assert_eq!((e.kv_usage().used, e.kv_usage().cached), (0, 1), "a freed slot's cache is kept, as cached");
+        e.forget_free();
+        assert_eq!((e.kv_usage().used, e.kv_usage().cached), (0, 0));
+        assert_eq!(e.backend().released, 2, "both slots' memory given back");
+    }
+
+    #[test]
+    fn a_step_evicts_the_least_recently_used_free_cache_then_reports_the_pool_full() {
+        // Four slots of 64 positions sharing 80 positions (5 blocks).
+        let mut e = engine(64, 4, 80);
+        assert_eq!(e.kv_usage().total, 5, "never above nor below what was asked when that holds one context");
+        let (a, _) = e.alloc(&[7; 16]).unwrap();
+        run(&mut e, a, &[7; 16]).unwrap();
+        e.free(a);
+        let (b, _) = e.alloc(&[8; 16]).unwrap();
+        run(&mut e, b, &[8; 16]).unwrap();
+        e.free(b);
+        assert_eq!(e.kv_usage().cached, 2);
+        // A long prompt needs 4 blocks: 3 free, then `a`'s (the older) goes.
+        let (c, cached) = e.alloc(&[9; 60]).unwrap();
+        assert_eq!(cached, 0);
+        assert!(e.has_room_for(60));
+        run(&mut e, c, &[9; 60]).unwrap();
+        assert_eq!(e.kv_usage(), KvUsage { block: KV_BLOCK, total: 5, used: 4, cached: 1 });
+        let (b2, cached) = e.alloc(&[8; 17]).unwrap();
+        assert_eq!((b2, cached), (b, 16), "the newer cache survived and is reused");
+        assert!(!e.has_room_for(33), "one block is all the room left");
+        match run(&mut e, b2, &[8; 17]) {
+            Err(EngineError::KvFull { seq, need, free, block }) => assert_eq!((seq, need, free, block), (b.0, 2, 0, KV_BLOCK)),
+            r => panic!("expected KvFull, got {r:?}"),
+        }
+        // Once `c` is done, its blocks make room.
+        e.free(c);
+        assert_eq!(run(&mut e, b2, &[8]).unwrap(), vec![vec![17.0]]);
+        assert_eq!(e.kv_usage().used, 2);
+    }
+
+    #[test]
+    fn a_copied_prefix_takes_blocks_and_falls_back_to_computing_without_them() {
+        let mut e = engine(64, 2, 64);
+        let (a, _) = e.alloc(&[5; 40]).unwrap();
+        run(&mut e, a, &[5; 40]).unwrap();
+        // 64 positions: 3 blocks held by `a`, 1 free; copying 40 needs 3.
+        let (b, cached) = e.alloc(&[5; 50]).unwrap();
+        assert_eq!(cached, 0, "no room to copy: the prefix is computed");
+        assert_eq!(e.kv_usage().used, 3);
+        e.free(b);
+        e.free(a);
+        let mut e = engine(64, 2, 128);
+        let (a, _) = e.alloc(&[5; 40]).unwrap();
+        run(&mut e, a, &[5; 40]).unwrap();
+        let (_, cached) = e.alloc(&[5; 50]).unwrap();
+        assert_eq!(cached, 40);
+        assert_eq!(e.kv_usage().used, 6);
     }
 }

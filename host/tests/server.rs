@@ -270,6 +270,46 @@ fn a_long_prompt_does_not_stall_sixteen_decoding_streams() {
     srv.shutdown().unwrap();
 }
 
+/// Four sequences that together need more KV blocks than the pool holds
+/// (each ~110 positions, the pool 304): the newest pauses when the pool runs
+/// out and goes on once another finishes, and every one gives the text it
+/// gives alone.
+#[test]
+fn a_kv_pool_smaller_than_every_slot_pauses_and_resumes_sequences() {
+    let backend = Backend::cpu(Arc::new(common::tiny_model()), Arc::new(CpuBackend::new(2).unwrap()), Arc::new(MappedExperts));
+    let opts = ServeOptions { port: 0, api_key: Some(KEY.into()), n_ctx: 256, parallel: 4, kv_pool: Some(304), model_id: "tiny".into(), ..ServeOptions::default() };
+    let srv = Server::start(backend, opts, None).unwrap();
+    let c = Client::new(srv.addr(), Some(KEY));
+    let m = metrics(&c);
+    assert_eq!((m["kv_blocks_total"].as_u64(), m["kv_block_positions"].as_u64()), (Some(19), Some(16)), "{m}");
+    let body = |i: usize| json!({"prompt": format!("Client {i} counts"), "max_tokens": 100, "temperature": 0, "ignore_eos": true});
+    let text = |r: &http::Resp| {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let alone: Vec<String> = (0..4).map(|i| text(&c.post("/v1/completions", &body(i)))).collect();
+    assert_eq!(metrics(&c)["sequences_preempted"], 0, "one at a time fits");
+    let barrier = Arc::new(Barrier::new(4));
+    let threads: Vec<_> = (0..4)
+        .map(|i| {
+            let (addr, barrier, b) = (srv.addr(), barrier.clone(), body(i));
+            std::thread::spawn(move || {
+                let c = Client::new(addr, Some(KEY));
+                barrier.wait();
+                c.post("/v1/completions", &b)
+            })
+        })
+        .collect();
+    for (i, t) in threads.into_iter().enumerate() {
+        assert_eq!(text(&t.join().unwrap()), alone[i], "client {i}: a paused and resumed sequence differs from its run alone");
+    }
+    let m = metrics(&c);
+    assert!(m["sequences_preempted"].as_u64().unwrap() > 0, "the pool never ran out: {m}");
+    assert_eq!((m["kv_blocks_used"].as_u64(), m["sequences_waiting_for_kv"].as_u64()), (Some(0), Some(0)), "{m}");
+    assert!(m["kv_blocks_cached"].as_u64().unwrap() <= 19, "{m}");
+    srv.shutdown().unwrap();
+}
+
 #[test]
 fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
     let srv = start(2, 2048, None);
@@ -310,13 +350,13 @@ fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let m = metrics(&c);
-        if m["requests_cancelled"] == 1 && m["active_sequences"] == 0 {
+        if m["requests_cancelled"] == 1 && m["active_sequences"] == 0 && m["kv_blocks_used"] == 0 {
             // B and C made 32 tokens at most; A would run to the context (~2040) if not stopped.
             let a_tokens = m["completion_tokens_total"].as_u64().unwrap() - before - 32;
             assert!(a_tokens < 1500, "the abandoned generation ran on: {m}");
             break;
         }
-        assert!(Instant::now() < deadline, "slot not freed after the disconnect: {m}");
+        assert!(Instant::now() < deadline, "slot or KV blocks not freed after the disconnect: {m}");
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(content(&c.post("/v1/chat/completions", &short(0, false)), false).0, refs[0].0);
@@ -332,7 +372,9 @@ fn a_client_that_disconnects_mid_stream_does_not_disturb_the_others() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let m = metrics(&c);
-        if m["requests_cancelled"] == 2 && m["active_sequences"] == 0 {
+        if m["requests_cancelled"] == 2 && m["active_sequences"] == 0 && m["kv_blocks_used"] == 0 {
+            // What the cancelled sequences wrote stays only as free slots' cached prefixes.
+            assert!(m["kv_blocks_cached"].as_u64().unwrap() > 0, "{m}");
             break;
         }
         assert!(Instant::now() < deadline, "a non-streaming request kept running after its client left: {m}");

@@ -33,6 +33,12 @@ pub struct Args {
     /// Sequences decoded at once, each with its own KV cache; more requests queue.
     #[arg(long, default_value_t = 4)]
     pub parallel: usize,
+    /// GiB of KV cache shared by all sequences, taken in blocks of 16
+    /// positions as they grow (default: every slot at full --ctx). When it
+    /// runs out, the newest sequence pauses until room comes back. At least
+    /// one full context. CPU backend only, for now.
+    #[arg(long, value_name = "GIB")]
+    pub kv_pool: Option<f64>,
     /// Most tokens in one batched step (prefill chunks share it with decodes).
     #[arg(long, default_value_t = 256)]
     pub ubatch: usize,
@@ -190,6 +196,11 @@ fn check_flags(a: &Args) -> anyhow::Result<()> {
     if a.ctx == Some(0) {
         anyhow::bail!("--ctx 0: at least one position");
     }
+    if let Some(g) = a.kv_pool {
+        if !(g.is_finite() && g > 0.0) {
+            anyhow::bail!("--kv-pool {g}: a positive number of GiB");
+        }
+    }
     Ok(())
 }
 
@@ -200,6 +211,19 @@ fn kv_bytes(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result<u64
         .checked_mul(n_ctx as u64)
         .and_then(|x| x.checked_mul(per_token))
         .ok_or_else(|| anyhow::anyhow!("--parallel {parallel} x --ctx {n_ctx} sequences' KV caches overflow 64 bits"))
+}
+
+/// `--kv-pool` GiB as positions of `per_token` bytes; refused below one full context.
+fn kv_pool_positions(gib: Option<f64>, per_token: u64, n_ctx: usize) -> anyhow::Result<Option<usize>> {
+    let (Some(g), true) = (gib, per_token > 0) else { return Ok(None) };
+    let positions = (g * (1u64 << 30) as f64 / per_token as f64) as usize;
+    if positions < n_ctx {
+        anyhow::bail!(
+            "--kv-pool {g} GiB holds {positions} positions, less than one sequence's --ctx {n_ctx} ({:.3} GiB)",
+            (n_ctx as u64 * per_token) as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(Some(positions))
 }
 
 /// The CPU's KV caches (`need` bytes, from `--parallel` x `--ctx`) must fit
@@ -243,15 +267,22 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     // Refuse impossible sizes before any note or warning, so a refusal stays
     // one line. On a GPU the caches take VRAM: the load checks them against
     // the budget.
-    let kv_total = kv_bytes(a.parallel, n_ctx, CudaKv::bytes_for(&model, 1))?;
+    let per_token = CudaKv::bytes_for(&model, 1);
+    let kv_total = kv_bytes(a.parallel, n_ctx, per_token)?;
+    let kv_pool = kv_pool_positions(a.kv_pool, per_token, n_ctx)?;
+    // The CPU's caches take memory only where written: the pool bounds that.
+    let cpu_kv = kv_pool.map_or(kv_total, |n| kv_total.min(n as u64 * per_token));
     let choice = a.gpu.resolve_device(&model, ctx.print_config)?;
     let gpu_likely = choice != crate::session::DeviceChoice::Cpu && pulsar_cuda::CudaDevice::available();
     if !gpu_likely {
-        check_memory(kv_total)?;
+        check_memory(cpu_kv)?;
     }
     let device = crate::session::open_device(choice)?;
     if device.is_none() && gpu_likely {
-        check_memory(kv_total)?;
+        check_memory(cpu_kv)?;
+    }
+    if device.is_some() && kv_pool.is_some() {
+        anyhow::bail!("--kv-pool: the CUDA backend still gives every slot its full --ctx of VRAM; leave it out (or use --device cpu)");
     }
     super::warn_past_trained_ctx(&model, n_ctx);
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
@@ -295,6 +326,7 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         api_key: a.api_key.clone(),
         n_ctx,
         parallel: a.parallel,
+        kv_pool,
         ubatch: a.ubatch.max(1),
         max_queue: a.max_queue,
         allow_hosts: a.allow_hosts.clone(),

@@ -110,6 +110,22 @@ impl SeqState {
         self.n_ctx
     }
 
+    /// Give the memory of every KV and rows cache back (the positions were
+    /// evicted): fresh zeroed buffers of the same size, which the allocator
+    /// maps lazily, so only positions written again take memory.
+    pub fn release(&mut self) {
+        for slot in self.slots.iter_mut().flatten() {
+            match slot {
+                Slot::Kv(l) => {
+                    l.k = vec![0.0; l.k.len()];
+                    l.v = vec![0.0; l.v.len()];
+                }
+                Slot::Rows(r) => r.data = vec![0.0; r.data.len()],
+                Slot::Recurrent(_) => {}
+            }
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         self.slots
             .iter()

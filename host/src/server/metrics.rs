@@ -41,6 +41,15 @@ pub struct Metrics {
     recent: Mutex<VecDeque<(Instant, u64, u64)>>,
     /// Sequence slots of the pool (fixed at start).
     pub slots: AtomicU64,
+    /// The KV pool, in blocks of `kv_block_positions`: all, held by running
+    /// sequences, held by free slots' cached prefixes.
+    pub kv_block_positions: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_cached: AtomicU64,
+    /// Sequences paused because the KV pool ran out (resumed when it has room).
+    pub sequences_preempted: AtomicU64,
+    pub sequences_waiting_for_kv: AtomicU64,
     pub tier_stats: Option<TierStats>,
     /// Why the engine stopped serving (the model file changed on disk); `/health` reports it.
     pub broken: Mutex<Option<String>>,
@@ -54,6 +63,14 @@ pub struct Snapshot {
     pub queue_depth: u64,
     pub active_sequences: u64,
     pub slots: u64,
+    pub kv_block_positions: u64,
+    pub kv_blocks_total: u64,
+    /// KV blocks held by running sequences (0 when nothing runs).
+    pub kv_blocks_used: u64,
+    /// KV blocks held by free slots' cached prefixes (given up on demand).
+    pub kv_blocks_cached: u64,
+    pub sequences_preempted: u64,
+    pub sequences_waiting_for_kv: u64,
     pub prompt_tokens_total: u64,
     pub prompt_tokens_cached_total: u64,
     pub completion_tokens_total: u64,
@@ -93,6 +110,14 @@ impl Metrics {
         }
     }
 
+    /// Record where the KV pool stands.
+    pub fn kv(&self, u: crate::engine::KvUsage) {
+        self.kv_block_positions.store(u.block as u64, Relaxed);
+        self.kv_blocks_total.store(u.total as u64, Relaxed);
+        self.kv_blocks_used.store(u.used as u64, Relaxed);
+        self.kv_blocks_cached.store(u.cached as u64, Relaxed);
+    }
+
     /// Record a request's first token, `waited` after it was queued.
     pub fn first_token(&self, waited: Duration) {
         self.ttft_total_us.fetch_add(waited.as_micros() as u64, Relaxed);
@@ -120,6 +145,12 @@ impl Metrics {
             queue_depth: self.queue_depth.load(Relaxed),
             active_sequences: self.active_sequences.load(Relaxed),
             slots: self.slots.load(Relaxed),
+            kv_block_positions: self.kv_block_positions.load(Relaxed),
+            kv_blocks_total: self.kv_blocks_total.load(Relaxed),
+            kv_blocks_used: self.kv_blocks_used.load(Relaxed),
+            kv_blocks_cached: self.kv_blocks_cached.load(Relaxed),
+            sequences_preempted: self.sequences_preempted.load(Relaxed),
+            sequences_waiting_for_kv: self.sequences_waiting_for_kv.load(Relaxed),
             prompt_tokens_total: self.prompt_tokens_total.load(Relaxed),
             prompt_tokens_cached_total: self.prompt_tokens_cached_total.load(Relaxed),
             completion_tokens_total: self.completion_tokens_total.load(Relaxed),
@@ -150,6 +181,12 @@ impl Snapshot {
         put("queue_depth", "gauge", "Requests waiting for a sequence slot.", self.queue_depth as f64);
         put("active_sequences", "gauge", "Sequences decoding now.", self.active_sequences as f64);
         put("sequence_slots", "gauge", "Sequence slots (--parallel).", self.slots as f64);
+        put("kv_block_positions", "gauge", "Positions per KV block.", self.kv_block_positions as f64);
+        put("kv_blocks_total", "gauge", "KV blocks in the pool (--kv-pool).", self.kv_blocks_total as f64);
+        put("kv_blocks_used", "gauge", "KV blocks held by running sequences.", self.kv_blocks_used as f64);
+        put("kv_blocks_cached", "gauge", "KV blocks held by free slots' cached prefixes.", self.kv_blocks_cached as f64);
+        put("sequences_preempted_total", "counter", "Sequences paused because the KV pool ran out.", self.sequences_preempted as f64);
+        put("sequences_waiting_for_kv", "gauge", "Paused sequences waiting for KV blocks.", self.sequences_waiting_for_kv as f64);
         put("prompt_tokens_total", "counter", "Prompt tokens run through the model.", self.prompt_tokens_total as f64);
         put("prompt_tokens_cached_total", "counter", "Prompt tokens reused from a cached prefix.", self.prompt_tokens_cached_total as f64);
         put("completion_tokens_total", "counter", "Tokens generated.", self.completion_tokens_total as f64);

@@ -77,6 +77,9 @@ pub struct ServeOptions {
     pub n_ctx: usize,
     /// Sequences decoded at once (KV cache slots).
     pub parallel: usize,
+    /// Positions the KV pool holds for all sequences together (None: every
+    /// slot at full context; never less than one full context).
+    pub kv_pool: Option<usize>,
     /// Most tokens in one batched step.
     pub ubatch: usize,
     /// Requests that may wait for a slot; beyond, 503.
@@ -109,6 +112,7 @@ impl Default for ServeOptions {
             api_key: None,
             n_ctx: 4096,
             parallel: 4,
+            kv_pool: None,
             ubatch: 256,
             max_queue: 512,
             allow_hosts: Vec::new(),
@@ -217,6 +221,7 @@ pub async fn serve(
         tok: tok.clone(),
         n_ctx: opts.n_ctx,
         parallel: opts.parallel.max(1),
+        kv_pool: opts.kv_pool,
         ubatch: opts.ubatch.max(1),
         grace: opts.grace,
         queue_timeout: opts.queue_timeout,

@@ -73,6 +73,8 @@ pub struct EngineParts {
     pub stop_ids: Vec<u32>,
     pub n_ctx: usize,
     pub parallel: usize,
+    /// Positions the KV pool holds (None: every slot at full context).
+    pub kv_pool: Option<usize>,
     /// Most tokens one step runs (prefill chunks share it with decodes).
     pub ubatch: usize,
     pub grace: Duration,
@@ -147,7 +149,10 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
     match &p.compute {
         Compute::Cpu { cpu, experts } => {
-            let engine = BatchEngine::new(&p.model, cpu, &**experts, p.n_ctx, p.parallel);
+            let mut engine = BatchEngine::new(&p.model, cpu, &**experts, p.n_ctx, p.parallel);
+            if let Some(n) = p.kv_pool {
+                engine = engine.with_kv_pool(n);
+            }
             serve_loop(&p, engine, p.ubatch, rx)
         }
         Compute::Cuda { cm, store } => {
@@ -163,7 +168,10 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
             // A step carries at most the chunk the VRAM budget's activation reserve holds.
             let ubatch = p.ubatch.min(seqs.max_rows()).max(1);
             match BatchEngine::with_backend(seqs, p.n_ctx, p.parallel) {
-                Ok(engine) => serve_loop(&p, engine, ubatch, rx),
+                Ok(engine) => serve_loop(&p, match p.kv_pool {
+                    Some(n) => engine.with_kv_pool(n),
+                    None => engine,
+                }, ubatch, rx),
                 Err(e) => fail_all(&p, rx, &format!("allocating the sequences' caches on the GPU: {e}")),
             }
         }
@@ -187,19 +195,33 @@ fn fail_all(p: &EngineParts, rx: Receiver<Cmd>, why: &str) {
 
 fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch: usize, rx: Receiver<Cmd>) {
     let tok: &Tokenizer = &p.tok;
-    tracing::info!("engine: {} sequence slots of {} positions, {:.1} MiB of KV cache", engine.n_seq(), p.n_ctx, engine.kv_bytes() as f64 / 1048576.0);
+    let kv = engine.kv_usage();
+    tracing::info!(
+        "engine: {} sequence slots of {} positions; KV pool of {} positions ({} blocks of {})",
+        engine.n_seq(),
+        p.n_ctx,
+        kv.total * kv.block,
+        kv.total,
+        kv.block
+    );
     p.metrics.slots.store(engine.n_seq() as u64, Relaxed);
     let m = &p.metrics;
+    m.kv(kv);
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut active: Vec<Active<'_>> = Vec::new();
+    // Sequences paused when the KV pool ran out, oldest first; `todo` holds
+    // every token they need cached again to go on.
+    let mut parked: VecDeque<Active<'_>> = VecDeque::new();
     let mut shutdown: Option<Instant> = None;
     let mut broken: Option<String> = None;
     let mut rr = 0usize;
     let unavailable = || ApiError::unavailable("the server is shutting down");
     loop {
         m.active_sequences.store(active.len() as u64, Relaxed);
+        m.sequences_waiting_for_kv.store(parked.len() as u64, Relaxed);
+        m.kv(engine.kv_usage());
         let mut cmds = Vec::new();
-        if active.is_empty() && queue.is_empty() {
+        if active.is_empty() && queue.is_empty() && parked.is_empty() {
             if shutdown.is_some() {
                 break;
             }
@@ -261,6 +283,17 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
         m.queue_depth.fetch_sub(expired as u64, Relaxed);
         m.requests_rejected.fetch_add(expired as u64, Relaxed);
         let grace_over = shutdown.is_some_and(|t| t.elapsed() >= p.grace);
+        parked.retain(|a| {
+            if a.job.events.is_closed() {
+                m.requests_cancelled.fetch_add(1, Relaxed);
+                false
+            } else if grace_over {
+                a.send(Event::Error(ApiError::unavailable("the server shut down before this generation finished")));
+                false
+            } else {
+                true
+            }
+        });
         active.retain(|a| {
             if a.job.events.is_closed() {
                 tracing::info!("sequence {}: client gone after {} tokens; slot freed", a.seq.0, a.generated);
@@ -294,11 +327,33 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
                 a.send(Event::Error(ApiError::unavailable(why.clone())));
                 engine.free(a.seq);
             }
+            for a in parked.drain(..) {
+                a.send(Event::Error(ApiError::unavailable(why.clone())));
+            }
             continue;
         }
-        // Admit in arrival order while slots are free.
-        while engine.n_free() > 0 {
+        // Paused sequences go on first, once the pool holds what they had
+        // (alone, a sequence always fits: the pool holds one full context).
+        while engine.n_free() > 0 && parked.front().is_some_and(|a| active.is_empty() || engine.has_room_for(a.todo.len())) {
+            let Some(mut a) = parked.pop_front() else { break };
+            let Some((seq, cached)) = engine.alloc(&a.todo) else {
+                parked.push_front(a);
+                break;
+            };
+            tracing::debug!("sequence {}: resumed as {}, {} of {} positions still cached", a.seq.0, seq.0, cached, a.todo.len());
+            a.seq = seq;
+            a.todo.drain(..cached);
+            a.prefilled = false;
+            active.push(a);
+        }
+        // Admit in arrival order while slots and KV blocks are free (none
+        // while a paused sequence waits for blocks).
+        while engine.n_free() > 0 && parked.is_empty() {
             let Some(job) = queue.pop_front() else { break };
+            if !active.is_empty() && !engine.has_room_for(job.prompt.len()) {
+                queue.push_front(job);
+                break;
+            }
             let Some((seq, cached)) = engine.alloc(&job.prompt) else {
                 queue.push_front(job);
                 break;
@@ -355,6 +410,20 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
         drop(items);
         let logits = match result {
             Ok(l) => l,
+            Err(EngineError::KvFull { seq, need, free, .. }) if active.len() > 1 => {
+                // Pause the latest admitted sequence (its cache stays as a free
+                // slot's, reused if nobody needs the room) and run the others.
+                let i = (0..active.len()).max_by_key(|&i| active[i].admitted).unwrap_or(0);
+                let mut a = active.remove(i);
+                let mut all = engine.history(a.seq).map(<[u32]>::to_vec).unwrap_or_default();
+                all.append(&mut a.todo);
+                a.todo = all;
+                engine.free(a.seq);
+                m.sequences_preempted.fetch_add(1, Relaxed);
+                tracing::info!("kv pool full (sequence {seq} needed {need} blocks, {free} free): sequence {} paused at {} positions", a.seq.0, a.todo.len());
+                parked.push_back(a);
+                continue;
+            }
             Err(e) => {
                 tracing::error!("batched step failed: {e}");
                 let failed: Vec<SeqId> = order.iter().map(|&i| active[i].seq).collect();
@@ -379,8 +448,11 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
             }
             if !a.prefilled {
                 a.prefilled = true;
-                a.first_token = Some(Instant::now());
-                m.first_token(a.job.enqueued.elapsed());
+                // A resumed sequence had its first token before it was paused.
+                if a.first_token.is_none() {
+                    a.first_token = Some(Instant::now());
+                    m.first_token(a.job.enqueued.elapsed());
+                }
             }
             let t = a.sampler.sample(row);
             if !a.job.ignore_eos && p.stop_ids.contains(&t) {
