@@ -239,7 +239,10 @@ fn serve_once(m: &Path, extra: &[&str]) -> serde_json::Value {
 fn serve_refuses_an_empty_key_and_impossible_sizes_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_model(dir.path());
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 14] = [
+        (&["--kv-pool", "0"], "--kv-pool"),
+        (&["--kv-pool", "0.0000001"], "--kv-pool"),
+        (&["--parallel", "100000000", "--kv-pool", "1"], "--parallel"),
         (&["--api-key", ""], "--api-key"),
         (&["--api-key", "  "], "--api-key"),
         (&["--max-queue", "0"], "--max-queue"),

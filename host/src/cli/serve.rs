@@ -213,6 +213,10 @@ fn kv_bytes(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result<u64
         .ok_or_else(|| anyhow::anyhow!("--parallel {parallel} x --ctx {n_ctx} sequences' KV caches overflow 64 bits"))
 }
 
+/// The most address space every slot's full-context caches may map (a
+/// quarter of x86-64's 47-bit user space).
+const MAX_KV_MAPPING: u64 = 1 << 45;
+
 /// `--kv-pool` GiB as positions of `per_token` bytes; refused below one full context.
 fn kv_pool_positions(gib: Option<f64>, per_token: u64, n_ctx: usize) -> anyhow::Result<Option<usize>> {
     let (Some(g), true) = (gib, per_token > 0) else { return Ok(None) };
@@ -270,8 +274,17 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     let per_token = CudaKv::bytes_for(&model, 1);
     let kv_total = kv_bytes(a.parallel, n_ctx, per_token)?;
     let kv_pool = kv_pool_positions(a.kv_pool, per_token, n_ctx)?;
-    // The CPU's caches take memory only where written: the pool bounds that.
+    // The CPU's caches take memory only where written: the pool bounds that,
+    // but every slot's full context is still mapped (address space, not memory).
     let cpu_kv = kv_pool.map_or(kv_total, |n| kv_total.min(n as u64 * per_token));
+    if kv_pool.is_some() && kv_total > MAX_KV_MAPPING {
+        anyhow::bail!(
+            "--parallel {} x --ctx {n_ctx} map {:.0} TiB of KV cache even with --kv-pool (at most {} TiB): fewer slots or a shorter context",
+            a.parallel,
+            kv_total as f64 / (1u64 << 40) as f64,
+            MAX_KV_MAPPING >> 40
+        );
+    }
     let choice = a.gpu.resolve_device(&model, ctx.print_config)?;
     let gpu_likely = choice != crate::session::DeviceChoice::Cpu && pulsar_cuda::CudaDevice::available();
     if !gpu_likely {
