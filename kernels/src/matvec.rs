@@ -16,11 +16,31 @@ use crate::quant::{check_dot, row_bytes, ActFormat, Activations};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::{gemm32, gemm_k};
 
-/// A repacking prefill GEMM chosen for one matmul.
+/// A repacking prefill GEMM chosen for one matmul, and its width: the
+/// 512-bit kernels (AVX-512 VNNI, groups of 16 rows) or the 256-bit ones
+/// (AVX2, groups of 8).
 #[cfg(target_arch = "x86_64")]
-enum Gemm {
+struct Gemm {
+    kind: GemmKind,
+    wide: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+enum GemmKind {
     B32(gemm32::Fmt, gemm32::ActSums),
     K(gemm_k::Fmt),
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Gemm {
+    /// Rows per repacked group: tasks are whole groups.
+    fn group(&self) -> usize {
+        if self.wide {
+            gemm32::GROUP
+        } else {
+            gemm32::avx2::GROUP
+        }
+    }
 }
 
 /// A `[rows x cols]` weight matrix of one GGUF type, rows laid end to end.
@@ -98,16 +118,22 @@ impl Kernels {
     /// The repacking GEMM that serves `w` for the tokens `x` at this ISA, if any.
     #[cfg(target_arch = "x86_64")]
     fn gemm_for(&self, w: &WeightMatrix<'_>, x: &Activations) -> Option<Gemm> {
-        if x.rows() < GEMM_MIN_TOKENS || self.isa() != crate::isa::Isa::Avx512Vnni {
+        use crate::isa::Isa;
+        let wide = match self.isa() {
+            Isa::Avx512Vnni => true,
+            Isa::Avx2 => false,
+            Isa::Scalar => return None,
+        };
+        if x.rows() < GEMM_MIN_TOKENS {
             return None;
         }
         if let Some(fmt) = gemm_k::Fmt::of(w.ty()) {
-            return Some(Gemm::K(fmt));
+            return Some(Gemm { kind: GemmKind::K(fmt), wide });
         }
         let fmt = gemm32::Fmt::of(w.ty())?;
         let nb = w.row_bytes() / fmt.block_bytes();
         let rows = (0..x.rows()).map(|t| x.row(t).expect("t < rows").bytes());
-        Some(Gemm::B32(fmt, gemm32::ActSums::new(rows, nb)))
+        Some(Gemm { kind: GemmKind::B32(fmt, gemm32::ActSums::new(rows, nb)), wide })
     }
 
     /// `y = W x` for one activation row (`x.rows() == 1`); `y` has `w.rows()` values.
@@ -182,7 +208,7 @@ impl Kernels {
         #[cfg(target_arch = "x86_64")]
         let gemm = self.gemm_for(w, x);
         #[cfg(target_arch = "x86_64")]
-        let group = if gemm.is_some() { gemm32::GROUP } else { Kernels::DOT_ROWS_GROUP };
+        let group = gemm.as_ref().map_or(Kernels::DOT_ROWS_GROUP, Gemm::group);
         #[cfg(not(target_arch = "x86_64"))]
         let group = Kernels::DOT_ROWS_GROUP;
         let threads = pool.current_num_threads().max(1);
@@ -200,23 +226,35 @@ impl Kernels {
             if let Some(gemm) = &gemm {
                 let xs: Vec<&[u8]> = (0..n).map(|t| x.row(t).expect("t < n").bytes()).collect();
                 let mut packed = Vec::new();
-                // SAFETY: `gemm_for` chose a GEMM only at Avx512Vnni; the tile
-                // holds r1 - r0 whole rows and every token row matches them.
+                let (rb, m) = (w.row_bytes(), r1 - r0);
+                // SAFETY: `gemm_for` chose a wide GEMM only at Avx512Vnni and a
+                // 256-bit one only at Avx2 or above (a Kernels at a level
+                // exists only on a CPU with its features); the tile holds
+                // r1 - r0 whole rows and every token row matches them, its
+                // quants in -127..=127 as every quantized activation's.
                 unsafe {
-                    match gemm {
-                        Gemm::B32(fmt, sums) => {
-                            gemm32::repack(*fmt, tile, r1 - r0, w.row_bytes(), &mut packed);
-                            gemm32::gemm(*fmt, &packed, w.row_bytes() / fmt.block_bytes(), &xs, sums, outs);
+                    match (&gemm.kind, gemm.wide) {
+                        (GemmKind::B32(fmt, sums), true) => {
+                            gemm32::repack(*fmt, tile, m, rb, &mut packed);
+                            gemm32::gemm(*fmt, &packed, rb / fmt.block_bytes(), &xs, sums, outs);
                         }
-                        Gemm::K(fmt) => {
-                            gemm_k::repack(*fmt, tile, r1 - r0, w.row_bytes(), &mut packed);
-                            gemm_k::gemm(*fmt, &packed, w.row_bytes() / fmt.block_bytes(), &xs, outs);
+                        (GemmKind::B32(fmt, sums), false) => {
+                            gemm32::avx2::repack(*fmt, tile, m, rb, &mut packed);
+                            gemm32::avx2::gemm(*fmt, &packed, rb / fmt.block_bytes(), &xs, sums, outs);
+                        }
+                        (GemmKind::K(fmt), true) => {
+                            gemm_k::repack(*fmt, tile, m, rb, &mut packed);
+                            gemm_k::gemm(*fmt, &packed, rb / fmt.block_bytes(), &xs, outs);
+                        }
+                        (GemmKind::K(fmt), false) => {
+                            gemm_k::avx2::repack(*fmt, tile, m, rb, &mut packed);
+                            gemm_k::avx2::gemm(*fmt, &packed, rb / fmt.block_bytes(), &xs, outs);
                         }
                     }
                 }
                 return;
             }
-            // Without a repacking GEMM (AVX2), q4_0 / q5_0 tiles are decoded
+            // Without a repacking GEMM (the scalar level), q4_0 / q5_0 tiles are decoded
             // once to q8_0 for the chunk's tokens: the same bits, and the q8_0
             // rows kernel skips the per-token nibble and high-bit unpacking.
             let mut q8 = Vec::new();

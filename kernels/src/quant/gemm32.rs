@@ -25,6 +25,8 @@ use pulsar_gguf::GgmlType;
 use super::q8_0;
 use crate::simd::*;
 
+pub(crate) mod avx2;
+
 /// Rows per repacked group (the lanes of a 512-bit f32 vector).
 pub(crate) const GROUP: usize = 16;
 /// Tokens dotted against one load of a block's weight vectors.

@@ -24,6 +24,8 @@ use pulsar_gguf::GgmlType;
 use super::{q4_k, q6_k, q8_k};
 use crate::simd::*;
 
+pub(crate) mod avx2;
+
 /// Rows per repacked group (matmul sizes tasks by gemm32's, the same).
 pub(crate) const GROUP: usize = 16;
 const _: () = assert!(GROUP == super::gemm32::GROUP);
