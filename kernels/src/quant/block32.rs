@@ -36,6 +36,33 @@ pub(crate) trait Block32 {
     unsafe fn ints<D: U8I8Dot>(w: &[u8], ow: usize, y: __m256i) -> __m256i;
 }
 
+/// A format without a min whose block is `d` and 32 signed levels: it
+/// converts to q8_0 exactly.
+pub(crate) trait SignedLevels: Block32 {
+    /// The 32 levels of the block at `w[ow..]` as signed bytes.
+    ///
+    /// # Safety
+    /// AVX2; the block lies inside `w`.
+    unsafe fn level_bytes(w: &[u8], ow: usize) -> __m256i;
+}
+
+/// The blocks of `src` as q8_0 blocks in `dst` (the same `d`, the levels
+/// as signed bytes), as `quant::levels_as_q8_0`.
+///
+/// # Safety
+/// AVX2 + FMA + F16C; `dst` holds `src.len() / F::BYTES` q8_0 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn to_q8_0<F: SignedLevels>(src: &[u8], dst: &mut [u8]) {
+    let nb = src.len() / F::BYTES;
+    assert_eq!(dst.len(), nb * q8_0::BYTES);
+    for i in 0..nb {
+        let (o, od) = (i * F::BYTES, i * q8_0::BYTES);
+        dst[od..od + 2].copy_from_slice(&src[o..o + 2]);
+        // SAFETY: block i lies in `src` and its q8_0 copy in `dst` (lengths above).
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().add(od + 2).cast(), F::level_bytes(src, o)) }
+    }
+}
+
 /// The reference dot of `F` weights against q8_0 activations, bit for bit.
 ///
 /// # Safety

@@ -309,8 +309,8 @@ pub(crate) fn levels_as_q8_0(k: &Kernels, ty: GgmlType, src: &[u8], dst: &mut Ve
         // FMA and F16C; `dst` holds nb q8_0 blocks.
         unsafe {
             match ty {
-                GgmlType::Q4_0 => q4_0::to_q8_0_avx2(src, dst),
-                _ => q5_0::to_q8_0_avx2(src, dst),
+                GgmlType::Q4_0 => block32::to_q8_0::<q4_0::Fmt>(src, dst),
+                _ => block32::to_q8_0::<q5_0::Fmt>(src, dst),
             }
         }
         return true;

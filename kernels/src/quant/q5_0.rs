@@ -61,7 +61,7 @@ pub(crate) fn dot(w: &[u8], x: &[u8]) -> f32 {
 
 /// The block layout for the shared SIMD driver, which reproduces [`dot`] bit for bit.
 #[cfg(target_arch = "x86_64")]
-struct Fmt;
+pub(crate) struct Fmt;
 
 #[cfg(target_arch = "x86_64")]
 impl super::block32::Block32 for Fmt {
@@ -100,24 +100,11 @@ unsafe fn level_bytes<D: crate::simd::U8I8Dot>(w: &[u8], ow: usize) -> std::arch
     }
 }
 
-/// The blocks of `src` as q8_0 blocks in `dst` (the same `d`, the levels
-/// as signed bytes), as `quant::levels_as_q8_0`.
-///
-/// # Safety
-/// AVX2 + FMA + F16C; `dst` holds `src.len() / BYTES` q8_0 blocks.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn to_q8_0_avx2(src: &[u8], dst: &mut [u8]) {
-    let nb = src.len() / BYTES;
-    assert_eq!(dst.len(), nb * q8_0::BYTES);
-    for i in 0..nb {
-        let (o, od) = (i * BYTES, i * q8_0::BYTES);
-        dst[od..od + 2].copy_from_slice(&src[o..o + 2]);
-        // SAFETY: block i lies in `src` and its q8_0 copy in `dst` (lengths above).
-        unsafe {
-            let q = level_bytes::<crate::simd::Avx2Dot>(src, o);
-            std::arch::x86_64::_mm256_storeu_si256(dst.as_mut_ptr().add(od + 2).cast(), q);
-        }
+impl super::block32::SignedLevels for Fmt {
+    #[inline(always)]
+    unsafe fn level_bytes(w: &[u8], ow: usize) -> std::arch::x86_64::__m256i {
+        unsafe { level_bytes::<crate::simd::Avx2Dot>(w, ow) }
     }
 }
 
