@@ -144,7 +144,7 @@ pub trait SeqBackend {
     /// A state's recurrent parts at one position (to go back to).
     type Snap;
     fn new_state(&mut self, n_ctx: usize) -> Result<Self::State, EngineError>;
-    /// Bytes `s` holds.
+    /// Bytes of memory `s` holds now.
     fn state_bytes(s: &Self::State) -> usize;
     /// How many of `have` cached positions can stay when only the first
     /// `want` are wanted, without a snapshot.
@@ -160,10 +160,12 @@ pub trait SeqBackend {
     /// Whether rows of several sequences may share a step (else the engine
     /// runs one sequence a step).
     fn batches(&self) -> bool;
-    /// `s`'s cached positions were evicted (its blocks went back to the
-    /// pool): give their memory back where the backend can.
-    fn release(&mut self, s: &mut Self::State) {
-        let _ = s;
+    /// `s` now holds KV blocks for its first `positions` (more as it grows,
+    /// fewer when cut, none when evicted): back them with memory, and give
+    /// back what lies past them, where the backend can.
+    fn fit(&mut self, s: &mut Self::State, positions: usize) -> Result<(), EngineError> {
+        let _ = (s, positions);
+        Ok(())
     }
     /// One forward step: row `i` (`tokens[i]` at `positions[i]`) reads and
     /// extends `states[seqs[i]]`; a sequence's rows are contiguous and in
@@ -205,8 +207,12 @@ impl SeqBackend for CpuSeqs<'_> {
     fn copy_prefix(&self, to: &mut SeqState, from: &SeqState, n: usize) -> Result<(), EngineError> {
         to.copy_prefix(from, n).map_err(EngineError::Forward)
     }
-    fn release(&mut self, s: &mut SeqState) {
-        s.release();
+    fn fit(&mut self, s: &mut SeqState, positions: usize) -> Result<(), EngineError> {
+        // The buffers are mapped lazily: only an evicted cache has memory to give back.
+        if positions == 0 {
+            s.release();
+        }
+        Ok(())
     }
     fn batches(&self) -> bool {
         // A graph that reads a sequence's whole cache (an attention composed
@@ -320,18 +326,26 @@ impl<B: SeqBackend> BatchEngine<B> {
 
     /// Give slot `i`'s blocks past its first `keep` positions back.
     fn trim_blocks(&mut self, i: usize, keep: usize) {
-        let slot = &mut self.slots[i];
-        slot.blocks = slot.blocks.min(blocks_for(keep));
+        let blocks = self.slots[i].blocks.min(blocks_for(keep));
+        if blocks < self.slots[i].blocks {
+            self.slots[i].blocks = blocks;
+            // Giving memory back cannot fail short of a broken device; then
+            // the memory stays with the slot (the pool's count is still right).
+            if let Err(e) = self.backend.fit(&mut self.states[i], blocks * KV_BLOCK) {
+                tracing::warn!("kv pool: slot {i} kept memory past {} positions: {e}", blocks * KV_BLOCK);
+            }
+        }
     }
 
     /// Drop free slot `i`'s cache and give its blocks back.
     fn evict(&mut self, i: usize) {
         let slot = &mut self.slots[i];
-        tracing::debug!("kv pool: evicting free slot {i}'s {} cached positions", slot.history.len());
+        if slot.blocks > 0 {
+            tracing::debug!("kv pool: evicting free slot {i}'s {} cached positions", slot.history.len());
+        }
         slot.history.clear();
         slot.checkpoint = None;
-        slot.blocks = 0;
-        self.backend.release(&mut self.states[i]);
+        self.trim_blocks(i, 0);
     }
 
     /// Make slot `i` hold blocks for `positions`, evicting free slots'
@@ -349,7 +363,9 @@ impl<B: SeqBackend> BatchEngine<B> {
                 None => return Err(EngineError::KvFull { seq: i as u32, need, free: free(self), block: KV_BLOCK }),
             }
         }
-        self.slots[i].blocks += need;
+        let blocks = self.slots[i].blocks + need;
+        self.backend.fit(&mut self.states[i], blocks * KV_BLOCK)?;
+        self.slots[i].blocks = blocks;
         Ok(())
     }
 
@@ -369,7 +385,7 @@ impl<B: SeqBackend> BatchEngine<B> {
         self.slots.iter().filter(|s| !s.in_use).count()
     }
 
-    /// Bytes of all KV caches.
+    /// Bytes of memory all caches hold now (paged caches: what is mapped).
     pub fn kv_bytes(&self) -> usize {
         self.states.iter().map(B::state_bytes).sum()
     }
@@ -579,9 +595,12 @@ mod pool_tests {
         fn batches(&self) -> bool {
             true
         }
-        fn release(&mut self, s: &mut Vec<u32>) {
-            s.clear();
-            self.released += 1;
+        fn fit(&mut self, s: &mut Vec<u32>, positions: usize) -> Result<(), EngineError> {
+            if positions == 0 {
+                s.clear();
+                self.released += 1;
+            }
+            Ok(())
         }
         fn step(&mut self, states: &mut [Vec<u32>], seqs: &[u32], tokens: &[u32], positions: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
             let mut out: Vec<Vec<f32>> = Vec::new();
@@ -624,7 +643,7 @@ mod pool_tests {
         assert_eq!((e.kv_usage().used, e.kv_usage().cached), (0, 1), "a freed slot's cache is kept, as cached");
         e.forget_free();
         assert_eq!((e.kv_usage().used, e.kv_usage().cached), (0, 0));
-        assert_eq!(e.backend().released, 2, "both slots' memory given back");
+        assert_eq!(e.backend().released, 1, "the used slot gives its memory back (the other held none)");
     }
 
     #[test]

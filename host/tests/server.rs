@@ -280,7 +280,14 @@ fn a_kv_pool_smaller_than_every_slot_pauses_and_resumes_sequences() {
     let opts = ServeOptions { port: 0, api_key: Some(KEY.into()), n_ctx: 256, parallel: 4, kv_pool: Some(304), model_id: "tiny".into(), ..ServeOptions::default() };
     let srv = Server::start(backend, opts, None).unwrap();
     let c = Client::new(srv.addr(), Some(KEY));
-    let m = metrics(&c);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let m = loop {
+        let m = metrics(&c);
+        if m["kv_blocks_total"] != 0 || Instant::now() > deadline {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
     assert_eq!((m["kv_blocks_total"].as_u64(), m["kv_block_positions"].as_u64()), (Some(19), Some(16)), "{m}");
     let body = |i: usize| json!({"prompt": format!("Client {i} counts"), "max_tokens": 100, "temperature": 0, "ignore_eos": true});
     let text = |r: &http::Resp| {

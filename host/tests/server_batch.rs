@@ -123,6 +123,26 @@ fn check_cuda_batched_equals_solo(model: &Model, a: &[u32], b: &[u32]) {
     assert_rows_equal("two decodes around a prompt in one CUDA step", &out, &[ra[1].clone(), rc[0].clone(), rb[1].clone()]);
     let out = be.step(&[BatchItem { seq: sc, tokens: &tc[..1] }]).unwrap();
     assert_rows_equal("a decode alone after the batch", &out, &rc[1..2]);
+    drop(be);
+    // Paged caches (every one, however small) drawing on a pool of one
+    // context and a half: the same bits, and memory only while cached.
+    let mut be = BatchEngine::with_backend(CudaSeqs::new(model, &cm, None).unwrap().paged_from(0), 256, 3).unwrap().with_kv_pool(384);
+    assert_eq!(be.kv_bytes(), 0, "paged caches hold no memory before they are used");
+    let (got_a, got_b) = batched(&mut be, a, b, &ta, &tb);
+    assert_rows_equal("sequence A (paged CUDA batch)", &got_a, &ra);
+    assert_rows_equal("sequence B (paged CUDA batch)", &got_b, &rb);
+    assert!(be.kv_bytes() > 0);
+    be.forget_free();
+    assert!(be.kv_bytes() > 0, "running sequences keep their pages");
+    for s in 0..3 {
+        be.free(SeqId(s));
+    }
+    be.forget_free();
+    assert_eq!(be.kv_bytes(), 0, "evicted caches give their pages back");
+    assert_eq!(be.kv_usage().used + be.kv_usage().cached, 0);
+    // And again after the pages went back: the same bits.
+    let (got_a, _) = batched(&mut be, a, b, &ta, &tb);
+    assert_rows_equal("sequence A (paged, pages mapped again)", &got_a, &ra);
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -2,6 +2,10 @@
 //!
 //! `DeviceBuf<T>` is a plain `cuMemAlloc` allocation of `len` values of a
 //! plain-old-data `T`; copies go through a stream of the device that owns it.
+//! A paged one ([`DeviceBuf::alloc_paged`]) reserves the addresses of all
+//! `len` values but backs only a prefix with physical pages
+//! ([`DeviceBuf::back`]): a KV cache that takes memory as its sequence grows,
+//! at an address that never moves (captured graphs keep working).
 //! `PinnedBuf<T>` is page-locked host memory allocated with flags 0 (cached,
 //! not write-combined: the CPU lane reads it at full speed).
 
@@ -31,7 +35,37 @@ pub struct DeviceBuf<T: Pod> {
     ptr: sys::CUdeviceptr,
     len: usize,
     ctx: Arc<CudaContext>,
+    /// Reserved addresses with physical pages mapped on demand (None: cuMemAlloc).
+    paged: Option<Box<Pages>>,
     _t: PhantomData<T>,
+}
+
+/// A paged buffer's reservation and its mapped pages, in address order.
+struct Pages {
+    reserved: usize,
+    page: usize,
+    prop: sys::CUmemAllocationProp,
+    mapped: Vec<sys::CUmemGenericAllocationHandle>,
+}
+
+/// The physical page size paged buffers map (the device's allocation
+/// granularity: 2 MiB on current GPUs).
+pub fn page_bytes(ctx: &Arc<CudaContext>) -> Result<usize, CudaError> {
+    let prop = page_prop(ctx);
+    let mut g = 0usize;
+    ctx.bind_to_thread()?;
+    // SAFETY: prop describes pinned device memory of this context's device.
+    unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) }.result()?;
+    Ok(g.max(1))
+}
+
+fn page_prop(ctx: &Arc<CudaContext>) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct; zero is every field's "none".
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ctx.ordinal() as i32;
+    prop
 }
 
 impl<T: Pod> std::fmt::Debug for DeviceBuf<T> {
@@ -57,8 +91,79 @@ impl<T: Pod> DeviceBuf<T> {
             ptr,
             len,
             ctx: ctx.clone(),
+            paged: None,
             _t: PhantomData,
         })
+    }
+
+    /// Addresses for `len` values with no memory behind them yet: [`DeviceBuf::back`]
+    /// maps pages for a prefix. Reading or writing past the backed prefix faults.
+    pub(crate) fn alloc_paged(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
+        let page = page_bytes(ctx)?;
+        let reserved = len
+            .checked_mul(std::mem::size_of::<T>())
+            .and_then(|b| b.max(1).checked_next_multiple_of(page))
+            .ok_or_else(|| shape("alloc_paged", format!("{len} values overflow")))?;
+        let mut ptr = 0;
+        ctx.bind_to_thread()?;
+        // SAFETY: reserves addresses only; freed in Drop.
+        unsafe { sys::cuMemAddressReserve(&mut ptr, reserved, page, 0, 0) }.result()?;
+        let pages = Pages { reserved, page, prop: page_prop(ctx), mapped: Vec::new() };
+        Ok(DeviceBuf { ptr, len, ctx: ctx.clone(), paged: Some(Box::new(pages)), _t: PhantomData })
+    }
+
+    /// Whether only a prefix of this buffer has memory ([`DeviceBuf::alloc_paged`]).
+    pub fn is_paged(&self) -> bool {
+        self.paged.is_some()
+    }
+
+    /// Bytes with memory behind them: all of a plain buffer, the mapped
+    /// pages of a paged one.
+    pub fn backed_bytes(&self) -> usize {
+        self.paged.as_ref().map_or(self.bytes(), |p| (p.mapped.len() * p.page).min(self.bytes()))
+    }
+
+    /// Back exactly the pages the first `n` values touch (a paged buffer;
+    /// a plain one is always backed): map new pages past the end, or unmap
+    /// those past it. Unmapping waits for the context's work first, so no
+    /// kernel still reads a page that goes.
+    pub fn back(&mut self, n: usize) -> Result<(), CudaError> {
+        let n = n.min(self.len);
+        let Some(p) = self.paged.as_deref_mut() else { return Ok(()) };
+        let want = (n * std::mem::size_of::<T>()).div_ceil(p.page);
+        if want == p.mapped.len() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        if want < p.mapped.len() {
+            self.ctx.synchronize()?;
+        }
+        while p.mapped.len() > want {
+            let at = self.ptr + ((p.mapped.len() - 1) * p.page) as u64;
+            // SAFETY: the last mapped page, idle (synchronised above).
+            unsafe { sys::cuMemUnmap(at, p.page) }.result()?;
+            if let Some(h) = p.mapped.pop() {
+                // SAFETY: unmapped above; released once.
+                unsafe { sys::cuMemRelease(h) }.result()?;
+            }
+        }
+        while p.mapped.len() < want {
+            let at = self.ptr + (p.mapped.len() * p.page) as u64;
+            let mut h = 0;
+            // SAFETY: one page of pinned device memory, mapped into this
+            // buffer's reservation past its mapped prefix.
+            unsafe { sys::cuMemCreate(&mut h, p.page, &p.prop, 0) }.result()?;
+            if let Err(e) = unsafe { sys::cuMemMap(at, p.page, 0, h, 0) }.result() {
+                // SAFETY: created above, never mapped.
+                let _ = unsafe { sys::cuMemRelease(h) };
+                return Err(e.into());
+            }
+            p.mapped.push(h);
+            let access = sys::CUmemAccessDesc { location: p.prop.location, flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+            // SAFETY: the page mapped above.
+            unsafe { sys::cuMemSetAccess(at, p.page, &access, 1) }.result()?;
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -101,6 +206,9 @@ impl<T: Pod> DeviceBuf<T> {
     pub fn upload_prefix(&mut self, stream: &CudaStream, src: &[T]) -> Result<(), CudaError> {
         if src.len() > self.len {
             return Err(shape("upload", format!("{} values into a buffer of {}", src.len(), self.len)));
+        }
+        if std::mem::size_of_val(src) > self.backed_bytes() {
+            return Err(shape("upload", format!("{} values into a paged buffer backed for {} bytes", src.len(), self.backed_bytes())));
         }
         if src.is_empty() {
             return Ok(());
@@ -157,7 +265,7 @@ impl<T: Pod> DeviceBuf<T> {
     pub fn fill_bytes(&mut self, stream: &CudaStream, byte: u8) -> Result<(), CudaError> {
         self.ctx.bind_to_thread()?;
         // SAFETY: the range is this allocation.
-        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes(), stream.cu_stream()) }?;
+        unsafe { result::memset_d8_async(self.ptr, byte, self.backed_bytes(), stream.cu_stream()) }?;
         Ok(())
     }
 
@@ -170,11 +278,14 @@ impl<T: Pod> DeviceBuf<T> {
         }
         self.ctx.bind_to_thread()?;
         // SAFETY: the range is this allocation.
-        unsafe { cudarc::driver::sys::cuMemsetD32Async(self.ptr, word, self.bytes() / 4, stream.cu_stream()) }.result()?;
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(self.ptr, word, self.backed_bytes() / 4, stream.cu_stream()) }.result()?;
         Ok(())
     }
 
     fn check_len(&self, op: &'static str, n: usize) -> Result<(), CudaError> {
+        if n * std::mem::size_of::<T>() > self.backed_bytes() && n <= self.len {
+            return Err(shape(op, format!("{n} values of a paged buffer backed for {} bytes", self.backed_bytes())));
+        }
         if n != self.len {
             return Err(shape(
                 op,
@@ -188,9 +299,27 @@ impl<T: Pod> DeviceBuf<T> {
 impl<T: Pod> Drop for DeviceBuf<T> {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by malloc_sync in this context, freed once.
-            unsafe {
-                let _ = result::free_sync(self.ptr);
+            match self.paged.take() {
+                // SAFETY: allocated by malloc_sync in this context, freed once.
+                None => unsafe {
+                    let _ = result::free_sync(self.ptr);
+                },
+                Some(p) => {
+                    // Kernels may still read the pages: wait, then unmap,
+                    // release and free the reservation, each once.
+                    let _ = self.ctx.synchronize();
+                    for (i, &h) in p.mapped.iter().enumerate() {
+                        // SAFETY: page i is mapped at this offset; idle.
+                        unsafe {
+                            let _ = sys::cuMemUnmap(self.ptr + (i * p.page) as u64, p.page);
+                            let _ = sys::cuMemRelease(h);
+                        }
+                    }
+                    // SAFETY: reserved by alloc_paged with this size.
+                    unsafe {
+                        let _ = sys::cuMemAddressFree(self.ptr, p.reserved);
+                    }
+                }
             }
         }
     }

@@ -181,6 +181,14 @@ impl CudaDevice {
     pub fn alloc<T: Pod>(&self, len: usize) -> Result<DeviceBuf<T>, CudaError> {
         DeviceBuf::alloc(&self.ctx, len)
     }
+    /// Addresses for `len` values, backed by pages only as [`DeviceBuf::back`] maps them.
+    pub fn alloc_paged<T: Pod>(&self, len: usize) -> Result<DeviceBuf<T>, CudaError> {
+        DeviceBuf::alloc_paged(&self.ctx, len)
+    }
+    /// The page size of paged buffers.
+    pub fn page_bytes(&self) -> Result<usize, CudaError> {
+        crate::buf::page_bytes(&self.ctx)
+    }
     /// A device copy of `src` (through the compute stream).
     pub fn upload<T: Pod>(&self, src: &[T]) -> Result<DeviceBuf<T>, CudaError> {
         let mut b = DeviceBuf::alloc(&self.ctx, src.len())?;

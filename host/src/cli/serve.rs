@@ -36,7 +36,8 @@ pub struct Args {
     /// GiB of KV cache shared by all sequences, taken in blocks of 16
     /// positions as they grow (default: every slot at full --ctx). When it
     /// runs out, the newest sequence pauses until room comes back. At least
-    /// one full context. CPU backend only, for now.
+    /// one full context. On a GPU the caches map VRAM pages as they grow and
+    /// the VRAM budget reserves the pool, not every slot's full context.
     #[arg(long, value_name = "GIB")]
     pub kv_pool: Option<f64>,
     /// Most tokens in one batched step (prefill chunks share it with decodes).
@@ -294,9 +295,6 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     if device.is_none() && gpu_likely {
         check_memory(cpu_kv)?;
     }
-    if device.is_some() && kv_pool.is_some() {
-        anyhow::bail!("--kv-pool: the CUDA backend still gives every slot its full --ctx of VRAM; leave it out (or use --device cpu)");
-    }
     super::warn_past_trained_ctx(&model, n_ctx);
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let model_id = a.alias.clone().unwrap_or_else(|| a.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()));
@@ -359,7 +357,13 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     let (compute, backend_line) = match device {
         Some(dev) => {
             let census = crate::cuda::warm_census(&a.model, &model);
-            let opts = a.gpu.load_options(kv_total, census, store.as_ref().is_some_and(|s| s.cached));
+            // Paged caches: the budget holds the pool, the caches too small
+            // to page, and a page of slack per paged cache and slot.
+            let kv_vram = match kv_pool {
+                Some(n) => kv_total.min(CudaKv::paged_bytes_for(&model, n_ctx, a.parallel, n, dev.page_bytes()?)),
+                None => kv_total,
+            };
+            let opts = a.gpu.load_options(kv_vram, census, store.as_ref().is_some_and(|s| s.cached));
             let cm = CudaModel::load(dev, &model, &opts)?;
             if let Some(r) = ranges {
                 cm.set_host_pinned(r);

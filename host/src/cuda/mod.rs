@@ -415,6 +415,10 @@ fn size(b: u64) -> String {
     }
 }
 
+/// Caches smaller than this many pages are allocated whole even when paged:
+/// a page each would cost more than it saves.
+pub const PAGED_MIN_PAGES: usize = 4;
+
 /// The KV cache on the device: f32 rows, one key and one value buffer per
 /// KV state (by state index).
 pub struct CudaKv {
@@ -447,6 +451,73 @@ impl CudaKv {
             }
         }
         Ok(CudaKv { n_ctx, layers, rows, recurrent })
+    }
+
+    /// As [`CudaKv::new`], but each KV and rows cache of at least
+    /// `min_pages` pages ([`PAGED_MIN_PAGES`] serves) is paged: its addresses
+    /// are reserved for `n_ctx` positions and [`CudaKv::back`] maps memory
+    /// as the sequence grows (smaller ones are allocated whole: a page each
+    /// would cost more than they take).
+    pub fn new_paged(dev: &CudaDevice, model: &Model, n_ctx: usize, min_pages: usize) -> Result<CudaKv, CudaBackendError> {
+        let page = dev.page_bytes()?;
+        let alloc = |n: usize| if n * 4 >= min_pages * page { dev.alloc_paged::<f32>(n) } else { dev.alloc::<f32>(n) };
+        let mut kv = CudaKv { n_ctx, layers: HashMap::new(), rows: HashMap::new(), recurrent: HashMap::new() };
+        for (i, s) in model.plan.states.iter().enumerate() {
+            let n: usize = s.dims.iter().product::<u64>() as usize;
+            if let Some((h, dk, dv, _)) = s.as_kv() {
+                let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
+                kv.layers.insert(i, (kw, vw, alloc(kw * n_ctx)?, alloc(vw * n_ctx)?));
+            } else if s.kind == pulsar_plugin_api::STATE_ROWS {
+                kv.rows.insert(i, (n, alloc(n * n_ctx)?));
+            } else if s.kind == pulsar_plugin_api::STATE_RECURRENT {
+                kv.recurrent.insert(i, dev.alloc::<f32>(n)?);
+            }
+        }
+        Ok(kv)
+    }
+
+    /// Give the paged caches memory for exactly their first `positions`
+    /// (rounded up to pages): more as the sequence grows, less when it is
+    /// cut or evicted.
+    pub fn back(&mut self, positions: usize) -> Result<(), CudaBackendError> {
+        let n = positions.min(self.n_ctx);
+        for (kw, vw, k, v) in self.layers.values_mut() {
+            k.back(n * *kw)?;
+            v.back(n * *vw)?;
+        }
+        for (w, b) in self.rows.values_mut() {
+            b.back(n * *w)?;
+        }
+        Ok(())
+    }
+
+    /// Device memory the caches hold now (a paged cache's mapped pages).
+    pub fn backed_bytes(&self) -> usize {
+        let kv: usize = self.layers.values().map(|(_, _, k, v)| k.backed_bytes() + v.backed_bytes()).sum();
+        kv + self.rows.values().map(|(_, b)| b.backed_bytes()).sum::<usize>() + self.recurrent.values().map(|b| b.bytes()).sum::<usize>()
+    }
+
+    /// The most VRAM `n_seq` paged sequences of `n_ctx` positions take when
+    /// together they hold `pool` positions: the unpaged caches whole, the
+    /// paged ones `pool` positions plus up to a page each per sequence.
+    pub fn paged_bytes_for(model: &Model, n_ctx: usize, n_seq: usize, pool: usize, page: usize) -> u64 {
+        let (mut whole, mut per_pos, mut paged) = (0u64, 0u64, 0u64);
+        for s in &model.plan.states {
+            let widths: Vec<u64> = match (s.as_kv(), s.kind) {
+                (Some((h, dk, dv, _)), _) => vec![(h * dk) as u64, (h * dv) as u64],
+                (None, pulsar_plugin_api::STATE_ROWS) => vec![s.dims.iter().product()],
+                _ => continue,
+            };
+            for w in widths {
+                if (w as usize) * n_ctx * 4 >= PAGED_MIN_PAGES * page {
+                    per_pos += 4 * w;
+                    paged += 1;
+                } else {
+                    whole += 4 * w * n_ctx as u64;
+                }
+            }
+        }
+        n_seq as u64 * (whole + paged * page as u64) + per_pos * pool as u64
     }
 
     pub fn bytes_for(model: &Model, n_ctx: usize) -> u64 {

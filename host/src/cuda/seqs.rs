@@ -15,12 +15,26 @@ pub struct CudaSeqs<'m> {
     run: CudaRunner<'m>,
     /// Largest chunk one step may run (the activation reserve's).
     max_rows: usize,
+    /// Caches of at least this many pages take VRAM pages as they grow
+    /// ([`CudaKv::new_paged`]) instead of their full context at once.
+    paged: Option<usize>,
 }
 
 impl<'m> CudaSeqs<'m> {
     pub fn new(model: &'m Model, cm: &'m CudaModel, store: Option<&'m StoreExperts>) -> Result<CudaSeqs<'m>, EngineError> {
         let run = CudaRunner::new(model, cm).map_err(|e| EngineError::Forward(e.to_string()))?.with_store(store);
-        Ok(CudaSeqs { run, max_rows: cm.max_chunk })
+        Ok(CudaSeqs { run, max_rows: cm.max_chunk, paged: None })
+    }
+
+    /// Page the sequences' caches: each maps VRAM for the positions the
+    /// engine's KV pool gives it (for `BatchEngine::with_kv_pool`).
+    pub fn paged(self) -> CudaSeqs<'m> {
+        self.paged_from(super::PAGED_MIN_PAGES)
+    }
+
+    /// As [`CudaSeqs::paged`] for caches of at least `min_pages` pages (0: all).
+    pub fn paged_from(self, min_pages: usize) -> CudaSeqs<'m> {
+        CudaSeqs { paged: Some(min_pages), ..self }
     }
 
     /// The most rows one step should carry (the prefill chunk the VRAM
@@ -38,10 +52,18 @@ impl SeqBackend for CudaSeqs<'_> {
     type State = CudaKv;
     type Snap = CudaSnapshot;
     fn new_state(&mut self, n_ctx: usize) -> Result<CudaKv, EngineError> {
-        CudaKv::new(&self.run.cm.dev, self.run.model, n_ctx).map_err(|e| EngineError::Forward(format!("allocating a sequence's cache of {n_ctx} positions: {e}")))
+        let (dev, model) = (&self.run.cm.dev, self.run.model);
+        let kv = match self.paged {
+            Some(min_pages) => CudaKv::new_paged(dev, model, n_ctx, min_pages),
+            None => CudaKv::new(dev, model, n_ctx),
+        };
+        kv.map_err(|e| EngineError::Forward(format!("allocating a sequence's cache of {n_ctx} positions: {e}")))
+    }
+    fn fit(&mut self, s: &mut CudaKv, positions: usize) -> Result<(), EngineError> {
+        s.back(positions).map_err(|e| EngineError::Forward(format!("mapping VRAM for {positions} cached positions: {e}")))
     }
     fn state_bytes(s: &CudaKv) -> usize {
-        s.bytes()
+        s.backed_bytes()
     }
     fn keepable(s: &CudaKv, want: usize, have: usize) -> usize {
         // A recurrent state cannot go back without a snapshot: a restart.

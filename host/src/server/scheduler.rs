@@ -96,6 +96,10 @@ struct Active<'t> {
     stops: StopMatcher,
     admitted: Instant,
     first_token: Option<Instant>,
+    /// Paused for KV blocks with this many others running: it goes on once
+    /// fewer run (one finished, so its blocks came back), never sooner, or
+    /// it would pause again at once.
+    paused_beside: usize,
 }
 
 impl Active<'_> {
@@ -162,6 +166,7 @@ pub fn run(p: EngineParts, rx: Receiver<Cmd>) {
                 return fail_all(&p, rx, &format!("the GPU is not usable: {e}"));
             }
             let seqs = match crate::cuda::CudaSeqs::new(&p.model, cm, store.as_deref()) {
+                Ok(s) if p.kv_pool.is_some() => s.paged(),
                 Ok(s) => s,
                 Err(e) => return fail_all(&p, rx, &e.to_string()),
             };
@@ -334,7 +339,7 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
         }
         // Paused sequences go on first, once the pool holds what they had
         // (alone, a sequence always fits: the pool holds one full context).
-        while engine.n_free() > 0 && parked.front().is_some_and(|a| active.is_empty() || engine.has_room_for(a.todo.len())) {
+        while engine.n_free() > 0 && parked.front().is_some_and(|a| active.len() < a.paused_beside && engine.has_room_for(a.todo.len()) || active.is_empty()) {
             let Some(mut a) = parked.pop_front() else { break };
             let Some((seq, cached)) = engine.alloc(&a.todo) else {
                 parked.push_front(a);
@@ -375,6 +380,7 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
                 stops: StopMatcher::new(job.stops.clone()),
                 admitted: Instant::now(),
                 first_token: None,
+                paused_beside: 0,
                 job,
             });
         }
@@ -419,6 +425,7 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
                 all.append(&mut a.todo);
                 a.todo = all;
                 engine.free(a.seq);
+                a.paused_beside = active.len();
                 m.sequences_preempted.fetch_add(1, Relaxed);
                 tracing::info!("kv pool full (sequence {seq} needed {need} blocks, {free} free): sequence {} paused at {} positions", a.seq.0, a.todo.len());
                 parked.push_back(a);
