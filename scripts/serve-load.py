@@ -11,7 +11,11 @@ zero-copy reads and CPU-lane reads; the host store's hit rates where there
 is no GPU).
 
   scripts/serve-load.py --url http://127.0.0.1:11435 --streams 1,4,16,64 \
-      --tokens 64 --rounds 2 [--api-key KEY] [--json out.json]
+      --tokens 64 --rounds 2 [--api-key KEY] [--json out.json] [--texts out.json]
+
+`--texts` writes every request's generated text by prompt (greedy: two
+servers given the same requests must write the same file). The KV pool's
+peak blocks in use and the sequences paused for KV blocks come from /metrics.
 
 Every request is bounded (a timeout, a fixed token count); the run stops at
 the first failed request and says which.
@@ -66,7 +70,7 @@ class Target:
         r = c.getresponse()
         if r.status != 200:
             raise RuntimeError(f"/v1/completions: HTTP {r.status}: {r.read()[:300]!r}")
-        first, n_chunks, usage = None, 0, None
+        first, n_chunks, usage, text = None, 0, None, []
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -78,12 +82,13 @@ class Target:
             if ev.get("usage"):
                 usage = ev["usage"]
             if any(ch.get("text") for ch in ev.get("choices", [])):
+                text.extend(ch.get("text") or "" for ch in ev["choices"])
                 n_chunks += 1
                 if first is None:
                     first = time.monotonic() - t0
         c.close()
         n = usage["completion_tokens"] if usage else n_chunks
-        return (first if first is not None else time.monotonic() - t0), n, time.monotonic() - t0
+        return (first if first is not None else time.monotonic() - t0), n, time.monotonic() - t0, "".join(text)
 
 
 def expert_bytes(m):
@@ -94,15 +99,26 @@ def expert_bytes(m):
     return pool.get("uploaded_bytes", 0) + pool.get("zero_copy_bytes", 0) + pool.get("cpu_lane_bytes", 0)
 
 
-def level(t, n, tokens, rounds):
+def level(t, n, tokens, rounds, texts):
     before = t.metrics()
     ttfts, counts, errors = [], [0] * n, []
     lock = threading.Lock()
+    peak = [0]
+    done = threading.Event()
+
+    def watch():
+        # The pool's blocks in use, sampled while the level runs.
+        while not done.wait(0.05):
+            try:
+                peak[0] = max(peak[0], t.metrics().get("kv_blocks_used", 0))
+            except Exception:  # noqa: BLE001 - a sample lost is no error
+                pass
 
     def worker(i):
         for r in range(rounds):
+            p = prompt_for(i * rounds + r)
             try:
-                ttft, got, _ = t.stream(prompt_for(i * rounds + r), tokens)
+                ttft, got, _, text = t.stream(p, tokens)
             except Exception as e:  # noqa: BLE001 - reported, then the run stops
                 with lock:
                     errors.append(f"stream {i} round {r}: {e}")
@@ -110,14 +126,19 @@ def level(t, n, tokens, rounds):
             with lock:
                 ttfts.append(ttft)
                 counts[i] += got
+                texts[f"{n}/{p}"] = text
 
     t0 = time.monotonic()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     wall = time.monotonic() - t0
+    done.set()
+    watcher.join()
     after = t.metrics()
     if errors:
         raise RuntimeError("; ".join(errors[:3]))
@@ -136,6 +157,9 @@ def level(t, n, tokens, rounds):
         "steps": steps,
         "mean_rows_per_step": rows,
         "expert_bytes_per_token": (eb / gen) if (eb is not None and gen) else None,
+        "kv_blocks_peak": peak[0],
+        "kv_blocks_total": after.get("kv_blocks_total", 0),
+        "paused": after.get("sequences_preempted", 0) - before.get("sequences_preempted", 0),
     }
 
 
@@ -148,23 +172,27 @@ def main():
     ap.add_argument("--api-key")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds any one request may take")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--texts", help="write each request's generated text here (JSON, by level and prompt)")
     a = ap.parse_args()
     t = Target(a.url, a.api_key, a.timeout)
-    rows = []
-    print("| streams | generated | aggregate tok/s | mean TTFT ms | mean rows/step | expert MiB/token |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    rows, texts = [], {}
+    print("| streams | generated | aggregate tok/s | mean TTFT ms | mean rows/step | expert MiB/token | KV blocks peak / pool | paused |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in [int(x) for x in a.streams.split(",") if x]:
         try:
-            r = level(t, n, a.tokens, a.rounds)
+            r = level(t, n, a.tokens, a.rounds, texts)
         except Exception as e:  # noqa: BLE001
             print(f"streams {n}: {e}", file=sys.stderr)
             sys.exit(1)
         rows.append(r)
         eb = "n/a" if r["expert_bytes_per_token"] is None else f"{r['expert_bytes_per_token'] / 2**20:.1f}"
-        print(f"| {n} | {r['generated']} | {r['aggregate_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} | {r['mean_rows_per_step']:.1f} | {eb} |", flush=True)
+        print(f"| {n} | {r['generated']} | {r['aggregate_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} | {r['mean_rows_per_step']:.1f} | {eb} | {r['kv_blocks_peak']} / {r['kv_blocks_total']} | {r['paused']} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if a.texts:
+        with open(a.texts, "w") as f:
+            json.dump(texts, f, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

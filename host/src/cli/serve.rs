@@ -224,8 +224,8 @@ fn kv_pool_positions(gib: Option<f64>, per_token: u64, n_ctx: usize) -> anyhow::
     let positions = (g * (1u64 << 30) as f64 / per_token as f64) as usize;
     if positions < n_ctx {
         anyhow::bail!(
-            "--kv-pool {g} GiB holds {positions} positions, less than one sequence's --ctx {n_ctx} ({:.3} GiB)",
-            (n_ctx as u64 * per_token) as f64 / (1u64 << 30) as f64
+            "--kv-pool {g} GiB holds {positions} positions, less than one sequence's --ctx {n_ctx} ({:.2} MiB)",
+            (n_ctx as u64 * per_token) as f64 / (1u64 << 20) as f64
         );
     }
     Ok(Some(positions))
