@@ -586,9 +586,13 @@ impl CudaDevice {
         n_tok: usize,
         y: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
+        // A few tokens (a decode step of a few served sequences) fill the
+        // dp4a kernel's 8-token tiles; the tensor cores' 64-token tiles would
+        // mostly multiply padding. Both give the GEMV's bits.
+        let kernel = if n_tok <= QGEMM_TOKENS { GemmKernel::Dp4a } else { GemmKernel::default_for(self.compute_capability()) };
         self.gemm_with(
             stream,
-            GemmKernel::default_for(self.compute_capability()),
+            kernel,
             ty,
             w,
             rows,
