@@ -79,6 +79,8 @@ class Target:
             if data == "[DONE]":
                 break
             ev = json.loads(data)
+            if ev.get("error"):
+                raise RuntimeError(f"/v1/completions: {ev['error']}")
             if ev.get("usage"):
                 usage = ev["usage"]
             if any(ch.get("text") for ch in ev.get("choices", [])):
