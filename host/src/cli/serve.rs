@@ -37,7 +37,9 @@ pub struct Args {
     /// positions as they grow (default: every slot at full --ctx). When it
     /// runs out, the newest sequence pauses until room comes back. At least
     /// one full context. On a GPU the caches map VRAM pages as they grow and
-    /// the VRAM budget reserves the pool, not every slot's full context.
+    /// the VRAM budget reserves the pool, not every slot's full context; there
+    /// the default is a pool of a quarter of the VRAM past the weights when
+    /// every slot at full context would take more.
     #[arg(long, value_name = "GIB")]
     pub kv_pool: Option<f64>,
     /// Most tokens in one batched step (prefill chunks share it with decodes).
@@ -214,6 +216,28 @@ fn kv_bytes(parallel: usize, n_ctx: usize, per_token: u64) -> anyhow::Result<u64
         .ok_or_else(|| anyhow::anyhow!("--parallel {parallel} x --ctx {n_ctx} sequences' KV caches overflow 64 bits"))
 }
 
+/// Without `--kv-pool` on a GPU: every slot at full context while that takes
+/// at most a quarter of the VRAM past the resident weights, else a paged pool
+/// of that quarter (never below one full context), so slots x context never
+/// crowd the expert pool out of the budget.
+fn default_gpu_pool(model: &crate::model::Model, gpu: &super::GpuArgs, dev: &pulsar_cuda::CudaDevice, kv_total: u64, per_token: u64, n_ctx: usize) -> anyhow::Result<Option<usize>> {
+    let budget = match gpu.vram_budget_bytes() {
+        Some(b) => b,
+        None => dev.memory()?.1 as u64,
+    };
+    let quarter = budget.saturating_sub(model.memory_plan().resident_bytes) / 4;
+    if kv_total <= quarter || per_token == 0 {
+        return Ok(None);
+    }
+    let positions = ((quarter / per_token) as usize).max(n_ctx);
+    tracing::info!(
+        "KV cache: --parallel x --ctx would take {:.2} GiB, more than a quarter of the VRAM past the weights: a paged pool of {positions} positions ({:.2} GiB; --kv-pool sets it)",
+        kv_total as f64 / (1u64 << 30) as f64,
+        (positions as u64 * per_token) as f64 / (1u64 << 30) as f64
+    );
+    Ok(Some(positions))
+}
+
 /// The most address space every slot's full-context caches may map (a
 /// quarter of x86-64's 47-bit user space).
 const MAX_KV_MAPPING: u64 = 1 << 45;
@@ -274,7 +298,7 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     // the budget.
     let per_token = CudaKv::bytes_for(&model, 1);
     let kv_total = kv_bytes(a.parallel, n_ctx, per_token)?;
-    let kv_pool = kv_pool_positions(a.kv_pool, per_token, n_ctx)?;
+    let mut kv_pool = kv_pool_positions(a.kv_pool, per_token, n_ctx)?;
     // The CPU's caches take memory only where written: the pool bounds that,
     // but every slot's full context is still mapped (address space, not memory).
     let cpu_kv = kv_pool.map_or(kv_total, |n| kv_total.min(n as u64 * per_token));
@@ -330,7 +354,7 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         sampling.min_p,
         sampling.repeat_penalty
     );
-    let opts = ServeOptions {
+    let mut opts = ServeOptions {
         sampling,
         host: a.host.clone(),
         port: a.port,
@@ -359,6 +383,9 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
             let census = crate::cuda::warm_census(&a.model, &model);
             // Paged caches: the budget holds the pool, the caches too small
             // to page, and a page of slack per paged cache and slot.
+            if kv_pool.is_none() {
+                kv_pool = default_gpu_pool(&model, &a.gpu, &dev, kv_total, per_token, n_ctx)?;
+            }
             let kv_vram = match kv_pool {
                 Some(n) => kv_total.min(CudaKv::paged_bytes_for(&model, n_ctx, a.parallel, n, dev.page_bytes()?)),
                 None => kv_total,
@@ -400,6 +427,8 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
             v
         })),
     };
+    // A GPU may have chosen a pool (default_gpu_pool).
+    opts.kv_pool = kv_pool;
     let model = Arc::new(model);
     let backend = Backend { model: model.clone(), compute, tier_stats };
     let model_path = a.model.clone();
@@ -409,10 +438,11 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         let addr = listener.local_addr()?;
         let shown = if addr.is_ipv6() { format!("[{}]:{}", addr.ip(), addr.port()) } else { addr.to_string() };
         eprintln!(
-            "pulsar-host serve: listening on http://{shown} (model {}, on {backend_line}, ctx {} per sequence, {} sequence slots{})",
+            "pulsar-host serve: listening on http://{shown} (model {}, on {backend_line}, ctx {} per sequence, {} sequence slots{}{})",
             opts.model_id,
             opts.n_ctx,
             opts.parallel,
+            opts.kv_pool.map_or_else(String::new, |n| format!(", a KV pool of {n} positions")),
             if opts.api_key.is_some() { ", API key required" } else { "" }
         );
         // Save the expert census like the CLI does, once nothing runs the model.
