@@ -431,36 +431,20 @@ pub struct CudaKv {
 }
 
 impl CudaKv {
+    /// Every cache allocated whole for `n_ctx` positions.
     pub fn new(dev: &CudaDevice, model: &Model, n_ctx: usize) -> Result<CudaKv, CudaBackendError> {
-        let mut layers = HashMap::new();
-        for (i, (h, dk, dv, _)) in model.plan.states.iter().enumerate().filter_map(|(i, s)| Some((i, s.as_kv()?))) {
-            let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
-            layers.insert(i, (kw, vw, dev.alloc::<f32>(kw * n_ctx)?, dev.alloc::<f32>(vw * n_ctx)?));
-        }
-        let (mut rows, mut recurrent) = (HashMap::new(), HashMap::new());
-        for (i, s) in model.plan.states.iter().enumerate() {
-            let n: usize = s.dims.iter().product::<u64>() as usize;
-            match s.kind {
-                pulsar_plugin_api::STATE_ROWS => {
-                    rows.insert(i, (n, dev.alloc::<f32>(n * n_ctx)?));
-                }
-                pulsar_plugin_api::STATE_RECURRENT => {
-                    recurrent.insert(i, dev.alloc::<f32>(n)?);
-                }
-                _ => {}
-            }
-        }
-        Ok(CudaKv { n_ctx, layers, rows, recurrent })
+        CudaKv::new_paged(dev, model, n_ctx, usize::MAX)
     }
 
-    /// As [`CudaKv::new`], but each KV and rows cache of at least
-    /// `min_pages` pages ([`PAGED_MIN_PAGES`] serves) is paged: its addresses
+    /// The caches, each KV and rows cache of at least `min_pages` pages
+    /// ([`PAGED_MIN_PAGES`] serves; `usize::MAX`: none, [`CudaKv::new`]) paged: its addresses
     /// are reserved for `n_ctx` positions and [`CudaKv::back`] maps memory
     /// as the sequence grows (smaller ones are allocated whole: a page each
     /// would cost more than they take).
     pub fn new_paged(dev: &CudaDevice, model: &Model, n_ctx: usize, min_pages: usize) -> Result<CudaKv, CudaBackendError> {
-        let page = dev.page_bytes()?;
-        let alloc = |n: usize| if n * 4 >= min_pages * page { dev.alloc_paged::<f32>(n) } else { dev.alloc::<f32>(n) };
+        // Nothing paged: no page size to ask the driver for.
+        let page = if min_pages == usize::MAX { usize::MAX } else { dev.page_bytes()? };
+        let alloc = |n: usize| if n * 4 >= min_pages.saturating_mul(page) { dev.alloc_paged::<f32>(n) } else { dev.alloc::<f32>(n) };
         let mut kv = CudaKv { n_ctx, layers: HashMap::new(), rows: HashMap::new(), recurrent: HashMap::new() };
         for (i, s) in model.plan.states.iter().enumerate() {
             let n: usize = s.dims.iter().product::<u64>() as usize;
