@@ -184,6 +184,49 @@ fn every_family_with_a_plugin_lowers_onto_cuda() {
     assert!(seen >= 4, "only {seen} families have plugins");
 }
 
+/// The CUDA step's fused launches are found in every family's graph (no
+/// GPU needed: the graph analysis alone). Each count is what the family's
+/// fixture graph must give: a norm + rope pair per layer with per-head q/k
+/// norms, a combine + residual add per MoE layer, and a linear group per
+/// set of projections sharing an input (q/k/v, gate/up). A fusion the
+/// matcher stops finding shows up here as a lower count, not as a slower
+/// GPU run nobody measured.
+#[test]
+fn every_family_s_fusions_are_found_in_its_graph() {
+    let mut table = Vec::new();
+    for &arch in FAMILIES {
+        let Some((name, module)) = plugin(arch) else { continue };
+        if CPU_ONLY.iter().any(|c| c.0 == arch) {
+            continue;
+        }
+        let path = fixtures().join(arch).join("model-q8_0.gguf");
+        let model = Model::from_file(GgufFile::open(&path).unwrap(), &name, module).unwrap();
+        let [d, p] = pulsar_host::cuda::fusions(&model).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(d, p, "{arch}: decode and prefill graphs differ in their fusions");
+        table.push(format!("{arch} {} {} {}", d.norm_rope, d.combine_add, d.linear_groups));
+    }
+    let got = table.join("\n");
+    println!("{got}");
+    // Family, norm + rope, combine + add, linear groups. MLA (deepseek2) and
+    // minimax-m2's whole-width q/k norms have no per-head norm + rope; a
+    // shared expert made after the MoE op (hy_v3, minimax-m3, deepseek2,
+    // qwen35moe) is what the MoE output is added to first, so no combine
+    // + add; qwen35's delta-net layers have no q/k norms.
+    let want = [
+        "qwen3moe 2 2 2",
+        "gemma3 7 0 14",
+        "hy_v3 3 0 6",
+        "minimax-m2 0 2 2",
+        "minimax-m3 3 0 8",
+        "deepseek2 0 0 6",
+        "qwen35moe 1 0 8",
+        "qwen35 1 0 8",
+    ];
+    for w in want {
+        assert!(table.iter().any(|t| t == w), "fusions: want the row {w:?}, got\n{got}");
+    }
+}
+
 #[test]
 fn parity_table_for_every_family() {
     let mut table = vec!["family      variant  max-rel-err  median-rel   argmax   status".to_string()];

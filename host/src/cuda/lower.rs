@@ -15,6 +15,7 @@
 use pulsar_plugin_api::graph::{Act, Binary, Dim, Experts, Op, RopeMode, Sizes};
 use pulsar_plugin_api::{Val, Wt};
 
+use super::fuse::{Fuse, Runs};
 use crate::graph::{MoeSpec, StepPlan};
 
 pub(super) type R<T> = Result<T, String>;
@@ -44,25 +45,40 @@ pub struct AttnSpec {
     pub softcap: f32,
 }
 
-/// The ops of the CUDA step, on its 2-D values.
+/// The second half of a norm + rope fusion ([`Fuse::NormRope`]): k's norm
+/// (input, weight, eps) and the rope both ropes apply.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormRopeK {
+    pub x: Val,
+    pub w: Option<Wt>,
+    pub eps: f32,
+    pub rope: RopeSpec,
+}
+
+/// The ops of the CUDA step, on its 2-D values. The fused launches the
+/// graph allows ([`super::fuse`]) come as hints: an op may compute later
+/// ops' outputs with its own, which those ops then claim.
 pub(super) trait Exec {
     fn embed(&mut self, table: Wt, scale: f32) -> R<Val>;
-    fn linear(&mut self, w: Wt, x: Val) -> R<Val>;
-    /// RMS norm over groups of `group` columns, times the weight if given.
-    fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32) -> R<Val>;
+    /// `with`: later linear ops on the same input (one grouped launch may run them).
+    fn linear(&mut self, w: Wt, x: Val, with: &[Wt]) -> R<Val>;
+    /// RMS norm over groups of `group` columns, times the weight if given;
+    /// `k`: also k's norm and both ropes.
+    fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32, k: Option<NormRopeK>) -> R<Val>;
     fn add(&mut self, a: Val, b: Val) -> R<Val>;
     fn mul(&mut self, a: Val, b: Val) -> R<Val>;
     fn scale(&mut self, x: Val, s: f32) -> R<Val>;
     fn glu(&mut self, gate: Val, up: Val, act: Act) -> R<Val>;
     /// Any other op, on N-D values (`ins` with dims `in_dims`, giving `want`).
     fn prim(&mut self, op: &Op, ins: &[Val], in_dims: &[Vec<usize>], want: &[usize]) -> R<Val>;
-    /// The selected experts for ids and weights the graph computed.
-    fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32) -> R<Val>;
+    /// The selected experts for ids and weights the graph computed. `add`:
+    /// a value a later add sums with the output (and whether it comes first).
+    fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32, add: Option<(Val, bool)>) -> R<Val>;
     /// What the shape symbols stand for in this step.
     fn sizes(&self) -> Sizes;
     fn rope(&mut self, x: Val, spec: RopeSpec) -> R<Val>;
     fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> R<Val>;
-    fn moe(&mut self, x: Val, spec: MoeSpec) -> R<Val>;
+    fn moe(&mut self, x: Val, spec: MoeSpec, add: Option<(Val, bool)>) -> R<Val>;
     fn output_rows(&mut self, x: Val) -> R<Val>;
 }
 
@@ -89,6 +105,8 @@ enum Lowered {
 /// cannot run.
 pub(super) struct Lowering {
     nodes: Vec<Lowered>,
+    /// The fused launch at each node, if any.
+    fuse: Vec<Option<Fuse>>,
     /// No value's size depends on the cache length, so a decode step may be
     /// captured once and replayed as a CUDA graph.
     pub capturable: bool,
@@ -148,7 +166,23 @@ impl Lowering {
             }
         }
         let capturable = plan.shapes.iter().all(|s| !s.dims.contains(&Dim::C));
-        Ok(Lowering { nodes, capturable })
+        let runs: Vec<Runs> = nodes
+            .iter()
+            .map(|n| match n {
+                Lowered::Run => Runs::Face,
+                Lowered::Moe(_) | Lowered::Experts => Runs::Moe,
+                _ => Runs::Other,
+            })
+            .collect();
+        let fuse = super::fuse::find(plan, &runs);
+        Ok(Lowering { nodes, fuse, capturable })
+    }
+
+    /// How many of each fused launch the graph allows: (norm + rope,
+    /// combine + add, linear groups).
+    pub fn fusions(&self) -> (usize, usize, usize) {
+        let count = |f: fn(&Fuse) -> bool| self.fuse.iter().flatten().filter(|x| f(x)).count();
+        (count(|f| matches!(f, Fuse::NormRope { .. })), count(|f| matches!(f, Fuse::CombineAdd { .. })), count(|f| matches!(f, Fuse::Linears(_))))
     }
 
     /// Run `plan` on `exec`; returns the output's CUDA value.
@@ -160,13 +194,25 @@ impl Lowering {
             let get = |k: usize| -> R<Val> { vals[ins[k] as usize].ok_or_else(|| format!("node {i}: input {k} has no CUDA value")) };
             let shape = &plan.shapes[i];
             let last = |s: &pulsar_plugin_api::graph::Shape| s.last().unwrap_or(0) as u32;
+            let rope_spec = |r: &pulsar_plugin_api::graph::Rope, shape: &pulsar_plugin_api::graph::Shape| RopeSpec {
+                head_dim: last(shape),
+                n_rot: r.n_rot,
+                base: r.base,
+                linear_factor: r.linear_factor,
+                mode: r.mode,
+            };
+            // A fused launch's other operand, when it has a value here.
+            let add = match &self.fuse[i] {
+                Some(Fuse::CombineAdd { other, other_first }) => vals[*other as usize].map(|v| (v, *other_first)),
+                _ => None,
+            };
             let v = match (&self.nodes[i], &plan.ops[i]) {
                 (Lowered::Tokens | Lowered::Folded, _) => None,
                 (Lowered::Alias, _) => Some(get(0)?),
-                (Lowered::Moe(spec), _) => Some(exec.moe(get(0)?, *spec)?),
+                (Lowered::Moe(spec), _) => Some(exec.moe(get(0)?, *spec, add)?),
                 (Lowered::Experts, Op::Experts(e)) => {
                     let k = plan.shapes[ins[1] as usize].last().unwrap_or(0) as u32;
-                    Some(exec.experts(get(0)?, get(1)?, get(2)?, e, k)?)
+                    Some(exec.experts(get(0)?, get(1)?, get(2)?, e, k, add)?)
                 }
                 (Lowered::Experts, _) => unreachable!("only experts ops lower to the experts path"),
                 (Lowered::Prim, op) => {
@@ -176,15 +222,24 @@ impl Lowering {
                 }
                 (Lowered::Run, op) => Some(match op {
                     Op::Embed { table, scale } => exec.embed(*table, *scale)?,
-                    Op::Linear(w) => exec.linear(*w, get(0)?)?,
+                    Op::Linear(w) => match &self.fuse[i] {
+                        Some(Fuse::Linears(with)) => exec.linear(*w, get(0)?, &super::fuse::group_weights(plan, with))?,
+                        _ => exec.linear(*w, get(0)?, &[])?,
+                    },
                     Op::OutputRows => exec.output_rows(get(0)?)?,
                     Op::Glu(a) => exec.glu(get(0)?, get(1)?, *a)?,
                     Op::Scale(s) => exec.scale(get(0)?, *s)?,
-                    Op::RmsNorm { weight, eps } => exec.rms_norm(get(0)?, *weight, *eps, last(shape))?,
-                    Op::Rope(r) => {
-                        let spec = RopeSpec { head_dim: last(shape), n_rot: r.n_rot, base: r.base, linear_factor: r.linear_factor, mode: r.mode };
-                        exec.rope(get(0)?, spec)?
+                    Op::RmsNorm { weight, eps } => {
+                        let k = match &self.fuse[i] {
+                            Some(Fuse::NormRope { k_in, k_norm, q_rope }) => match (vals[*k_in as usize], &plan.ops[*k_norm], &plan.ops[*q_rope]) {
+                                (Some(x), Op::RmsNorm { weight, eps }, Op::Rope(r)) => Some(NormRopeK { x, w: *weight, eps: *eps, rope: rope_spec(r, &plan.shapes[*q_rope]) }),
+                                _ => None,
+                            },
+                            _ => None,
+                        };
+                        exec.rms_norm(get(0)?, *weight, *eps, last(shape), k)?
                     }
+                    Op::Rope(r) => exec.rope(get(0)?, rope_spec(r, shape))?,
                     Op::Attention(a) => {
                         let (q, k, v) = (&plan.shapes[ins[0] as usize], &plan.shapes[ins[1] as usize], &plan.shapes[ins[2] as usize]);
                         let d = |s: &pulsar_plugin_api::graph::Shape, i: usize| s.dims[i].fixed().unwrap_or(0) as u32;

@@ -142,6 +142,27 @@ pub fn lowers(model: &Model) -> Result<(), String> {
     lower::Lowering::new(&model.steps.prefill).map(|_| ())
 }
 
+/// The fused launches the CUDA step finds in `model`'s decode and prefill
+/// graphs (checked without a GPU): norm + rope pairs, MoE combines with
+/// their residual add, and groups of linear ops on one input.
+pub fn fusions(model: &Model) -> Result<[Fusions; 2], String> {
+    let count = |p| {
+        lower::Lowering::new(p).map(|l| {
+            let (norm_rope, combine_add, linear_groups) = l.fusions();
+            Fusions { norm_rope, combine_add, linear_groups }
+        })
+    };
+    Ok([count(&model.steps.decode)?, count(&model.steps.prefill)?])
+}
+
+/// How many of each fused launch a step graph allows ([`fusions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fusions {
+    pub norm_rope: usize,
+    pub combine_add: usize,
+    pub linear_groups: usize,
+}
+
 /// Free device memory minus a reserve for activations, KV and the driver.
 pub fn default_vram_budget(dev: &CudaDevice) -> Result<u64, CudaBackendError> {
     let (free, _total) = dev.memory()?;

@@ -11,7 +11,7 @@ use pulsar_cuda::{attention_graph_ctx, DeviceBuf};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::{Val, Wt};
 
-use super::fuse::{AheadSet, OpKey, TraceOp};
+use super::fuse::AheadSet;
 use super::lower::Lowering;
 use super::pool::BufPool;
 use super::profile::OpProfile;
@@ -77,18 +77,17 @@ impl<'a> DVal<'a> {
 /// numbers; a step that departs from the recorded sequence stops releasing.
 #[derive(Default)]
 struct Liveness {
-    /// Each op (by op index) of the last step of this kind: its inputs, and
-    /// what fusing needs (fuse.rs).
-    ops: Vec<TraceOp>,
+    /// Each op (by op index) of the last step of this kind: its inputs.
+    ops: Vec<Vec<u32>>,
     /// For each op index, the values whose last read it is.
     frees: Vec<Vec<u32>>,
 }
 
 impl Liveness {
-    fn from_trace(ops: Vec<TraceOp>) -> Liveness {
+    fn from_trace(ops: Vec<Vec<u32>>) -> Liveness {
         let mut last: HashMap<u32, usize> = HashMap::new();
         for (i, op) in ops.iter().enumerate() {
-            for &v in &op.inputs {
+            for &v in op {
                 last.insert(v, i);
             }
         }
@@ -215,10 +214,6 @@ pub struct CudaRunner<'m> {
     pools: Pools,
     /// Recorded value lifetimes of the last decode (0) and prefill (1) step.
     live: [Liveness; 2],
-    /// The (weight, input value) of each linear op of the last decode step, in
-    /// order: a decode linear whose next ones read the same input (q, k, v)
-    /// runs them in one launch.
-    linears: Vec<(u32, u32)>,
     /// Off after a step asked for a value released early (the plugin's graph
     /// changed shape between steps); every value then lives to the step's end.
     release_early: bool,
@@ -256,7 +251,6 @@ impl<'m> CudaRunner<'m> {
             store: None,
             pools: Pools::default(),
             live: Default::default(),
-            linears: Vec::new(),
             release_early: true,
             over_reserve: false,
             dec_tok: cm.dev.alloc(1)?,
@@ -394,16 +388,14 @@ impl<'m> CudaRunner<'m> {
             vals: Vec::new(),
             qcache: Vec::new(),
             plan,
-            last: &self.live[kind].ops,
             ahead: AheadSet::default(),
+            add_after: None,
             trace: RefCell::new(Vec::new()),
             on_plan: Cell::new(true),
             freed_to: 0,
             released_early: Cell::new(false),
             prof: RefCell::new(self.profile.as_mut()),
             kind,
-            prev_linears: if decode { &self.linears } else { &[] },
-            linears: Vec::new(),
             pending: Vec::new(),
             lane_pending: None,
         };
@@ -433,11 +425,7 @@ impl<'m> CudaRunner<'m> {
         let result = result.and_then(|v| step.join_lane().map(|()| v));
         step.finish();
         let (trace, early) = (step.trace.take(), step.released_early.get());
-        let linears = std::mem::take(&mut step.linears);
         drop(step);
-        if decode && result.is_ok() {
-            self.linears = linears;
-        }
         if let Some(p) = own_pos {
             self.pools.u32.give(p);
         }
@@ -637,12 +625,13 @@ struct CudaStep<'a> {
     qcache: Vec<(Val, ActFormat, DeviceBuf<u8>)>,
     /// The last step of this kind's value lifetimes (None: release nothing early).
     plan: Option<&'a Liveness>,
-    /// The last step of this kind's ops (what fusions look ahead in).
-    last: &'a [TraceOp],
     /// Outputs computed ahead of their ops by a fused launch.
     ahead: AheadSet,
-    /// This step's ops, in order (shape() reads through &self).
-    trace: RefCell<Vec<TraceOp>>,
+    /// The value the running MoE op's output is added to next, and whether
+    /// it comes first: its combine writes that sum too (fuse.rs).
+    add_after: Option<(Val, bool)>,
+    /// This step's ops' inputs, in order (shape() reads through &self).
+    trace: RefCell<Vec<Vec<u32>>>,
     /// Whether every op so far matched the plan.
     on_plan: Cell<bool>,
     /// Plan ops whose frees are done.
@@ -652,9 +641,6 @@ struct CudaStep<'a> {
     prof: RefCell<Option<&'a mut OpProfile>>,
     /// 0 decode, 1 prefill (the profile's row kind).
     kind: usize,
-    /// The last decode step's linear ops (weight, input), and this step's.
-    prev_linears: &'a [(u32, u32)],
-    linears: Vec<(u32, u32)>,
     /// Outputs of linear ops already computed with an earlier one that read
     /// the same input, by (weight, input value): claimed when their op comes.
     pending: Vec<(u32, u32, DeviceBuf<f32>)>,
@@ -727,17 +713,13 @@ impl<'a> CudaStep<'a> {
 
     /// Record an op reading `inputs`, and whether it matches the plan.
     fn note(&self, inputs: &[Val]) {
-        self.note_as(inputs, OpKey::Other);
-    }
-
-    fn note_as(&self, inputs: &[Val], key: OpKey) {
         let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
         let mut t = self.trace.borrow_mut();
         let i = t.len();
-        if self.on_plan.get() && self.plan.and_then(|p| p.ops.get(i)).map(|o| &o.inputs) != Some(&ins) {
+        if self.on_plan.get() && self.plan.and_then(|p| p.ops.get(i)) != Some(&ins) {
             self.on_plan.set(false);
         }
-        t.push(TraceOp { key, inputs: ins, out: u32::MAX });
+        t.push(ins);
     }
 
     /// After an op: give back the buffers of values whose last read (in the
@@ -763,10 +745,7 @@ impl<'a> CudaStep<'a> {
     /// An op's result, after releasing what the plan says is dead.
     fn done(&mut self, r: R<Val>) -> R<Val> {
         self.mark(None);
-        if let Ok(v) = &r {
-            if let Some(op) = self.trace.get_mut().last_mut() {
-                op.out = v.0;
-            }
+        if r.is_ok() {
             self.release();
         }
         r
@@ -796,7 +775,7 @@ impl<'a> CudaStep<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{seq_runs, Liveness, OpKey, TraceOp};
+    use super::{seq_runs, Liveness};
 
     #[test]
     fn rows_split_into_one_run_per_sequence_and_misuse_is_an_error() {
@@ -812,8 +791,7 @@ mod tests {
     #[test]
     fn a_value_is_released_after_its_last_reader() {
         // op 0 makes v0; op 1 reads v0 (makes v1); op 2 reads v0 and v1; op 3 reads v2.
-        let ops = [vec![], vec![0], vec![0, 1], vec![2]].into_iter().enumerate();
-        let l = Liveness::from_trace(ops.map(|(i, inputs)| TraceOp { key: OpKey::Other, inputs, out: i as u32 }).collect());
+        let l = Liveness::from_trace(vec![vec![], vec![0], vec![0, 1], vec![2]]);
         let mut f: Vec<Vec<u32>> = l.frees.clone();
         f.iter_mut().for_each(|v| v.sort_unstable());
         assert_eq!(f, vec![vec![], vec![], vec![0, 1], vec![2]]);

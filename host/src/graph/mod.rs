@@ -55,7 +55,7 @@ impl StepPlan {
         Ok(StepPlan::from_checked(kind, &g, checked))
     }
 
-    fn from_checked(kind: StepKind, g: &StepGraph, c: Checked) -> StepPlan {
+    pub(crate) fn from_checked(kind: StepKind, g: &StepGraph, c: Checked) -> StepPlan {
         let n = c.ops.len();
         let mut last_use: Vec<usize> = (0..n).collect();
         let mut readers = vec![0u32; n];

@@ -43,7 +43,7 @@ impl<'a> CudaStep<'a> {
         let (ne, k) = (spec.n_expert as usize, spec.top_k as usize);
         // Router scores on the device, top-k there too.
         let logits = match given {
-            None => Some(self.linear_w(spec.router, x)?),
+            None => Some(self.linear_w(spec.router, x, &[])?),
             Some(_) => None,
         };
         let mut ids = self.pools.i32.take(dev, rows * k).map_err(err)?;
@@ -159,7 +159,7 @@ impl<'a> CudaStep<'a> {
                 };
                 let mut next = None;
                 if let Some(ns) = next_spec {
-                    let nl = self.linear_w(ns.router, x)?;
+                    let nl = self.linear_w(ns.router, x, &[])?;
                     let mut idn = self.pools.i32.take(dev, rows * k).map_err(err)?;
                     let mut wn = self.pools.f32.take(dev, rows * k).map_err(err)?;
                     let nrs = RouterSpec { gating: cgating(ns.gating), renormalize: ns.norm_topk, scale: ns.weights_scale, ..rs };

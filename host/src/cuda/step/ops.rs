@@ -1,6 +1,6 @@
 //! The CUDA step's ops: linear products (GEMV/GEMM, grouped decode
 //! projections), elementwise ops, attention over the KV cache, the fused
-//! launches found in the last step's trace, and the [`Exec`] face the graph
+//! launches the graph allows (fuse.rs), and the [`Exec`] face the graph
 //! lowering drives.
 
 use pulsar_cuda::{attention_workspace_len, DeviceBuf};
@@ -9,8 +9,8 @@ use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::graph::{Act, Experts, Op, RopeMode, Sizes};
 use pulsar_plugin_api::{Val, Wt};
 
-use super::super::fuse::{norm_rope_ahead, residual_add_ahead, Ahead, OpKey};
-use super::super::lower::{AttnSpec, Exec, RopeSpec};
+use super::super::fuse::{Ahead, OpKey};
+use super::super::lower::{AttnSpec, Exec, NormRopeK, RopeSpec};
 use super::super::profile::short_name;
 use super::super::{CudaModel, DevWeight};
 use super::{err, CudaStep, R};
@@ -27,21 +27,22 @@ impl<'a> CudaStep<'a> {
         Ok(Some(v))
     }
 
-    /// A per-head norm whose next three ops in the last step were the other
-    /// norm and both ropes (fuse.rs): all four in one launch, the three later
-    /// outputs kept ahead. None: no such pattern (the caller runs the norm).
-    pub(super) fn norm_rope_fused(&mut self, x: Val, w: Option<Wt>, eps: f32, group: usize) -> R<Option<Val>> {
-        let at = self.trace.borrow().len() - 1;
-        let Some((k, k_key, rope_key)) = norm_rope_ahead(self.last, at) else { return Ok(None) };
-        let (OpKey::Norm { w: kw, eps: k_eps, group: k_group }, OpKey::Rope { head_dim, n_rot, base, factor, mode }) = (k_key, rope_key) else {
-            return Ok(None);
-        };
+    /// A per-head norm of q with k's norm and both ropes after it in the
+    /// graph (fuse.rs): all four in one launch, the three later outputs kept
+    /// ahead. None: the step's shapes do not fit the kernel (the caller runs
+    /// the norm alone).
+    pub(super) fn norm_rope_fused(&mut self, x: Val, w: Option<Wt>, eps: f32, group: usize, kh: NormRopeK) -> R<Option<Val>> {
+        let NormRopeK { x: k, w: kw, eps: k_eps, rope } = kh;
+        let head_dim = rope.head_dim;
+        let k_key = OpKey::Norm { w: kw.map(|w| w.0), eps: k_eps.to_bits(), group: head_dim };
+        let rope_key = rope_key(&rope);
+        let k = k.0;
         let n = self.positions.len();
         let (rows, cols) = self.dims(x)?;
         let k_live = self.vals.get(k as usize).filter(|d| d.buf().is_some()).map(|d| (d.rows, d.cols));
         let Some((k_rows, k_cols)) = k_live else { return Ok(None) };
         let hd = head_dim as usize;
-        if group != hd || k_group as usize != hd || rows != n || k_rows != n || cols % hd != 0 || k_cols % hd != 0 {
+        if group != hd || rows != n || k_rows != n || cols % hd != 0 || k_cols % hd != 0 {
             return Ok(None);
         }
         let weight = |w: Option<Wt>| -> R<Option<&'a DeviceBuf<f32>>> {
@@ -53,9 +54,8 @@ impl<'a> CudaStep<'a> {
             }
             Ok(Some(f))
         };
-        let (wq, wk) = (weight(w)?, weight(kw.map(Wt))?);
-        let kind = if mode == 0 { RopeKind::Neox } else { RopeKind::Interleaved };
-        let p = RopeParams { head_dim: hd, n_rot: n_rot as usize, base: f32::from_bits(base), linear_factor: f32::from_bits(factor), kind };
+        let (wq, wk) = (weight(w)?, weight(kw)?);
+        let p = rope_params(&rope);
         let (mut qn, mut qr) = (self.new_val(rows, cols)?, self.new_val(rows, cols)?);
         let (mut kn, mut kr) = (self.new_val(k_rows, k_cols)?, self.new_val(k_rows, k_cols)?);
         {
@@ -63,7 +63,7 @@ impl<'a> CudaStep<'a> {
             let kx = self.vals[k as usize].buf().expect("checked live");
             let mut parts = [
                 pulsar_cuda::NormRopePart { x: self.buf(x)?, weight: wq, eps, width: cols, normed: &mut qn, roped: &mut qr },
-                pulsar_cuda::NormRopePart { x: kx, weight: wk, eps: f32::from_bits(k_eps), width: k_cols, normed: &mut kn, roped: &mut kr },
+                pulsar_cuda::NormRopePart { x: kx, weight: wk, eps: k_eps, width: k_cols, normed: &mut kn, roped: &mut kr },
             ];
             self.cm.dev.norm_rope(&stream, &mut parts, self.pos_buf, &p).map_err(err)?;
         }
@@ -74,14 +74,16 @@ impl<'a> CudaStep<'a> {
         Ok(Some(q))
     }
 
-    /// The MoE op's slot combine into `y`; when the last step added this op's
-    /// output to another live value next, that sum too (one launch), kept
-    /// ahead for the add.
+    /// The MoE op's slot combine into `y`; when the graph adds this op's
+    /// output to a live value ([`CudaStep::add_after`]), that sum too (one
+    /// launch), kept ahead for the add.
     pub(super) fn combine(&mut self, out: &DeviceBuf<f32>, wts: &DeviceBuf<f32>, rows: usize, k: usize, d_model: usize) -> R<Val> {
         let stream = self.cm.dev.compute().clone();
         let mut y = self.new_val(rows, d_model)?;
-        let at = self.trace.borrow().len() - 1;
-        let other = residual_add_ahead(self.last, at)
+        let other = self
+            .add_after
+            .take()
+            .map(|(r, first)| (r.0, first))
             .filter(|&(r, _)| self.vals.get(r as usize).is_some_and(|d| d.buf().is_some() && (d.rows, d.cols) == (rows, d_model)));
         let Some((r, r_first)) = other else {
             self.cm.dev.moe_combine(&stream, out, wts, rows, k, &mut y).map_err(err)?;
@@ -141,31 +143,28 @@ impl<'a> CudaStep<'a> {
         Ok(self.qcache.len() - 1)
     }
 
-    pub(super) fn linear_w(&mut self, w: Wt, x: Val) -> R<Val> {
+    pub(super) fn linear_w(&mut self, w: Wt, x: Val, with: &[Wt]) -> R<Val> {
         let (dw, mw) = self.weight(w)?;
         let raw = dw.raw.as_ref().ok_or_else(|| format!("{} is not resident", mw.name))?;
         let (n_in, n_out) = (dw.dims[0] as usize, dw.dims[1] as usize);
-        let at = self.linears.len();
-        self.linears.push((w.0, x.0));
         if let Some(i) = self.pending.iter().position(|p| (p.0, p.1) == (w.0, x.0)) {
             let (_, _, y) = self.pending.swap_remove(i);
             return self.push(y, 1, n_out);
         }
-        if let Some(v) = self.linear_group(w, x, at)? {
+        if let Some(v) = self.linear_group(w, x, with)? {
             return Ok(v);
         }
         let (y, rows) = self.matmul_raw(dw.ty, raw, n_out, n_in, x)?;
         self.push(y, rows, n_out)
     }
 
-    /// Decode: when the last decode step's next one or two linear ops read
-    /// this op's input with weights of the same type and width (q, k, v), run
-    /// them all in one GEMV launch now and keep their outputs for their ops.
-    /// The match is by weight and input value, so a step that departs from
-    /// the last one only wastes the launch; it never takes a wrong output.
-    pub(super) fn linear_group(&mut self, w: Wt, x: Val, at: usize) -> R<Option<Val>> {
+    /// Decode: when later linear ops of the graph (`with`) read this op's
+    /// input with weights of the same type and width (q, k, v), run them all
+    /// in one GEMV launch now and keep their outputs for their ops (claimed
+    /// by weight and input value).
+    pub(super) fn linear_group(&mut self, w: Wt, x: Val, with: &[Wt]) -> R<Option<Val>> {
         let (rows, _) = self.dims(x)?;
-        if rows != 1 || self.prev_linears.get(at) != Some(&(w.0, x.0)) {
+        if rows != 1 || with.is_empty() {
             return Ok(None);
         }
         let cm: &'a CudaModel = self.cm;
@@ -176,9 +175,9 @@ impl<'a> CudaStep<'a> {
             _ => return Ok(None),
         };
         let mut group: Vec<(u32, &'a DevWeight)> = vec![(w.0, dw)];
-        for &(wn, xn) in self.prev_linears.iter().skip(at + 1).take(2) {
+        for &Wt(wn) in with {
             let Some(d) = cm.weights.get(wn as usize) else { break };
-            if xn != x.0 || d.ty != ty || d.dims[0] as usize != n_in || d.raw.is_none() || group.iter().any(|g| g.0 == wn) {
+            if d.ty != ty || d.dims[0] as usize != n_in || d.raw.is_none() || group.iter().any(|g| g.0 == wn) {
                 break;
             }
             group.push((wn, d));
@@ -306,8 +305,9 @@ impl Exec for CudaStep<'_> {
         let r = self.run_prim(op, ins, in_dims, want);
         self.done(r)
     }
-    fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32) -> R<Val> {
+    fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32, add: Option<(Val, bool)>) -> R<Val> {
         self.note(&[x, ids, weights]);
+        self.add_after = add;
         self.mark(Some(&|| "experts".to_string()));
         let r = self.given_experts(x, ids, weights, e, top_k);
         self.done(r)
@@ -340,23 +340,25 @@ impl Exec for CudaStep<'_> {
         })();
         self.done(r)
     }
-    fn linear(&mut self, w: Wt, x: Val) -> R<Val> {
+    fn linear(&mut self, w: Wt, x: Val, with: &[Wt]) -> R<Val> {
         self.note(&[x]);
         self.mark(Some(&|| format!("linear {}", self.model.weights.get(w.0 as usize).map_or("?", |m| short_name(&m.name)))));
-        let r = self.linear_w(w, x);
+        let r = self.linear_w(w, x, with);
         self.done(r)
     }
-    fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32) -> R<Val> {
+    fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32, k: Option<NormRopeK>) -> R<Val> {
         let key = OpKey::Norm { w: w.map(|w| w.0), eps: eps.to_bits(), group };
-        self.note_as(&[x], key);
+        self.note(&[x]);
         self.mark(Some(&|| "rms_norm".to_string()));
         let r = (|| {
             if let Some(v) = self.claim_ahead(key, &[x])? {
                 return Ok(v);
             }
             let g = group as usize;
-            if let Some(v) = self.norm_rope_fused(x, w, eps, g)? {
-                return Ok(v);
+            if let Some(k) = k {
+                if let Some(v) = self.norm_rope_fused(x, w, eps, g, k)? {
+                    return Ok(v);
+                }
             }
             let (rows, cols) = self.dims(x)?;
             let weight = match w {
@@ -378,7 +380,7 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn add(&mut self, a: Val, b: Val) -> R<Val> {
-        self.note_as(&[a, b], OpKey::Add);
+        self.note(&[a, b]);
         self.mark(Some(&|| "add".to_string()));
         let r = match self.claim_ahead(OpKey::Add, &[a, b]) {
             Ok(Some(v)) => Ok(v),
@@ -424,12 +426,8 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn rope(&mut self, x: Val, spec: RopeSpec) -> R<Val> {
-        let mode = match spec.mode {
-            RopeMode::Neox => 0,
-            RopeMode::Interleaved => 1,
-        };
-        let key = OpKey::Rope { head_dim: spec.head_dim, n_rot: spec.n_rot, base: spec.base.to_bits(), factor: spec.linear_factor.to_bits(), mode };
-        self.note_as(&[x], key);
+        let key = rope_key(&spec);
+        self.note(&[x]);
         self.mark(Some(&|| "rope".to_string()));
         let r = (|| {
             if let Some(v) = self.claim_ahead(key, &[x])? {
@@ -440,11 +438,7 @@ impl Exec for CudaStep<'_> {
                 return Err(format!("rope: {rows} rows for {} positions", self.positions.len()));
             }
             let mut y = self.new_val(rows, cols)?;
-            let kind = match spec.mode {
-                RopeMode::Neox => RopeKind::Neox,
-                RopeMode::Interleaved => RopeKind::Interleaved,
-            };
-            let p = RopeParams { head_dim: spec.head_dim as usize, n_rot: spec.n_rot as usize, base: spec.base, linear_factor: spec.linear_factor, kind };
+            let p = rope_params(&spec);
             let stream = self.cm.dev.compute().clone();
             // Out of place: one kernel reads x and writes every value of y.
             self.cm.dev.rope(&stream, self.buf(x)?, &mut y, cols, self.pos_buf, &p).map_err(err)?;
@@ -458,8 +452,9 @@ impl Exec for CudaStep<'_> {
         let r = self.do_attention(q, k, v, spec);
         self.done(r)
     }
-    fn moe(&mut self, x: Val, spec: MoeSpec) -> R<Val> {
+    fn moe(&mut self, x: Val, spec: MoeSpec, add: Option<(Val, bool)>) -> R<Val> {
         self.note(&[x]);
+        self.add_after = add;
         self.mark(Some(&|| "moe: router, top-k".to_string()));
         let r = self.do_moe(x, &spec, None);
         self.done(r)
@@ -489,4 +484,21 @@ impl Exec for CudaStep<'_> {
         })();
         self.done(r)
     }
+}
+
+/// The key a rope's output made ahead is claimed by.
+fn rope_key(spec: &RopeSpec) -> OpKey {
+    let mode = match spec.mode {
+        RopeMode::Neox => 0,
+        RopeMode::Interleaved => 1,
+    };
+    OpKey::Rope { head_dim: spec.head_dim, n_rot: spec.n_rot, base: spec.base.to_bits(), factor: spec.linear_factor.to_bits(), mode }
+}
+
+fn rope_params(spec: &RopeSpec) -> RopeParams {
+    let kind = match spec.mode {
+        RopeMode::Neox => RopeKind::Neox,
+        RopeMode::Interleaved => RopeKind::Interleaved,
+    };
+    RopeParams { head_dim: spec.head_dim as usize, n_rot: spec.n_rot as usize, base: spec.base, linear_factor: spec.linear_factor, kind }
 }
