@@ -193,7 +193,7 @@ impl AheadSet {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use pulsar_plugin_api::graph::{check, Act, Experts, Rope, RopeMode, ShapeCx};
     use pulsar_plugin_api::{Graph, StateSpec, StepKind, Val, Wt};
 
@@ -207,9 +207,9 @@ mod tests {
 
     const ROPE: Rope = Rope { n_rot: 8, base: 10000.0, linear_factor: 1.0, mode: RopeMode::Neox, yarn: None };
 
-    /// The fusions of the graph `body` writes on top of the embedded tokens
-    /// (its result is the output), with the CUDA step's 2-D ops as the face.
-    fn fusions(body: impl Fn(&mut Graph<'_>, Val) -> Val) -> (StepPlan, Vec<Option<Fuse>>) {
+    /// The plan of the graph `body` writes on top of the embedded tokens
+    /// (its result is the output).
+    pub(in crate::cuda) fn plan_of(body: impl Fn(&mut Graph<'_>, Val) -> Val) -> StepPlan {
         let dims = weights();
         let names: Vec<String> = (0..dims.len()).map(|i| format!("w{i}")).collect();
         let states: Vec<StateSpec> = Vec::new();
@@ -220,7 +220,12 @@ mod tests {
         let y = body(&mut g, x);
         let sg = g.finish(y);
         let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
-        let plan = StepPlan::from_checked(StepKind::Decode, &sg, check(&sg, &cx).unwrap());
+        StepPlan::from_checked(StepKind::Decode, &sg, check(&sg, &cx).unwrap())
+    }
+
+    /// The fusions of [`plan_of`]'s graph, with the CUDA step's 2-D ops as the face.
+    fn fusions(body: impl Fn(&mut Graph<'_>, Val) -> Val) -> (StepPlan, Vec<Option<Fuse>>) {
+        let plan = plan_of(body);
         let runs: Vec<Runs> = plan
             .ops
             .iter()
@@ -309,7 +314,7 @@ mod tests {
         }
     }
 
-    fn moe(g: &mut Graph<'_>, x: Val) -> Val {
+    pub(in crate::cuda) fn moe(g: &mut Graph<'_>, x: Val) -> Val {
         let l = g.linear(Wt(6), x).unwrap();
         let p = g.softmax(l, -1).unwrap();
         let sel = g.top_k(p, 2).unwrap();

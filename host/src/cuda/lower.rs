@@ -80,6 +80,48 @@ pub(super) trait Exec {
     fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> R<Val>;
     fn moe(&mut self, x: Val, spec: MoeSpec, add: Option<(Val, bool)>) -> R<Val>;
     fn output_rows(&mut self, x: Val) -> R<Val>;
+    /// Nothing reads `v` after this: its buffer may go back to the pools.
+    fn release(&mut self, v: Val);
+}
+
+/// Per node, the values whose last read it is ([`Lowering::frees`]). An
+/// alias is its input's buffer, so a value lives to the last read of any
+/// alias of it; the routing folded into a fused MoE op reads its inputs at
+/// that op; the output lives to the step's end.
+fn frees(plan: &StepPlan, nodes: &[Lowered]) -> Vec<Vec<u32>> {
+    let n = plan.len();
+    let mut root: Vec<usize> = (0..n).collect();
+    for i in 0..n {
+        if nodes[i] == Lowered::Alias {
+            root[i] = root[plan.inputs[i][0] as usize];
+        }
+    }
+    let mut at: Vec<usize> = (0..n).collect();
+    for m in &plan.moe {
+        for &r in &m.routing {
+            at[r] = m.experts;
+        }
+    }
+    let mut last: Vec<Option<usize>> = vec![None; n];
+    for i in 0..n {
+        if nodes[i] == Lowered::Alias {
+            continue;
+        }
+        for &v in &plan.inputs[i] {
+            let r = root[v as usize];
+            last[r] = Some(last[r].map_or(at[i], |l| l.max(at[i])));
+        }
+    }
+    let mut frees = vec![Vec::new(); n];
+    let keep = root[plan.output as usize];
+    for r in 0..n {
+        if root[r] != r || r == keep || matches!(nodes[r], Lowered::Folded | Lowered::Tokens) {
+            continue;
+        }
+        // A value nothing reads goes back once made.
+        frees[last[r].unwrap_or(r)].push(r as u32);
+    }
+    frees
 }
 
 /// How one node runs on the CUDA step.
@@ -107,6 +149,9 @@ pub(super) struct Lowering {
     nodes: Vec<Lowered>,
     /// The fused launch at each node, if any.
     fuse: Vec<Option<Fuse>>,
+    /// Per node: the values (by the node that made them) whose last reader
+    /// it is, given back to the step's pools right after it.
+    frees: Vec<Vec<u32>>,
     /// No value's size depends on the cache length, so a decode step may be
     /// captured once and replayed as a CUDA graph.
     pub capturable: bool,
@@ -175,7 +220,8 @@ impl Lowering {
             })
             .collect();
         let fuse = super::fuse::find(plan, &runs);
-        Ok(Lowering { nodes, fuse, capturable })
+        let frees = frees(plan, &nodes);
+        Ok(Lowering { nodes, fuse, frees, capturable })
     }
 
     /// How many of each fused launch the graph allows: (norm + rope,
@@ -261,7 +307,58 @@ impl Lowering {
                 }),
             };
             vals[i] = v;
+            for &r in &self.frees[i] {
+                if let Some(v) = vals[r as usize] {
+                    exec.release(v);
+                }
+            }
         }
         vals[plan.output as usize].ok_or_else(|| "the output has no CUDA value".to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pulsar_plugin_api::{Dim, Wt};
+
+    use super::super::fuse::tests::{moe, plan_of};
+    use super::*;
+
+    #[test]
+    fn values_go_back_after_their_last_reader() {
+        // embed x; h = norm(x); y = moe(h) (routing folded); q = linear(x);
+        // r = reshape(q) (an alias); s = add(y, x); out = add(s, r).
+        let plan = plan_of(|g, x| {
+            let h = g.rms_norm(x, None, 1e-6).unwrap();
+            let y = moe(g, h);
+            let q = g.linear(Wt(1), x).unwrap();
+            let r = g.reshape(q, &[Dim::T, Dim::N(16)]).unwrap();
+            let s = g.add(y, x).unwrap();
+            g.add(s, r).unwrap()
+        });
+        let l = Lowering::new(&plan).unwrap();
+        let node = |f: &dyn Fn(&Op) -> bool| (0..plan.len()).filter(|&i| f(&plan.ops[i])).collect::<Vec<_>>();
+        let x = node(&|o| matches!(o, Op::Embed { .. }))[0];
+        let h = node(&|o| matches!(o, Op::RmsNorm { .. }))[0];
+        let m = node(&|o| matches!(o, Op::Experts(_)))[0];
+        let lin = node(&|o| matches!(o, Op::Linear(_)));
+        let adds = node(&|o| matches!(o, Op::Binary(Binary::Add)));
+        assert_eq!(plan.moe.len(), 1, "the routing is the fused form");
+        let freed_at = |v: usize| (0..plan.len()).filter(|&i| l.frees[i].contains(&(v as u32))).collect::<Vec<_>>();
+        // The routing's reads of h happen in the MoE op, not at the router node.
+        assert_eq!(freed_at(h), vec![m]);
+        assert_eq!(freed_at(x), vec![adds[0]]);
+        // q lives through its alias to the last add; the output never goes back.
+        let q = *lin.last().unwrap();
+        assert_eq!(freed_at(q), vec![adds[1]]);
+        assert!(freed_at(adds[1]).is_empty());
+        assert_eq!(freed_at(m), vec![adds[0]]);
+        // Every value is given back once at most, and never an alias or folded node.
+        let all: Vec<u32> = l.frees.iter().flatten().copied().collect();
+        let mut dedup = all.clone();
+        dedup.sort_unstable();
+        dedup.dedup();
+        assert_eq!(all.len(), dedup.len());
+        assert!(all.iter().all(|&v| matches!(l.nodes[v as usize], Lowered::Run | Lowered::Prim | Lowered::Moe(_) | Lowered::Experts)));
     }
 }

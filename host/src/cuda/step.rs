@@ -69,36 +69,6 @@ impl<'a> DVal<'a> {
     }
 }
 
-/// Which values a step's ops read, so the next step of the same kind can give
-/// a value's buffer back right after its last reader instead of at the end of
-/// the step: a 512-token prefill of 48 layers otherwise holds every layer's
-/// activations at once (gigabytes outside the VRAM budget). Values are
-/// numbered in creation order, so an identical op sequence has identical
-/// numbers; a step that departs from the recorded sequence stops releasing.
-#[derive(Default)]
-struct Liveness {
-    /// Each op (by op index) of the last step of this kind: its inputs.
-    ops: Vec<Vec<u32>>,
-    /// For each op index, the values whose last read it is.
-    frees: Vec<Vec<u32>>,
-}
-
-impl Liveness {
-    fn from_trace(ops: Vec<Vec<u32>>) -> Liveness {
-        let mut last: HashMap<u32, usize> = HashMap::new();
-        for (i, op) in ops.iter().enumerate() {
-            for &v in op {
-                last.insert(v, i);
-            }
-        }
-        let mut frees = vec![Vec::new(); ops.len()];
-        for (v, i) in last {
-            frees[i].push(v);
-        }
-        Liveness { ops, frees }
-    }
-}
-
 #[derive(Default)]
 struct Pools {
     f32: BufPool<f32>,
@@ -212,8 +182,8 @@ pub struct CudaRunner<'m> {
     /// Streamed experts come through this store's host cache (else the mapping).
     store: Option<&'m StoreExperts>,
     pools: Pools,
-    /// Recorded value lifetimes of the last decode (0) and prefill (1) step.
-    live: [Liveness; 2],
+    /// A decode step has run (the next may be captured: its buffers are in the pools).
+    decoded: bool,
     /// Off after a step asked for a value released early (the plugin's graph
     /// changed shape between steps); every value then lives to the step's end.
     release_early: bool,
@@ -250,7 +220,7 @@ impl<'m> CudaRunner<'m> {
             cm,
             store: None,
             pools: Pools::default(),
-            live: Default::default(),
+            decoded: false,
             release_early: true,
             over_reserve: false,
             dec_tok: cm.dev.alloc(1)?,
@@ -324,7 +294,7 @@ impl<'m> CudaRunner<'m> {
         let n_ctx0 = kvs[runs[0].2].n_ctx;
         // A decode after one that set the plan may run as a graph: replayed
         // when one was captured for this split bucket, else captured now.
-        let split_ctx = (decode && self.graphs && self.lowering[0].capturable && self.profile.is_none() && self.release_early && !self.live[0].ops.is_empty())
+        let split_ctx = (decode && self.graphs && self.lowering[0].capturable && self.profile.is_none() && self.release_early && self.decoded)
             .then(|| attention_graph_ctx(positions[0] as usize + 1, n_ctx0));
         let (mut own_pos, mut own_tok) = (None, None);
         if decode {
@@ -365,7 +335,6 @@ impl<'m> CudaRunner<'m> {
         if capture {
             stream.begin_capture(cusys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(err)?;
         }
-        let plan = if self.release_early { Some(&self.live[kind]) } else { None };
         if let Some(p) = self.profile.as_mut() {
             p.steps[kind] += 1;
         }
@@ -387,12 +356,9 @@ impl<'m> CudaRunner<'m> {
             all_rows: all,
             vals: Vec::new(),
             qcache: Vec::new(),
-            plan,
+            free_early: self.release_early,
             ahead: AheadSet::default(),
             add_after: None,
-            trace: RefCell::new(Vec::new()),
-            on_plan: Cell::new(true),
-            freed_to: 0,
             released_early: Cell::new(false),
             prof: RefCell::new(self.profile.as_mut()),
             kind,
@@ -424,7 +390,7 @@ impl<'m> CudaRunner<'m> {
         // The last split layer's lane job: its errors fail the step.
         let result = result.and_then(|v| step.join_lane().map(|()| v));
         step.finish();
-        let (trace, early) = (step.trace.take(), step.released_early.get());
+        let early = step.released_early.get();
         drop(step);
         if let Some(p) = own_pos {
             self.pools.u32.give(p);
@@ -451,17 +417,16 @@ impl<'m> CudaRunner<'m> {
             }
         }
         if early && result.is_err() {
-            // A value freed after its recorded last read was read again: the
-            // graph is not the same from step to step. Keep everything from
-            // now on and run the step again (it rewrites the same KV rows).
+            // A value was read after the graph's last reader of it (an op
+            // reads more than its inputs: a bug, but not a wrong result).
+            // Keep everything from now on and run the step again (it
+            // rewrites the same KV rows).
             self.release_early = false;
             self.graph = None;
-            tracing::warn!("the model's op sequence varies between steps; step buffers now live to the end of each step");
+            tracing::warn!("a step read a value after its last reader in the graph; step buffers now live to the end of each step");
             return self.step(kvs, seqs, tokens, positions, all);
         }
-        if result.is_ok() {
-            self.live[kind] = Liveness::from_trace(trace);
-        }
+        self.decoded |= decode && result.is_ok();
         self.check_reserve();
         result
     }
@@ -623,19 +588,14 @@ struct CudaStep<'a> {
     vals: Vec<DVal<'a>>,
     /// Quantized activations made this step, by (value, format).
     qcache: Vec<(Val, ActFormat, DeviceBuf<u8>)>,
-    /// The last step of this kind's value lifetimes (None: release nothing early).
-    plan: Option<&'a Liveness>,
+    /// Values go back to the pools after their last reader in the graph
+    /// (else at the step's end).
+    free_early: bool,
     /// Outputs computed ahead of their ops by a fused launch.
     ahead: AheadSet,
     /// The value the running MoE op's output is added to next, and whether
     /// it comes first: its combine writes that sum too (fuse.rs).
     add_after: Option<(Val, bool)>,
-    /// This step's ops' inputs, in order (shape() reads through &self).
-    trace: RefCell<Vec<Vec<u32>>>,
-    /// Whether every op so far matched the plan.
-    on_plan: Cell<bool>,
-    /// Plan ops whose frees are done.
-    freed_to: usize,
     /// A released value was asked for (see CudaEngine::release_early).
     released_early: Cell<bool>,
     prof: RefCell<Option<&'a mut OpProfile>>,
@@ -700,7 +660,7 @@ impl<'a> CudaStep<'a> {
     fn buf(&self, v: Val) -> R<&DeviceBuf<f32>> {
         self.get(v)?.buf().ok_or_else(|| {
             self.released_early.set(true);
-            format!("value {} was released before this read (the op sequence changed between steps)", v.0)
+            format!("value {} was released before this read (after its last reader in the graph)", v.0)
         })
     }
 
@@ -711,43 +671,25 @@ impl<'a> CudaStep<'a> {
         }
     }
 
-    /// Record an op reading `inputs`, and whether it matches the plan.
-    fn note(&self, inputs: &[Val]) {
-        let ins: Vec<u32> = inputs.iter().map(|v| v.0).collect();
-        let mut t = self.trace.borrow_mut();
-        let i = t.len();
-        if self.on_plan.get() && self.plan.and_then(|p| p.ops.get(i)) != Some(&ins) {
-            self.on_plan.set(false);
+    /// Give back value `v`'s buffer and its quantized copies: nothing
+    /// reads it after this (the lowering's liveness).
+    fn free(&mut self, v: Val) {
+        if !self.free_early {
+            return;
         }
-        t.push(ins);
-    }
-
-    /// After an op: give back the buffers of values whose last read (in the
-    /// plan) is behind us, while this step still follows the plan.
-    fn release(&mut self) {
-        let Some(plan) = self.plan.filter(|_| self.on_plan.get()) else { return };
-        let done = self.trace.borrow().len();
-        while self.freed_to < done.min(plan.frees.len()) {
-            for &v in &plan.frees[self.freed_to] {
-                let Some(d) = self.vals.get_mut(v as usize) else { continue };
-                if let Some(b) = d.take() {
-                    self.pools.f32.give(b);
-                }
-                while let Some(i) = self.qcache.iter().position(|(x, _, _)| x.0 == v) {
-                    let (_, _, q) = self.qcache.swap_remove(i);
-                    self.pools.u8.give(q);
-                }
-            }
-            self.freed_to += 1;
+        let Some(d) = self.vals.get_mut(v.0 as usize) else { return };
+        if let Some(b) = d.take() {
+            self.pools.f32.give(b);
+        }
+        while let Some(i) = self.qcache.iter().position(|(x, _, _)| *x == v) {
+            let (_, _, q) = self.qcache.swap_remove(i);
+            self.pools.u8.give(q);
         }
     }
 
-    /// An op's result, after releasing what the plan says is dead.
+    /// An op's result (the end of its profiled segment).
     fn done(&mut self, r: R<Val>) -> R<Val> {
         self.mark(None);
-        if r.is_ok() {
-            self.release();
-        }
         r
     }
 
@@ -775,7 +717,7 @@ impl<'a> CudaStep<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::{seq_runs, Liveness};
+    use super::seq_runs;
 
     #[test]
     fn rows_split_into_one_run_per_sequence_and_misuse_is_an_error() {
@@ -786,15 +728,5 @@ mod tests {
         assert!(seq_runs(Some(&[0, 3]), 2, 2).unwrap_err().contains("no cache"));
         assert!(seq_runs(Some(&[0]), 2, 2).is_err());
         assert!(seq_runs(None, 1, 0).is_err());
-    }
-
-    #[test]
-    fn a_value_is_released_after_its_last_reader() {
-        // op 0 makes v0; op 1 reads v0 (makes v1); op 2 reads v0 and v1; op 3 reads v2.
-        let l = Liveness::from_trace(vec![vec![], vec![0], vec![0, 1], vec![2]]);
-        let mut f: Vec<Vec<u32>> = l.frees.clone();
-        f.iter_mut().for_each(|v| v.sort_unstable());
-        assert_eq!(f, vec![vec![], vec![], vec![0, 1], vec![2]]);
-        assert_eq!(l.ops.len(), 4);
     }
 }

@@ -300,13 +300,11 @@ impl<'a> CudaStep<'a> {
 
 impl Exec for CudaStep<'_> {
     fn prim(&mut self, op: &Op, ins: &[Val], in_dims: &[Vec<usize>], want: &[usize]) -> R<Val> {
-        self.note(ins);
         self.mark(Some(&|| op.name().to_string()));
         let r = self.run_prim(op, ins, in_dims, want);
         self.done(r)
     }
     fn experts(&mut self, x: Val, ids: Val, weights: Val, e: &Experts, top_k: u32, add: Option<(Val, bool)>) -> R<Val> {
-        self.note(&[x, ids, weights]);
         self.add_after = add;
         self.mark(Some(&|| "experts".to_string()));
         let r = self.given_experts(x, ids, weights, e, top_k);
@@ -317,7 +315,6 @@ impl Exec for CudaStep<'_> {
         Sizes { t, o: if self.all_rows { t } else { self.runs.len() }, c: self.positions.first().map_or(0, |&p| p as usize) + t }
     }
     fn embed(&mut self, table: Wt, scale: f32) -> R<Val> {
-        self.note(&[]);
         self.mark(Some(&|| "embed".to_string()));
         let r = (|| {
             let (dw, mw) = self.weight(table)?;
@@ -341,14 +338,12 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn linear(&mut self, w: Wt, x: Val, with: &[Wt]) -> R<Val> {
-        self.note(&[x]);
         self.mark(Some(&|| format!("linear {}", self.model.weights.get(w.0 as usize).map_or("?", |m| short_name(&m.name)))));
         let r = self.linear_w(w, x, with);
         self.done(r)
     }
     fn rms_norm(&mut self, x: Val, w: Option<Wt>, eps: f32, group: u32, k: Option<NormRopeK>) -> R<Val> {
         let key = OpKey::Norm { w: w.map(|w| w.0), eps: eps.to_bits(), group };
-        self.note(&[x]);
         self.mark(Some(&|| "rms_norm".to_string()));
         let r = (|| {
             if let Some(v) = self.claim_ahead(key, &[x])? {
@@ -380,7 +375,6 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn add(&mut self, a: Val, b: Val) -> R<Val> {
-        self.note(&[a, b]);
         self.mark(Some(&|| "add".to_string()));
         let r = match self.claim_ahead(OpKey::Add, &[a, b]) {
             Ok(Some(v)) => Ok(v),
@@ -390,13 +384,11 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn mul(&mut self, a: Val, b: Val) -> R<Val> {
-        self.note(&[a, b]);
         self.mark(Some(&|| "mul".to_string()));
         let r = self.binary(a, b, 1);
         self.done(r)
     }
     fn scale(&mut self, x: Val, s: f32) -> R<Val> {
-        self.note(&[x]);
         self.mark(Some(&|| "scale".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
@@ -408,7 +400,6 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn glu(&mut self, gate: Val, up: Val, act: Act) -> R<Val> {
-        self.note(&[gate, up]);
         self.mark(Some(&|| "glu".to_string()));
         let r = (|| {
             let (rows, cols) = {
@@ -427,7 +418,6 @@ impl Exec for CudaStep<'_> {
     }
     fn rope(&mut self, x: Val, spec: RopeSpec) -> R<Val> {
         let key = rope_key(&spec);
-        self.note(&[x]);
         self.mark(Some(&|| "rope".to_string()));
         let r = (|| {
             if let Some(v) = self.claim_ahead(key, &[x])? {
@@ -447,20 +437,20 @@ impl Exec for CudaStep<'_> {
         self.done(r)
     }
     fn attention(&mut self, q: Val, k: Val, v: Val, spec: AttnSpec) -> R<Val> {
-        self.note(&[q, k, v]);
         self.mark(Some(&|| "attention".to_string()));
         let r = self.do_attention(q, k, v, spec);
         self.done(r)
     }
     fn moe(&mut self, x: Val, spec: MoeSpec, add: Option<(Val, bool)>) -> R<Val> {
-        self.note(&[x]);
         self.add_after = add;
         self.mark(Some(&|| "moe: router, top-k".to_string()));
         let r = self.do_moe(x, &spec, None);
         self.done(r)
     }
+    fn release(&mut self, v: Val) {
+        self.free(v);
+    }
     fn output_rows(&mut self, x: Val) -> R<Val> {
-        self.note(&[x]);
         self.mark(Some(&|| "output_rows".to_string()));
         let r = (|| {
             let (rows, cols) = self.dims(x)?;
