@@ -14,8 +14,8 @@
 //! [`SlotBook::place`] for one slab at a time and issues that slab's device
 //! work (a move, a head fix) before asking for the next, exactly as the one
 //! loop before the split did; a prefetch asks [`SlotBook::ahead_slot`] per
-//! slab the same way. Kept free of `CudaDevice`, the book can be unit-tested
-//! on machines with no GPU.
+//! slab the same way. Kept free of `CudaDevice`, the book's unit tests
+//! (`slots/tests.rs`) run on machines with no GPU.
 
 use std::collections::HashMap;
 
@@ -23,6 +23,9 @@ use pulsar_store::{Admission, Catalog, Census, HotSet, HotSetConfig, SlabId, Sla
 
 use super::super::CudaBackendError;
 use super::PoolStats;
+
+#[cfg(test)]
+mod tests;
 
 /// A slab copied ahead into a scratch slot: its first `head` bytes are absent
 /// (a split expert's gate/up rows the CPU lane computes).
