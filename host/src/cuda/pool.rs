@@ -448,6 +448,7 @@ impl ExpertPool {
     /// bytes are still to be copied), copy each with [`copy_slab`](Self::copy_slab)
     /// as it lands, then [`finish_fill`](Self::finish_fill). Zero-copy needs
     /// the bytes up front: without `bytes`, zero-copy experts are uploaded.
+    #[allow(clippy::type_complexity)]
     pub fn assign_layer<'b>(
         &mut self,
         dev: &CudaDevice,

@@ -34,11 +34,17 @@ fn id(layer: u32, ki: usize, e: u32) -> SlabId {
     SlabId::new(layer, K[ki], e)
 }
 
-/// Fill the hot set with layer 0's eight experts (all 24 hot slots).
-fn warm(b: &mut SlotBook, st: &mut PoolStats) {
+/// A book whose hot set is full of layer 0's eight experts (all 24 hot
+/// slots), with decode prefetch on or off.
+fn warmed(prefetch: bool) -> (SlotBook, PoolStats) {
+    let (mut b, mut st) = (book(), PoolStats::default());
+    if prefetch {
+        b.enable_prefetch(2, true);
+    }
     let all: Vec<u32> = (0..8).collect();
-    b.plan_layer(&req(0, &all, true), st);
+    b.plan_layer(&req(0, &all, true), &mut st);
     assert_eq!(st.admissions, 24);
+    (b, st)
 }
 
 /// A fill as `ExpertPool::assign_layer` runs it, minus the device: every
@@ -145,10 +151,7 @@ fn windows_by_parity_with_prefetch_and_by_direction_without() {
 
 #[test]
 fn cold_slabs_take_their_window_in_order() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     let mut cold = |b: &mut SlotBook, layer: u32, decode: bool| {
         let r = req(layer, &[2, 5], decode);
         let plan = b.plan_layer(&r, &mut st);
@@ -167,10 +170,7 @@ fn cold_slabs_take_their_window_in_order() {
 
 #[test]
 fn a_prefetched_slab_moves_into_its_admitted_hot_slot() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     let ahead = prefetch(&mut b, 1, true, &[5], &[], 300, &mut st);
     assert_eq!(ahead.iter().map(|a| a.1).collect::<Vec<_>>(), vec![36, 37, 38]);
     assert_eq!(st.prefetched, 3);
@@ -189,10 +189,7 @@ fn a_prefetched_slab_moves_into_its_admitted_hot_slot() {
 
 #[test]
 fn a_prefetched_slab_not_admitted_is_read_in_scratch() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     prefetch(&mut b, 1, true, &[5], &[], 300, &mut st);
     let r = req(1, &[5], true);
     assert!(b.plan_layer(&r, &mut st).need.is_empty());
@@ -210,10 +207,7 @@ fn a_prefetched_slab_not_admitted_is_read_in_scratch() {
 fn heads_left_to_the_lane_are_completed_only_where_the_lane_does_not_compute_them() {
     let lane = [(6, LaneShare::Head { rows: 2, bytes: 100 })];
     let pf = || {
-        let mut b = book();
-        let mut st = PoolStats::default();
-        b.enable_prefetch(2, true);
-        warm(&mut b, &mut st);
+        let (mut b, mut st) = warmed(true);
         prefetch(&mut b, 1, true, &[6], &lane, 300, &mut st);
         (b, st)
     };
@@ -254,10 +248,7 @@ fn heads_left_to_the_lane_are_completed_only_where_the_lane_does_not_compute_the
 
 #[test]
 fn the_fill_scratch_starts_after_the_layers_prefetch() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     prefetch(&mut b, 1, true, &[5], &[], 300, &mut st);
     let r = req(1, &[2, 5], true);
     b.plan_layer(&r, &mut st);
@@ -273,9 +264,7 @@ fn the_fill_scratch_starts_after_the_layers_prefetch() {
 
 #[test]
 fn the_cpu_lane_gets_a_null_pointer_only_for_slabs_not_hot() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(false);
     let r = LayerRequest { cpu: &[1], ..req(0, &[1], true) };
     b.plan_layer(&r, &mut st);
     assert!(fill_all(&mut b, &r, &mut st).iter().all(|p| matches!(p, Place::Hit { .. })));
@@ -295,9 +284,7 @@ fn the_cpu_lane_gets_a_null_pointer_only_for_slabs_not_hot() {
 
 #[test]
 fn zero_copy_only_when_requested_and_registered() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(false);
     let registered = |bytes: &[u8]| Some(0xF000_0000 + bytes.len() as u64);
     let r = LayerRequest { zero_copy: &[2], ..req(1, &[2, 3], true) };
     b.plan_layer(&r, &mut st);
@@ -318,10 +305,7 @@ fn zero_copy_only_when_requested_and_registered() {
 
 #[test]
 fn too_many_cold_slabs_for_the_window_is_an_error() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     // Four cold experts fill the 12-slot decode window exactly.
     let r = req(1, &[1, 2, 3, 4], true);
     b.plan_layer(&r, &mut st);
@@ -354,10 +338,7 @@ fn no_scratch_room_is_an_error() {
 
 #[test]
 fn plan_needs_admitted_and_cold_slabs_not_prefetched_ones() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     // 0 is hot; 5 prefetched whole; 6 prefetched without its heads; 2 cold.
     let lane = [(6, LaneShare::Head { rows: 2, bytes: 100 })];
     prefetch(&mut b, 1, true, &[5, 6], &lane, 300, &mut st);
@@ -397,10 +378,7 @@ fn prefetch_pays_on_a_moving_average_of_copies() {
 
 #[test]
 fn heads_and_lane_reservations_only_for_the_prefetched_decode_layer() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    b.enable_prefetch(2, true);
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(true);
     let lane = [(6, LaneShare::Head { rows: 2, bytes: 100 }), (4, LaneShare::Whole)];
     let copied = prefetch(&mut b, 1, true, &[4, 6, 7], &lane, 300, &mut st);
     assert!(copied.iter().all(|c| c.0.expert != 4), "the lane's whole expert was copied");
@@ -425,9 +403,7 @@ fn heads_and_lane_reservations_only_for_the_prefetched_decode_layer() {
 
 #[test]
 fn prefill_prefetch_takes_what_the_fill_left_then_the_rest() {
-    let mut st = PoolStats::default();
-    let mut b = book();
-    warm(&mut b, &mut st);
+    let (mut b, mut st) = warmed(false);
     // Layer 1 (odd) fills from the top; layer 2's prefetch from the bottom.
     let r = req(1, &[1, 2, 3, 4, 5, 6], false);
     b.plan_layer(&r, &mut st);
