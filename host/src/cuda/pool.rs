@@ -1,80 +1,31 @@
-//! VRAM pools: reusable activation buffers, and the expert-slot hot set.
+//! VRAM pools: reusable activation buffers ([`bufs`]), and the expert slots:
+//! the device side here, the decisions in [`slots`].
+//!
+//! [`ExpertPool`] owns the slot allocation, the copy stream's events and
+//! timing, the page-locked registrations and the pointer tables' staging;
+//! its [`SlotBook`] decides which slab sits in which slot. Each method here
+//! asks the book, then issues the device work the answer calls for, in the
+//! order the answers come, so the split changes no copy, move or event.
+//! The CPU lane's stagings are in [`lane`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::CudaEvent;
-use pulsar_cuda::{CudaDevice, DeviceBuf, HostFlag, HostRegistration, PinnedBuf, Pod};
-use pulsar_store::{Catalog, Census, HotSet, HotSetConfig, SlabId, SlabKind};
+use pulsar_cuda::{CudaDevice, DeviceBuf, HostFlag, HostRegistration, PinnedBuf};
+use pulsar_store::{Catalog, Census, SlabId, SlabKind};
 
 use super::pinned::PinnedRanges;
 
 use super::CudaBackendError;
 
+mod bufs;
 mod lane;
+mod slots;
 
+pub use bufs::BufPool;
 pub use lane::LaneOutput;
-
-/// Device buffers by length, handed out during a step and returned after it.
-pub struct BufPool<T: Pod> {
-    free: HashMap<usize, Vec<DeviceBuf<T>>>,
-    pub allocations: u64,
-    /// Bytes of every buffer this pool allocated (in use or free): its share
-    /// of device memory.
-    pub held_bytes: u64,
-    /// Set when an allocation freed the idle buffers to make room: a captured
-    /// graph may hold their addresses (see [`BufPool::take_trimmed`]).
-    trimmed: bool,
-}
-
-impl<T: Pod> Default for BufPool<T> {
-    fn default() -> Self {
-        BufPool { free: HashMap::new(), allocations: 0, held_bytes: 0, trimmed: false }
-    }
-}
-
-impl<T: Pod> BufPool<T> {
-    pub fn take(&mut self, dev: &CudaDevice, len: usize) -> Result<DeviceBuf<T>, CudaBackendError> {
-        if let Some(b) = self.free.get_mut(&len).and_then(Vec::pop) {
-            return Ok(b);
-        }
-        let b = match dev.alloc::<T>(len) {
-            Ok(b) => b,
-            // Buffers are kept by exact length, and a long prefill's attention
-            // scratch grows with every chunk: out of memory with idle buffers
-            // of other lengths, free them and try again.
-            Err(e) if is_oom(&e) && self.free.values().any(|v| !v.is_empty()) => {
-                // Queued kernels may still read a buffer given back this step.
-                dev.sync()?;
-                self.trim();
-                dev.alloc::<T>(len)?
-            }
-            Err(e) => return Err(e.into()),
-        };
-        self.allocations += 1;
-        self.held_bytes += (len * std::mem::size_of::<T>()) as u64;
-        Ok(b)
-    }
-    pub fn give(&mut self, b: DeviceBuf<T>) {
-        self.free.entry(b.len()).or_default().push(b);
-    }
-    /// Free every idle buffer.
-    fn trim(&mut self) {
-        for (len, v) in self.free.drain() {
-            self.held_bytes -= (len * std::mem::size_of::<T>() * v.len()) as u64;
-        }
-        self.trimmed = true;
-    }
-    /// Whether idle buffers were freed since the last call (then a captured
-    /// graph must not replay: some of its addresses are gone).
-    pub fn take_trimmed(&mut self) -> bool {
-        std::mem::take(&mut self.trimmed)
-    }
-}
-
-fn is_oom(e: &pulsar_cuda::CudaError) -> bool {
-    matches!(e, pulsar_cuda::CudaError::Driver(d) if d.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
-}
+pub use slots::{LaneShare, LayerPlan, LayerRequest};
+use slots::{Ahead, AheadSlot, Place, SlotBook};
 
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct PoolStats {
@@ -114,17 +65,14 @@ pub struct PoolStats {
 }
 
 /// Tier 2 on the device: a fixed pool of expert-slab slots in VRAM. Hot slots
-/// follow [`HotSet`]'s admission policy (a slab earns a slot only by being
-/// hotter than the coldest resident); scratch slots hold one layer's cold
-/// slabs that were not admitted. Copies from registered (page-locked) host
-/// memory run on the copy stream; the compute stream waits on an event.
+/// follow [`HotSet`](pulsar_store::HotSet)'s admission policy (a slab earns a
+/// slot only by being hotter than the coldest resident); scratch slots hold
+/// one layer's cold slabs that were not admitted ([`SlotBook`] decides).
+/// Copies from registered (page-locked) host memory run on the copy stream;
+/// the compute stream waits on an event.
 pub struct ExpertPool {
     slots: DeviceBuf<u8>,
-    slot_bytes: usize,
-    n_hot: usize,
-    n_scratch: usize,
-    scratch_next: usize,
-    hot: HotSet,
+    book: SlotBook,
     /// Page-locked host ranges slabs may be copied or read from.
     pinned: Vec<HostRegistration>,
     copy_start: CudaEvent,
@@ -136,11 +84,6 @@ pub struct ExpertPool {
     timing_pending: bool,
     table_host: [PinnedBuf<u64>; 3],
     table_dev: [DeviceBuf<u64>; 3],
-    n_exp: usize,
-    /// This run's expert selections, for the census sidecar.
-    census: Census,
-    /// The current layer's admissions (sorted), between plan and fill.
-    admitted: Vec<SlabId>,
     /// Page-locked host-cache allocations (the store's pinned allocator).
     host_pinned: Option<PinnedRanges>,
     /// Staging for the CPU lane's output rows, and how much of it this
@@ -159,22 +102,6 @@ pub struct ExpertPool {
     /// (Both with the address kernels read them at, looked up once.)
     lane_async_stage: Option<(PinnedBuf<f32>, u64)>,
     lane_seg_stage: Option<(PinnedBuf<i32>, u64)>,
-    /// Cross-layer prefetch: cold slabs of `pf_layer` already copied into
-    /// its scratch window (slot, bytes), during the layer before.
-    pf_enabled: bool,
-    /// Moving average of the slabs a decode layer had to copy in: with few
-    /// misses, predicting the next layer costs more than it hides.
-    copied_per_layer: f64,
-    pf_layer: Option<u32>,
-    /// Whether `pf` was copied for a decode step (windows differ from prefill's).
-    pf_decode: bool,
-    pf: HashMap<SlabId, Ahead>,
-    /// Predicted experts of `pf_layer` left to the CPU lane instead of
-    /// prefetched (ascending): the lane serves them when they come.
-    pf_lane: Vec<u32>,
-    /// Predicted experts of `pf_layer` whose gate/up heads (rows `0..rows`)
-    /// were left to the CPU lane: only their other rows and down were copied.
-    pf_heads: Vec<(u32, usize)>,
     /// The last lane layer's outcome, from the next plan (a layer had lane
     /// work when `lane_secs` > 0).
     lane_outcome: Option<bool>,
@@ -191,58 +118,6 @@ pub struct ExpertPool {
     pub stats: PoolStats,
 }
 
-/// A slab copied ahead into a scratch slot: its first `head` bytes are absent
-/// (a split expert's gate/up rows the CPU lane computes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Ahead {
-    slot: usize,
-    len: usize,
-    head: usize,
-}
-
-/// What the CPU lane takes of one predicted expert.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LaneShare {
-    /// All of it: nothing is copied.
-    Whole,
-    /// Gate and up rows `0..rows` (`bytes` of each slab): the rest of those
-    /// slabs and all of down are copied.
-    Head { rows: usize, bytes: usize },
-}
-
-/// One layer's slabs to serve: for each of gate/up/down, the kind and a
-/// lookup of an expert's bytes.
-pub struct LayerRequest<'a> {
-    pub layer: u32,
-    pub kinds: [SlabKind; 3],
-    /// Distinct experts, ascending.
-    pub experts: &'a [u32],
-    /// Every (token, slot) selection's expert, for heat (repeats count).
-    pub touched: &'a [u32],
-    /// Cold experts (ascending) read in place from page-locked host memory
-    /// (falls back to upload where their bytes are not page-locked).
-    pub zero_copy: &'a [u32],
-    /// Cold experts (ascending) the CPU lane serves: null pointers here.
-    pub cpu: &'a [u32],
-    /// Experts (ascending) whose gate/up heads the CPU lane computes this
-    /// step, from [`ExpertPool::heads_ready`]: their slabs as prefetched.
-    pub heads: &'a [u32],
-    /// A decode step (one token): cold slabs use this layer's half of the
-    /// scratch (the other half takes the next layer's prefetch); a prefill
-    /// step uses all of it and drops any prefetch.
-    pub decode: bool,
-}
-
-/// What a layer's step needs, from [`ExpertPool::plan_layer`].
-#[derive(Debug, Default)]
-pub struct LayerPlan {
-    /// Experts whose bytes the fill reads (admitted or cold slabs), ascending.
-    pub need: Vec<u32>,
-    /// Of those, experts with no slab in the hot set nor admitted: these may
-    /// take any cold path.
-    pub cold: Vec<u32>,
-}
-
 /// A layer's fill decided ahead of its bytes ([`ExpertPool::assign_layer`]).
 pub struct FillPlan {
     table: Vec<u64>,
@@ -256,20 +131,11 @@ impl ExpertPool {
     /// `n_slots` slots of `slot_bytes`; `n_exp` experts per layer (the scratch
     /// part holds one layer's three slabs per expert at most).
     pub fn new(dev: &CudaDevice, slot_bytes: usize, n_slots: usize, n_exp: usize, half_life_steps: f64) -> Result<ExpertPool, CudaBackendError> {
-        let n_scratch = (3 * n_exp).min(n_slots / 2);
-        let n_hot = n_slots - n_scratch;
-        if n_scratch == 0 {
-            return Err(CudaBackendError::Other("the VRAM budget leaves no room for a single expert slab".into()));
-        }
-        let mut cfg = HotSetConfig::new(n_hot);
-        cfg.half_life_steps = half_life_steps;
+        let book = SlotBook::new(slot_bytes, n_slots, n_exp, half_life_steps)?;
+        let n_hot = book.n_hot();
         Ok(ExpertPool {
             slots: dev.alloc::<u8>(slot_bytes * n_slots)?,
-            slot_bytes,
-            n_hot,
-            n_scratch,
-            scratch_next: 0,
-            hot: HotSet::new(cfg),
+            book,
             pinned: Vec::new(),
             copy_start: dev.new_event(true)?,
             copy_done: dev.new_event(true)?,
@@ -277,9 +143,6 @@ impl ExpertPool {
             timing_pending: false,
             table_host: [dev.alloc_pinned::<u64>(n_exp)?, dev.alloc_pinned::<u64>(n_exp)?, dev.alloc_pinned::<u64>(n_exp)?],
             table_dev: [dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?, dev.alloc::<u64>(n_exp)?],
-            n_exp,
-            census: Census::new(),
-            admitted: Vec::new(),
             host_pinned: None,
             lane_stage: None,
             lane_stage_used: 0,
@@ -289,13 +152,6 @@ impl ExpertPool {
             lane_seq: 0,
             lane_async_stage: None,
             lane_seg_stage: None,
-            pf_enabled: false,
-            copied_per_layer: f64::INFINITY,
-            pf_layer: None,
-            pf_decode: false,
-            pf: HashMap::new(),
-            pf_lane: Vec::new(),
-            pf_heads: Vec::new(),
             lane_outcome: None,
             last_plan: None,
             lane_secs: 0.0,
@@ -310,38 +166,17 @@ impl ExpertPool {
     /// (only from page-locked memory, and only with room for two windows of
     /// a top-`top_k` step's slabs).
     pub fn enable_prefetch(&mut self, top_k: usize) {
-        self.pf_enabled = self.has_pinned() && self.n_scratch / 2 >= 3 * top_k.max(1);
+        self.book.enable_prefetch(top_k, self.has_pinned());
     }
 
     pub fn prefetch_enabled(&self) -> bool {
-        self.pf_enabled
+        self.book.prefetch_enabled()
     }
 
     /// Whether predicting and copying the next layer ahead pays: prefetch is
-    /// on and recent decode layers copied in at least two slabs each (on the
-    /// H200 it cost 2-3 tok/s at 97% VRAM hits and gained 5-6 at 70%).
+    /// on and recent decode layers copied in at least two slabs each.
     pub fn prefetch_pays(&self) -> bool {
-        self.pf_enabled && !(self.copied_per_layer < 2.0)
-    }
-
-    /// The scratch slots a step's cold slabs may use: slot of its `i`-th cold
-    /// slab, and how many there are. Decode with prefetch: one half per layer
-    /// parity (the other takes the next layer's prefetch). Prefill: all of
-    /// them, even layers from the bottom up, odd layers from the top down, so
-    /// the next layer's prefetch fills from the far end while this layer's
-    /// slabs are still being read.
-    fn window(&self, decode: bool, layer: u32) -> (impl Fn(usize) -> usize, usize) {
-        let (n_hot, n) = (self.n_hot, self.n_scratch);
-        let (base, cap, down) = if decode && self.pf_enabled {
-            let half = n / 2;
-            (n_hot + (layer as usize % 2) * half, half, false)
-        } else {
-            (n_hot, n, layer % 2 == 1)
-        };
-        (move |i: usize| if down { base + cap - 1 - i } else { base + i }, cap)
-    }
-    fn prefetched(&self, layer: u32, id: SlabId) -> Option<Ahead> {
-        (self.pf_layer == Some(layer)).then(|| self.pf.get(&id).copied()).flatten()
+        self.book.prefetch_pays()
     }
 
     /// Copy the cold slabs of `experts` (predicted for `layer`, the next MoE
@@ -365,43 +200,15 @@ impl ExpertPool {
         lane: &[(u32, LaneShare)],
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<(), CudaBackendError> {
-        self.pf.clear();
-        self.pf_lane.clear();
-        self.pf_heads.clear();
-        self.pf_layer = Some(layer);
-        self.pf_decode = decode;
-        if !(if decode { self.pf_enabled } else { self.has_pinned() }) {
+        let Some((copied, cap)) = self.book.begin_prefetch(layer, decode, experts, lane, self.has_pinned()) else {
             return Ok(());
-        }
-        for &(e, share) in lane {
-            match share {
-                LaneShare::Whole => self.pf_lane.push(e),
-                LaneShare::Head { rows, .. } => self.pf_heads.push((e, rows)),
-            }
-        }
-        self.pf_lane.sort_unstable();
-        self.pf_heads.sort_unstable();
-        let head_of = |e: u32| lane.iter().find(|s| s.0 == e).map(|s| s.1);
-        let copied: Vec<(u32, usize)> = experts
-            .iter()
-            .filter_map(|&e| match head_of(e) {
-                Some(LaneShare::Whole) => None,
-                Some(LaneShare::Head { bytes, .. }) => Some((e, bytes)),
-                None => Some((e, 0)),
-            })
-            .collect();
-        let window = self.window(decode, layer).1;
-        let cap = if decode { window } else { window.saturating_sub(self.scratch_next) };
+        };
         self.copy_ahead(dev, layer, kinds, &copied, bytes, cap, false)
     }
 
     /// The experts of `layer` its prefetch left to the CPU lane.
     pub fn lane_reserved(&self, layer: u32) -> &[u32] {
-        if self.pf_layer == Some(layer) && self.pf_decode {
-            &self.pf_lane
-        } else {
-            &[]
-        }
+        self.book.lane_reserved(layer)
     }
 
     /// Of `experts` (this step's, of `layer`), those whose heads the lane
@@ -409,26 +216,13 @@ impl ExpertPool {
     /// hot set has not admitted either (call after `plan_layer`). (expert,
     /// head rows), ascending.
     pub fn heads_ready(&self, layer: u32, kinds: [SlabKind; 3], experts: &[u32]) -> Vec<(u32, usize)> {
-        if self.pf_layer != Some(layer) || !self.pf_decode {
-            return Vec::new();
-        }
-        self.pf_heads
-            .iter()
-            .copied()
-            .filter(|(e, _)| experts.binary_search(e).is_ok())
-            .filter(|&(e, _)| {
-                kinds[..2].iter().all(|&k| {
-                    let id = SlabId::new(layer, k, e);
-                    self.hot.slot_of(id).is_none() && self.pf.get(&id).is_some_and(|a| a.head > 0)
-                })
-            })
-            .collect()
+        self.book.heads_ready(layer, kinds, experts)
     }
 
     /// Of `experts` (of `layer`), those with none of the `kinds` slabs in the
     /// hot set: the ones a step would find cold.
     pub fn cold_of(&self, layer: u32, kinds: [SlabKind; 3], experts: &[u32]) -> Vec<u32> {
-        experts.iter().copied().filter(|&e| kinds.iter().all(|&k| self.hot.slot_of(SlabId::new(layer, k, e)).is_none())).collect()
+        self.book.cold_of(layer, kinds, experts)
     }
 
     /// The CPU lane worked `secs` in this layer (its outcome is read at the
@@ -467,17 +261,15 @@ impl ExpertPool {
         cap: usize,
         after_compute: bool,
     ) -> Result<(), CudaBackendError> {
-        let slot_of = self.window(self.pf_decode, layer).0;
         let mut copied = false;
         'outer: for &(e, head_bytes) in experts {
             for (ki, &k) in kinds.iter().enumerate() {
                 let id = SlabId::new(layer, k, e);
-                if self.hot.slot_of(id).is_some() || self.pf.contains_key(&id) {
-                    continue;
-                }
-                if self.pf.len() >= cap {
-                    break 'outer;
-                }
+                let slot = match self.book.ahead_slot(id, cap) {
+                    AheadSlot::Skip => continue,
+                    AheadSlot::Full => break 'outer,
+                    AheadSlot::Slot(s) => s,
+                };
                 let b = bytes(ki, e).map_err(CudaBackendError::Other)?;
                 if !self.is_pinned(b) {
                     continue;
@@ -486,12 +278,9 @@ impl ExpertPool {
                     self.compute_mark.record(dev.compute()).map_err(pulsar_cuda::CudaError::from)?;
                     dev.copy().wait(&self.compute_mark).map_err(pulsar_cuda::CudaError::from)?;
                 }
-                let slot = slot_of(self.pf.len());
-                // Gate and up (kinds 0, 1) of a split expert: all but the head.
-                let head = if ki < 2 { head_bytes.min(b.len()) } else { 0 };
+                let head = slots::head_len(ki, head_bytes, b.len());
                 self.upload_at(dev, slot, head, &b[head..])?;
-                self.pf.insert(id, Ahead { slot, len: b.len(), head });
-                self.stats.prefetched += 1;
+                self.book.add_ahead(id, Ahead { slot, len: b.len(), head }, &mut self.stats);
                 copied = true;
             }
         }
@@ -516,10 +305,9 @@ impl ExpertPool {
         experts: &[u32],
         bytes: &dyn Fn(usize, u32) -> Result<&'b [u8], String>,
     ) -> Result<(), CudaBackendError> {
-        if self.pf_layer != Some(layer) || self.pf_decode || !self.has_pinned() {
+        let Some(window) = self.book.rest_cap(layer, self.has_pinned()) else {
             return Ok(());
-        }
-        let window = self.window(false, layer).1;
+        };
         let whole: Vec<(u32, usize)> = experts.iter().map(|&e| (e, 0)).collect();
         self.copy_ahead(dev, layer, kinds, &whole, bytes, window, true)
     }
@@ -533,21 +321,17 @@ impl ExpertPool {
         !self.pinned.is_empty()
     }
 
-    fn registration(&self, bytes: &[u8]) -> Option<&HostRegistration> {
-        self.pinned.iter().find(|r| r.contains(bytes))
-    }
-
     /// Copies may also come from these page-locked host-cache allocations.
     pub fn set_host_pinned(&mut self, r: PinnedRanges) {
         self.host_pinned = Some(r);
     }
 
     fn is_pinned(&self, bytes: &[u8]) -> bool {
-        self.registration(bytes).is_some() || self.host_pinned.as_ref().is_some_and(|r| r.contains(bytes))
+        registration(&self.pinned, bytes).is_some() || self.host_pinned.as_ref().is_some_and(|r| r.contains(bytes))
     }
 
-    fn slot_ptr(&self, slot: usize) -> Result<u64, CudaBackendError> {
-        Ok(self.slots.device_ptr_at(slot * self.slot_bytes)?)
+    fn slot_ptr(&self, slot: usize) -> u64 {
+        self.book.slot_addr(self.slots.device_ptr(), slot)
     }
 
     fn upload(&mut self, dev: &CudaDevice, slot: usize, bytes: &[u8]) -> Result<u64, CudaBackendError> {
@@ -556,17 +340,14 @@ impl ExpertPool {
 
     /// Copy `bytes` to offset `at` of `slot`; returns the slot's address.
     fn upload_at(&mut self, dev: &CudaDevice, slot: usize, at: usize, bytes: &[u8]) -> Result<u64, CudaBackendError> {
-        if at + bytes.len() > self.slot_bytes {
-            return Err(CudaBackendError::Other(format!("expert slab of {} bytes exceeds the slot size {}", at + bytes.len(), self.slot_bytes)));
+        let slot_bytes = self.book.slot_bytes();
+        if at + bytes.len() > slot_bytes {
+            return Err(CudaBackendError::Other(format!("expert slab of {} bytes exceeds the slot size {slot_bytes}", at + bytes.len())));
         }
-        let base = self.slot_ptr(slot)?;
+        let base = self.slot_ptr(slot);
         let ptr = base + at as u64;
         if self.is_pinned(bytes) {
-            if !self.timing_pending {
-                self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
-                self.timing_pending = true;
-                self.pinned_at_start = self.stats.pinned_bytes;
-            }
+            self.start_timing(dev)?;
             // SAFETY: the slot holds `slot_bytes >= bytes.len()` bytes; the
             // bytes are page-locked file or cache memory that outlives the
             // step, and the compute stream waits for this copy (copy_done).
@@ -585,20 +366,26 @@ impl ExpertPool {
         Ok(base)
     }
 
-    /// Copy a slab between slots on the copy stream (a prefetched slab the
-    /// hot set has just admitted).
-    fn move_slot(&mut self, dev: &CudaDevice, from: usize, to: usize, len: usize) -> Result<u64, CudaBackendError> {
-        let (src, dst) = (self.slot_ptr(from)?, self.slot_ptr(to)?);
+    /// Open a timed span of copy-stream work, unless one is open.
+    fn start_timing(&mut self, dev: &CudaDevice) -> Result<(), CudaBackendError> {
         if !self.timing_pending {
             self.copy_start.record(dev.copy()).map_err(pulsar_cuda::CudaError::from)?;
             self.timing_pending = true;
             self.pinned_at_start = self.stats.pinned_bytes;
         }
+        Ok(())
+    }
+
+    /// Copy a slab between slots on the copy stream (a prefetched slab the
+    /// hot set has just admitted).
+    fn move_slot(&mut self, dev: &CudaDevice, from: usize, to: usize, len: usize) -> Result<(), CudaBackendError> {
+        let (src, dst) = (self.slot_ptr(from), self.slot_ptr(to));
+        self.start_timing(dev)?;
         dev.context().bind_to_thread().map_err(pulsar_cuda::CudaError::from)?;
         // SAFETY: both slots lie in the pool's allocation and hold `slot_bytes
         // >= len` bytes; the compute stream waits for the copy stream.
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, len, dev.copy().cu_stream()) }.map_err(pulsar_cuda::CudaError::from)?;
-        Ok(dst)
+        Ok(())
     }
 
     /// Fill free hot slots with the hottest whole triples of `census` (the
@@ -610,7 +397,7 @@ impl ExpertPool {
         census: &Census,
         bytes: &dyn Fn(SlabId) -> Result<&'b [u8], String>,
     ) -> Result<(), CudaBackendError> {
-        for a in self.hot.warm_load(catalog, census) {
+        for a in self.book.warm_load(catalog, census) {
             let b = bytes(a.slab).map_err(CudaBackendError::Other)?;
             self.upload(dev, a.slot as usize, b)?;
             self.stats.warm_loaded += 1;
@@ -633,45 +420,7 @@ impl ExpertPool {
         self.lane_secs = 0.0;
         // The routing sync before this call finished every staged lane copy.
         self.lane_stage_used = 0;
-        if self.pf_layer != Some(req.layer) || self.pf_decode != req.decode {
-            self.pf.clear();
-            self.pf_lane.clear();
-            self.pf_layer = None;
-        }
-        for &e in req.touched {
-            self.census.record(req.layer, e, 1);
-        }
-        let touched: Vec<SlabId> = req
-            .touched
-            .iter()
-            .flat_map(|&e| req.kinds.iter().map(move |&k| SlabId::new(req.layer, k, e)))
-            .collect();
-        self.admitted = self.hot.step(&touched).into_iter().map(|a| a.slab).collect();
-        self.admitted.sort_unstable();
-        let c = self.hot.counters();
-        (self.stats.admissions, self.stats.evictions) = (c.admissions, c.evictions);
-        let mut plan = LayerPlan::default();
-        for &e in req.experts {
-            let (mut any, mut all) = (false, true);
-            for &k in &req.kinds {
-                let id = SlabId::new(req.layer, k, e);
-                let cold = self.hot.slot_of(id).is_none();
-                // Prefetched slabs are on the device already (an admitted
-                // one moves device to device): no host bytes needed. A head
-                // left to the lane is on the device too unless admitted (it
-                // then needs all its bytes).
-                let ahead = self.prefetched(req.layer, id).is_some_and(|a| a.head == 0 || cold);
-                any |= !ahead && (cold || self.admitted.binary_search(&id).is_ok());
-                all &= cold && !ahead;
-            }
-            if any {
-                plan.need.push(e);
-            }
-            if all {
-                plan.cold.push(e);
-            }
-        }
-        Ok(plan)
+        Ok(self.book.plan_layer(req, &mut self.stats))
     }
 
     /// Phase two: the device's per-expert pointer tables (gate, up, down; 0
@@ -699,6 +448,7 @@ impl ExpertPool {
     /// bytes are still to be copied), copy each with [`copy_slab`](Self::copy_slab)
     /// as it lands, then [`finish_fill`](Self::finish_fill). Zero-copy needs
     /// the bytes up front: without `bytes`, zero-copy experts are uploaded.
+    #[allow(clippy::type_complexity)]
     pub fn assign_layer<'b>(
         &mut self,
         dev: &CudaDevice,
@@ -706,90 +456,31 @@ impl ExpertPool {
         bytes: Option<&dyn Fn(usize, u32) -> Result<&'b [u8], String>>,
     ) -> Result<FillPlan, CudaBackendError> {
         let copied_before = self.stats.misses + self.stats.prefetch_hits;
-        let (slot_of, cap) = self.window(req.decode, req.layer);
-        // The window's first slots hold this layer's prefetch.
-        self.scratch_next = if self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
-        let n_exp = self.n_exp;
+        self.book.begin_fill(req);
+        let n_exp = self.book.n_exp();
+        let base = self.slots.device_ptr();
         let mut plan = FillPlan { table: vec![0u64; 3 * n_exp], copies: Vec::new(), decode: req.decode, copied_before };
         for (ki, &kind) in req.kinds.iter().enumerate() {
             for &e in req.experts {
-                if e as usize >= n_exp {
-                    return Err(CudaBackendError::Other(format!("layer {}: expert {e} of {n_exp}", req.layer)));
-                }
-                let id = SlabId::new(req.layer, kind, e);
-                if req.cpu.binary_search(&e).is_ok() && self.hot.slot_of(id).is_none() {
-                    self.stats.cpu_lane += 1;
-                    continue; // served by the CPU lane: a null pointer
-                }
-                let admitted = self.admitted.binary_search(&id).is_ok();
-                let mut ahead = self.prefetched(req.layer, id);
-                // A slab prefetched without its head that the lane does not
-                // compute from this step (the hot set took it, or took its
-                // sibling): its head bytes complete it where it ends up. With
-                // no bytes at hand, it is copied whole instead.
-                let mut head_fix: Option<&[u8]> = None;
-                if let Some(a) = ahead.filter(|a| a.head > 0 && (admitted || req.heads.binary_search(&e).is_err())) {
-                    match bytes {
-                        Some(f) => head_fix = Some(&f(ki, e).map_err(CudaBackendError::Other)?[..a.head]),
-                        None => ahead = None,
-                    }
-                }
-                let ptr = match (self.hot.slot_of(id), ahead) {
-                    (Some(s), Some(a)) if admitted => {
-                        self.stats.prefetch_hits += 1;
-                        let p = self.move_slot(dev, a.slot, s as usize, a.len)?;
-                        if let Some(h) = head_fix {
+                let pinned = &self.pinned;
+                let place = self.book.place(req, ki, e, bytes, |b| registration(pinned, b).and_then(|r| r.device_addr(b)), &mut self.stats)?;
+                // Each slab's device work is issued before the next slab is
+                // placed: the order of moves and uploads is the book's.
+                match place {
+                    Place::Move { from, to, len, head } => {
+                        self.move_slot(dev, from, to, len)?;
+                        if let Some(h) = head {
                             // After the move on the same stream: the head lands last.
-                            self.upload_at(dev, s as usize, 0, h)?;
-                        }
-                        p
-                    }
-                    (Some(s), None) if admitted => {
-                        plan.copies.push((id, ki, e, s as usize));
-                        self.slot_ptr(s as usize)?
-                    }
-                    (Some(s), _) => {
-                        self.stats.hits += 1;
-                        self.slot_ptr(s as usize)?
-                    }
-                    (None, Some(a)) => {
-                        self.stats.prefetch_hits += 1;
-                        if let Some(h) = head_fix {
-                            self.upload_at(dev, a.slot, 0, h)?;
-                        }
-                        self.slot_ptr(a.slot)?
-                    }
-                    (None, None) => {
-                        let zc = match bytes.filter(|_| req.zero_copy.binary_search(&e).is_ok()) {
-                            Some(f) => {
-                                let b = f(ki, e).map_err(CudaBackendError::Other)?;
-                                self.registration(b).and_then(|r| r.device_addr(b)).map(|a| (a, b.len()))
-                            }
-                            None => None,
-                        };
-                        match zc {
-                            Some((addr, len)) => {
-                                self.stats.zero_copy += 1;
-                                self.stats.zero_copy_bytes += len as u64;
-                                addr
-                            }
-                            None => {
-                                if self.scratch_next >= cap {
-                                    return Err(CudaBackendError::Other(format!(
-                                        "layer {}: {} cold slabs in one step exceed the {cap} scratch slots; raise --vram-budget",
-                                        req.layer,
-                                        self.scratch_next + 1,
-                                    )));
-                                }
-                                let slot = slot_of(self.scratch_next);
-                                self.scratch_next += 1;
-                                plan.copies.push((id, ki, e, slot));
-                                self.slot_ptr(slot)?
-                            }
+                            self.upload_at(dev, to, 0, h)?;
                         }
                     }
-                };
-                plan.table[ki * n_exp + e as usize] = ptr;
+                    Place::Ahead { slot, head: Some(h) } => {
+                        self.upload_at(dev, slot, 0, h)?;
+                    }
+                    Place::Upload { slot } | Place::Scratch { slot } => plan.copies.push((SlabId::new(req.layer, kind, e), ki, e, slot)),
+                    Place::Lane | Place::Hit { .. } | Place::Ahead { head: None, .. } | Place::ZeroCopy { .. } => {}
+                }
+                plan.table[ki * n_exp + e as usize] = self.book.addr(base, place);
             }
         }
         Ok(plan)
@@ -812,13 +503,12 @@ impl ExpertPool {
     /// pointer tables go to the device.
     pub fn finish_fill(&mut self, dev: &CudaDevice, plan: FillPlan) -> Result<&[DeviceBuf<u64>; 3], CudaBackendError> {
         if plan.decode {
-            let copied = (self.stats.misses + self.stats.prefetch_hits - plan.copied_before) as f64;
-            self.copied_per_layer = if self.copied_per_layer.is_finite() { 0.9 * self.copied_per_layer + 0.1 * copied } else { copied };
+            self.book.note_copied((self.stats.misses + self.stats.prefetch_hits - plan.copied_before) as f64);
         }
         self.finish_copies(dev)?;
         // The previous layer's table copy has finished: the compute stream was
         // synchronised (routing ids came back) before this call.
-        let n_exp = self.n_exp;
+        let n_exp = self.book.n_exp();
         for (ki, (h, d)) in self.table_host.iter_mut().zip(self.table_dev.iter_mut()).enumerate() {
             h.as_mut_slice().copy_from_slice(&plan.table[ki * n_exp..(ki + 1) * n_exp]);
             d.upload_async(dev.compute(), h)?;
@@ -879,11 +569,17 @@ impl ExpertPool {
 
     /// The experts this run selected, per (layer, expert).
     pub fn census(&self) -> &Census {
-        &self.census
+        self.book.census()
     }
 
     /// Flush pending timing (for reports after a run).
     pub fn settle(&mut self) -> Result<(), CudaBackendError> {
         self.read_copy_time()
     }
+}
+
+/// The registered range `bytes` lie in, if any (a free function so that a
+/// fill can look it up while the slot book is borrowed).
+fn registration<'r>(pinned: &'r [HostRegistration], bytes: &[u8]) -> Option<&'r HostRegistration> {
+    pinned.iter().find(|r| r.contains(bytes))
 }
