@@ -110,7 +110,7 @@ if has stream; then
 import re,sys
 m=re.search(r'need ([0-9.]+) (KiB|MiB|GiB)', sys.stdin.read())
 print(float(m.group(1))*{'KiB':1/2**20,'MiB':1/2**10,'GiB':1}[m.group(2)] if m else 0)")
-    for extra in ${STREAM_EXTRA_KIB:-48 96 192}; do
+    for extra in ${STREAM_EXTRA_KIB:-48 96 192 768}; do
       b=$(python3 -c "print(f'{$need + $extra/2**20:.7f}')")
       for cp in auto upload zerocopy cpu; do
         rm -f "$m.warm"

@@ -97,6 +97,10 @@ pub struct CudaModel {
 /// Most tokens of one prefill step on the GPU.
 pub const MAX_CHUNK: usize = 512;
 
+/// Expert slots a streaming model needs at least: three hot and three
+/// scratch (one expert's gate, up and down; a layer's fill runs in passes).
+pub const MIN_EXPERT_SLOTS: usize = 6;
+
 /// The prefill chunk for a streaming model: the largest power of two up to
 /// [`MAX_CHUNK`] whose activations take at most a sixteenth of what the budget
 /// leaves after the resident weights and KV (the rest holds expert slabs), and
@@ -266,6 +270,18 @@ impl CudaModel {
             tracing::info!("prefill chunks of up to {chunk} tokens: {:.0} MiB of the budget kept for activations", reserve as f64 / (1u64 << 20) as f64);
             let room = (budget - fixed).saturating_sub(reserve);
             let n_slots = (room / slot_bytes.max(1)) as usize;
+            // The least that runs: the smallest chunk's activations and six
+            // slots (half hot, half scratch: one expert's three slabs, a
+            // layer's fill then runs in as many passes as it needs).
+            let least = fixed + chunk_for_budget(0, mem.activation_bytes_per_token).1 + MIN_EXPERT_SLOTS as u64 * slot_bytes;
+            tracing::info!("the smallest --vram-budget that runs this model: {} (resident weights and KV {}, {MIN_EXPERT_SLOTS} expert slots of {})", size(least), size(fixed), size(slot_bytes));
+            if n_slots < MIN_EXPERT_SLOTS {
+                return Err(CudaBackendError::Other(format!(
+                    "the VRAM budget of {} leaves room for {n_slots} expert slabs, fewer than the {MIN_EXPERT_SLOTS} streaming needs: raise --vram-budget to at least {}",
+                    size(budget),
+                    size(least)
+                )));
+            }
             // Heat halves over about 256 tokens (one hot-set step per MoE layer).
             let mut pool = ExpertPool::new(&dev, slot_bytes as usize, n_slots, n_exp, 256.0 * n_moe_layers as f64)?;
             if !opts.no_pin {

@@ -423,6 +423,14 @@ impl ExpertPool {
         Ok(self.book.plan_layer(req, &mut self.stats))
     }
 
+    /// The passes a layer's fill takes so that no pass overflows the
+    /// scratch ([`SlotBook::passes`]): call after [`plan_layer`](Self::plan_layer),
+    /// then fill and run each pass's experts in turn, the device done with
+    /// one pass's kernels before the next fill reuses its slots.
+    pub fn passes(&self, req: &LayerRequest<'_>) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
+        self.book.passes(req)
+    }
+
     /// Phase two: the device's per-expert pointer tables (gate, up, down; 0
     /// for experts not selected), uploading what [`ExpertPool::plan_layer`]
     /// said is needed from `bytes(kind index, expert)`. Call only when the

@@ -342,6 +342,40 @@ impl SlotBook {
         plan
     }
 
+    /// The fill's passes over `req.experts` (ranges of it, in order), each
+    /// taking at most the scratch the window has after this layer's
+    /// prefetch: one pass unless the layer's cold slabs overflow it (a
+    /// prefill chunk routed to more experts than the scratch holds). A slab
+    /// takes a scratch slot when it is neither hot (admitted ones have a hot
+    /// slot) nor prefetched. Call after [`plan_layer`](Self::plan_layer);
+    /// an expert that alone does not fit is the fill's overflow error.
+    pub fn passes(&self, req: &LayerRequest<'_>) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
+        let pf = if self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
+        let room = self.window(req.decode, req.layer).cap.saturating_sub(pf);
+        let mut passes = Vec::new();
+        let (mut start, mut used) = (0, 0);
+        for (i, &e) in req.experts.iter().enumerate() {
+            let need = req.kinds.iter().filter(|&&k| {
+                let id = SlabId::new(req.layer, k, e);
+                self.hot.slot_of(id).is_none() && self.prefetched(req.layer, id).is_none()
+            });
+            let need = need.count();
+            if need > room {
+                return Err(CudaBackendError::Other(format!(
+                    "layer {}: expert {e}'s {need} cold slabs exceed the {room} scratch slots; raise --vram-budget",
+                    req.layer
+                )));
+            }
+            if used + need > room {
+                passes.push(start..i);
+                (start, used) = (i, 0);
+            }
+            used += need;
+        }
+        passes.push(start..req.experts.len());
+        Ok(passes)
+    }
+
     /// Start a layer's fill: its window, whose first slots hold this
     /// layer's prefetch (cold slabs take the slots after it).
     pub fn begin_fill(&mut self, req: &LayerRequest<'_>) {

@@ -121,6 +121,9 @@ impl<'a> CudaStep<'a> {
         // (expert, rows): gate/up heads the CPU lane computes this step.
         let mut lane_heads: Vec<(u32, usize)> = Vec::new();
         let mut layer_kinds = [pulsar_store::SlabKind::Gate; 3];
+        // A prefill chunk routed to more cold slabs than the scratch holds:
+        // its fill and grouped kernels run in passes (at the kernels below).
+        let mut passes: Option<Passes> = None;
         let [pg, pu, pd] = &mut pbufs[..] else { unreachable!("three pointer buffers") };
         match resident {
             Some(_) => {
@@ -303,7 +306,12 @@ impl<'a> CudaStep<'a> {
                 }
                 let req = super::super::LayerRequest { zero_copy: &zero_copy, cpu: &cpu, heads: &head_experts, ..req0 };
                 let need = &plan.need;
-                match self.store.filter(|_| !need.is_empty()) {
+                let split = if grouped { pool.passes(&req).map_err(err)? } else { Vec::new() };
+                if split.len() > 1 {
+                    // No prefetch: the next layer's copies would take the slots the passes reuse.
+                    passes = Some(Passes { ranges: split, experts: experts.clone(), kinds, need: plan.need.clone() });
+                }
+                match self.store.filter(|_| !need.is_empty() && passes.is_none()) {
                     // Tier 3/4: what VRAM lacks comes through the host cache
                     // (page-locked) over the disk; the guard keeps those bytes
                     // alive until the copies and the CPU lane are done with them.
@@ -328,6 +336,7 @@ impl<'a> CudaStep<'a> {
                         }
                         pool.finish_fill(dev, plan).map_err(err)?;
                     }
+                    None if passes.is_some() => {}
                     None => {
                         pool.fill_layer(dev, &req, &|ki, e| {
                             let t = model.tensor(&model.weights[widx[ki]]);
@@ -377,8 +386,7 @@ impl<'a> CudaStep<'a> {
                 lane_x = x_host;
                 layer_kinds = kinds;
                 if grouped {
-                    let t = pool.host_tables();
-                    host_ptrs = (0..ne).map(|e| [t[0][e], t[1][e], t[2][e]]).collect();
+                    host_ptrs = host_ptrs_of(&pool, ne);
                 } else {
                     let table = pool.tables();
                     dev.moe_gather_ptrs(&stream, &ids, [&table[0], &table[1], &table[2]], [pg, pu, pd]).map_err(err)?;
@@ -397,50 +405,14 @@ impl<'a> CudaStep<'a> {
                 self.run_lane(spec, &lane_x, &h_ids, &lane_experts, layer_kinds, widx, guard.as_ref(), &mut out)?;
             }
         } else if grouped {
-            let xqi = self.quantized(x, gfmt)?;
             // Pairs sorted by expert (stable: pair order within an expert).
             let mut order: Vec<usize> = (0..n_pairs).collect();
             order.sort_by_key(|&p| h_ids[p]);
-            let tok_of: Vec<i32> = order.iter().map(|&p| (p / k) as i32).collect();
-            let pair_of: Vec<i32> = order.iter().map(|&p| p as i32).collect();
-            let mut runs = Vec::new();
-            let mut i = 0;
-            while i < n_pairs {
-                let e = h_ids[order[i]] as usize;
-                let mut j = i;
-                while j < n_pairs && h_ids[order[j]] as usize == e {
-                    j += 1;
-                }
-                let p = host_ptrs.get(e).copied().ok_or_else(|| format!("moe layer {}: router chose expert {e} of {ne}", spec.layer))?;
-                if p.iter().all(|&a| a != 0) {
-                    runs.push(pulsar_cuda::ExpertRun { gate: p[0], up: p[1], down: p[2], start: i, len: j - i });
-                }
-                i = j;
+            let g = Grouped { gate_ty, down_ty, gfmt, dfmt, d_model, ff, k, ne };
+            match passes.take() {
+                None => self.grouped_ffn(x, spec, &g, &h_ids, &order, &host_ptrs, &mut out)?,
+                Some(ps) => self.grouped_passes(x, spec, &g, &h_ids, &order, &ps, widx, &mut out)?,
             }
-            let mut tb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
-            let mut pb = self.pools.i32.take(dev, n_pairs).map_err(err)?;
-            tb.upload(&stream, &tok_of).map_err(err)?;
-            pb.upload(&stream, &pair_of).map_err(err)?;
-            let mut xs = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, n_pairs, d_model).map_err(err)?).map_err(err)?;
-            let mut hg = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
-            let mut hu = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
-            let mut h = self.pools.f32.take(dev, n_pairs * ff).map_err(err)?;
-            let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n_pairs, ff).map_err(err)?).map_err(err)?;
-            let mut outs = self.pools.f32.take(dev, n_pairs * d_model).map_err(err)?;
-            // Sized for the most runs a chunk can have (one per expert), so the pool
-            // hands back one buffer instead of allocating one per distinct run count.
-            let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n_pairs, ne.min(n_pairs))).map_err(err)?;
-            let mut scratch = pulsar_cuda::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
-            let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, &mut out);
-            self.pools.i32.give(tb);
-            self.pools.i32.give(pb);
-            self.pools.u64.give(items);
-            self.pools.u8.give(xs);
-            self.pools.u8.give(hq);
-            for b in [hg, hu, h, outs] {
-                self.pools.f32.give(b);
-            }
-            r.map_err(err)?;
             if let (Some((predicted, nw, kinds)), Some(pool)) = (prefetch_rest.take(), &cm.experts) {
                 let model = self.model;
                 pool.lock().unwrap_or_else(|e| e.into_inner())
@@ -522,4 +494,158 @@ impl<'a> CudaStep<'a> {
         self.pools.f32.give(out);
         y
     }
+
+    /// The grouped expert FFN (prefill) over the pairs `order` (pair
+    /// indices sorted by expert), writing their rows of `out`; the others
+    /// are left as they are. `host_ptrs`: each expert's (gate, up, down)
+    /// device addresses (a pair whose expert has a null one is skipped).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_ffn(&mut self, x: Val, spec: &MoeSpec, g: &Grouped, h_ids: &[i32], order: &[usize], host_ptrs: &[[u64; 3]], out: &mut DeviceBuf<f32>) -> R<()> {
+        let dev = &self.cm.dev;
+        let stream = dev.compute().clone();
+        let (rows, _) = self.dims(x)?;
+        let Grouped { gate_ty, down_ty, gfmt, dfmt, d_model, ff, k, ne } = *g;
+        let n = order.len();
+        let xqi = self.quantized(x, gfmt)?;
+        let tok_of: Vec<i32> = order.iter().map(|&p| (p / k) as i32).collect();
+        let pair_of: Vec<i32> = order.iter().map(|&p| p as i32).collect();
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < n {
+            let e = h_ids[order[i]] as usize;
+            let mut j = i;
+            while j < n && h_ids[order[j]] as usize == e {
+                j += 1;
+            }
+            let p = host_ptrs.get(e).copied().ok_or_else(|| format!("moe layer {}: router chose expert {e} of {ne}", spec.layer))?;
+            if p.iter().all(|&a| a != 0) {
+                runs.push(pulsar_cuda::ExpertRun { gate: p[0], up: p[1], down: p[2], start: i, len: j - i });
+            }
+            i = j;
+        }
+        let mut tb = self.pools.i32.take(dev, n).map_err(err)?;
+        let mut pb = self.pools.i32.take(dev, n).map_err(err)?;
+        tb.upload(&stream, &tok_of).map_err(err)?;
+        pb.upload(&stream, &pair_of).map_err(err)?;
+        let mut xs = self.pools.u8.take(dev, pulsar_cuda::act_bytes(gfmt, n, d_model).map_err(err)?).map_err(err)?;
+        let mut hg = self.pools.f32.take(dev, n * ff).map_err(err)?;
+        let mut hu = self.pools.f32.take(dev, n * ff).map_err(err)?;
+        let mut h = self.pools.f32.take(dev, n * ff).map_err(err)?;
+        let mut hq = self.pools.u8.take(dev, pulsar_cuda::act_bytes(dfmt, n, ff).map_err(err)?).map_err(err)?;
+        let mut outs = self.pools.f32.take(dev, n * d_model).map_err(err)?;
+        // Sized for the most runs a chunk can have (one per expert), so the pool
+        // hands back one buffer instead of allocating one per distinct run count.
+        let mut items = self.pools.u64.take(dev, pulsar_cuda::grouped_items_len(n, ne.min(n))).map_err(err)?;
+        let mut scratch = pulsar_cuda::GroupedScratch { items: &mut items, xs: &mut xs, hg: &mut hg, hu: &mut hu, h: &mut h, hq: &mut hq, outs: &mut outs };
+        let r = dev.moe_ffn_grouped(&stream, gate_ty, down_ty, &runs, &tb, &pb, &self.qcache[xqi].2, rows, d_model, ff, act_of(spec.act), &mut scratch, out);
+        self.pools.i32.give(tb);
+        self.pools.i32.give(pb);
+        self.pools.u64.give(items);
+        self.pools.u8.give(xs);
+        self.pools.u8.give(hq);
+        for b in [hg, hu, h, outs] {
+            self.pools.f32.give(b);
+        }
+        r.map_err(err)
+    }
+
+    /// [`grouped_ffn`](Self::grouped_ffn) in passes whose cold slabs each fit
+    /// the scratch ([`Passes`]): fill a pass's experts, run their pairs (a
+    /// contiguous run of `order`), and before the next fill wait for the
+    /// device to finish with the slots it reuses. Every pair's row is
+    /// computed once, by the same kernel as in one pass: the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_passes(&mut self, x: Val, spec: &MoeSpec, g: &Grouped, h_ids: &[i32], order: &[usize], ps: &Passes, widx: [usize; 3], out: &mut DeviceBuf<f32>) -> R<()> {
+        let cm: &'a CudaModel = self.cm;
+        let model = self.model;
+        let dev = &cm.dev;
+        let stream = dev.compute().clone();
+        let pool_m = cm.experts.as_ref().ok_or("moe passes without an expert pool")?;
+        let mut at = 0;
+        for (pi, range) in ps.ranges.iter().enumerate() {
+            let experts = &ps.experts[range.clone()];
+            let Some(&last) = experts.last() else { continue };
+            if pi > 0 {
+                // The last pass's kernels read the scratch slots this fill reuses.
+                stream.synchronize().map_err(err)?;
+            }
+            let req = super::super::LayerRequest { layer: spec.layer, kinds: ps.kinds, experts, touched: &[], zero_copy: &[], cpu: &[], heads: &[], decode: false };
+            let in_pass = |e: u32| experts.binary_search(&e).is_ok();
+            let mut pool = pool_m.lock().unwrap_or_else(|e| e.into_inner());
+            let mut guard = None;
+            match self.store {
+                Some(st) => {
+                    let sel: Vec<pulsar_store::Selection> = h_ids
+                        .iter()
+                        .enumerate()
+                        .filter(|&(_, &e)| in_pass(e as u32))
+                        .map(|(p, &e)| pulsar_store::Selection { token: (p / g.k) as u32, slot: (p % g.k) as u32, expert: e as u32 })
+                        .collect();
+                    let plan = pool.assign_layer(dev, &req, None).map_err(err)?;
+                    let need = &ps.need;
+                    let r = st.store.resolve_streaming(spec.layer, &sel, &|e| in_pass(e) && need.binary_search(&e).is_ok(), &mut |id, b| {
+                        pool.copy_slab(dev, &plan, id, b).map_err(|e| e.to_string())
+                    });
+                    if r.is_err() {
+                        let _ = pool.wait_copies();
+                    }
+                    let gd = guard.insert(r.map_err(err)?);
+                    if let Some(&(id, ..)) = plan.copies.iter().find(|c| gd.slab(c.0).is_none()) {
+                        return Err(format!("{id}: not resolved by the store"));
+                    }
+                    pool.finish_fill(dev, plan).map_err(err)?;
+                }
+                None => {
+                    pool.fill_layer(dev, &req, &|ki, e| {
+                        let t = model.tensor(&model.weights[widx[ki]]);
+                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+                        model.file.bytes(&range).map_err(err)
+                    })
+                    .map_err(err)?;
+                }
+            }
+            let host_ptrs = host_ptrs_of(&pool, g.ne);
+            drop(pool);
+            let end = at + order[at..].iter().take_while(|&&p| h_ids[p] <= last as i32).count();
+            self.grouped_ffn(x, spec, g, h_ids, &order[at..end], &host_ptrs, out)?;
+            at = end;
+            if let Some(gd) = guard.take() {
+                pool_m.lock().unwrap_or_else(|e| e.into_inner()).wait_copies().map_err(err)?;
+                drop(gd);
+            }
+        }
+        if at != order.len() {
+            return Err(format!("moe layer {}: the passes ran {at} of {} pairs", spec.layer, order.len()));
+        }
+        Ok(())
+    }
+}
+
+/// What the grouped expert FFN needs of its layer.
+#[derive(Clone, Copy)]
+struct Grouped {
+    gate_ty: pulsar_gguf::GgmlType,
+    down_ty: pulsar_gguf::GgmlType,
+    gfmt: ActFormat,
+    dfmt: ActFormat,
+    d_model: usize,
+    ff: usize,
+    k: usize,
+    ne: usize,
+}
+
+/// A layer's fill in passes ([`super::super::ExpertPool::passes`]): ranges
+/// of its distinct experts (ascending), their slab kinds, and the experts
+/// whose host bytes the fill reads.
+struct Passes {
+    ranges: Vec<std::ops::Range<usize>>,
+    experts: Vec<u32>,
+    kinds: [pulsar_store::SlabKind; 3],
+    need: Vec<u32>,
+}
+
+/// Each expert's (gate, up, down) device addresses from the pool's last fill.
+fn host_ptrs_of(pool: &super::super::ExpertPool, ne: usize) -> Vec<[u64; 3]> {
+    let t = pool.host_tables();
+    (0..ne).map(|e| [t[0][e], t[1][e], t[2][e]]).collect()
 }

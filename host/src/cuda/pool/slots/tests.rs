@@ -419,3 +419,41 @@ fn prefill_prefetch_takes_what_the_fill_left_then_the_rest() {
     assert_eq!(b.ahead_slot(id(0, 0, 1), 24), AheadSlot::Skip, "hot");
     assert_eq!(b.ahead_slot(id(2, 0, 3), 6), AheadSlot::Full);
 }
+
+#[test]
+fn a_layer_whose_cold_slabs_overflow_the_scratch_fills_in_passes() {
+    // 24 scratch slots hold 8 cold experts (3 slabs each): 8 fit in one
+    // pass, 9 take two. A small book (12 slots: 6 scratch) shows the split.
+    let (mut b, mut st) = (SlotBook::new(SLOT, 12, 8, f64::INFINITY).unwrap(), PoolStats::default());
+    let all: Vec<u32> = (0..8).collect();
+    let r = req(1, &all, false);
+    b.plan_layer(&r, &mut st);
+    // The empty hot set admits six slabs (uploads into hot slots: no
+    // scratch); the other 18 cold slabs need three passes or more.
+    assert_eq!(st.admissions, 6);
+    let p = b.passes(&r).unwrap();
+    assert!(p.len() >= 3, "{p:?}");
+    assert!(p.first().unwrap().start == 0 && p.last().unwrap().end == 8 && p.windows(2).all(|w| w[0].end == w[1].start && w[0].start < w[0].end), "{p:?}");
+    // Each pass's fill fits the window (no overflow error), and a pass with
+    // the next expert added would not.
+    for (i, range) in p.iter().enumerate() {
+        let pass = req(1, &all[range.clone()], false);
+        let places = fill_all(&mut b, &pass, &mut st);
+        let scratch = places.iter().filter(|pl| matches!(pl, Place::Scratch { .. })).count();
+        assert!((1..=6).contains(&scratch), "pass {i}: {places:?}");
+        if range.end < all.len() {
+            let more = req(1, &all[range.start..range.end + 1], false);
+            assert!(fill(&mut b, &more, Some(&slab_bytes), &no_zero_copy, &mut st).is_err(), "pass {i} plus one");
+        }
+    }
+    // The whole layer in one fill overflows, as it did before passes.
+    assert!(fill(&mut b, &r, Some(&slab_bytes), &no_zero_copy, &mut st).is_err());
+    // Hot slabs take no scratch: the warmed book's layer 0 is one pass.
+    let (b, _) = warmed(false);
+    assert_eq!(b.passes(&req(0, &all, false)).unwrap(), vec![0..8]);
+    // Too few scratch slots for one expert's three slabs: the overflow error.
+    let (mut tiny, mut st) = (SlotBook::new(SLOT, 4, 8, f64::INFINITY).unwrap(), PoolStats::default());
+    tiny.plan_layer(&req(2, &all, false), &mut st);
+    let e = tiny.passes(&req(2, &all, false)).unwrap_err().to_string();
+    assert!(e.contains("'s 3 cold slabs exceed the 2 scratch slots; raise --vram-budget"), "{e}");
+}
