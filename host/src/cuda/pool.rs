@@ -427,7 +427,7 @@ impl ExpertPool {
     /// scratch ([`SlotBook::passes`]): call after [`plan_layer`](Self::plan_layer),
     /// then fill and run each pass's experts in turn, the device done with
     /// one pass's kernels before the next fill reuses its slots.
-    pub fn passes(&self, req: &LayerRequest<'_>) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
+    pub fn passes(&mut self, req: &LayerRequest<'_>) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
         self.book.passes(req)
     }
 

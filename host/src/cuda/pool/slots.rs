@@ -349,15 +349,31 @@ impl SlotBook {
     /// takes a scratch slot when it is neither hot (admitted ones have a hot
     /// slot) nor prefetched. Call after [`plan_layer`](Self::plan_layer);
     /// an expert that alone does not fit is the fill's overflow error.
-    pub fn passes(&self, req: &LayerRequest<'_>) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
-        let pf = if self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
+    pub fn passes(&mut self, req: &LayerRequest<'_>) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
+        let with_pf = self.split(req, true);
+        if with_pf.as_ref().is_ok_and(|p| p.len() == 1) || self.pf_layer != Some(req.layer) {
+            return with_pf;
+        }
+        // The layer's prefetch holds scratch the passes need (a prefill
+        // prefetch may take the whole window): drop it, its slabs are
+        // copied again with their pass.
+        self.pf.clear();
+        self.pf_lane.clear();
+        self.pf_heads.clear();
+        self.pf_layer = None;
+        self.split(req, false)
+    }
+
+    /// [`passes`](Self::passes) with (`with_pf`) or without this layer's prefetch.
+    fn split(&self, req: &LayerRequest<'_>, with_pf: bool) -> Result<Vec<std::ops::Range<usize>>, CudaBackendError> {
+        let pf = if with_pf && self.pf_layer == Some(req.layer) { self.pf.len() } else { 0 };
         let room = self.window(req.decode, req.layer).cap.saturating_sub(pf);
         let mut passes = Vec::new();
         let (mut start, mut used) = (0, 0);
         for (i, &e) in req.experts.iter().enumerate() {
             let need = req.kinds.iter().filter(|&&k| {
                 let id = SlabId::new(req.layer, k, e);
-                self.hot.slot_of(id).is_none() && self.prefetched(req.layer, id).is_none()
+                self.hot.slot_of(id).is_none() && !(with_pf && self.prefetched(req.layer, id).is_some())
             });
             let need = need.count();
             if need > room {

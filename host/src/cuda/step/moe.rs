@@ -309,7 +309,7 @@ impl<'a> CudaStep<'a> {
                 let split = if grouped { pool.passes(&req).map_err(err)? } else { Vec::new() };
                 if split.len() > 1 {
                     // No prefetch: the next layer's copies would take the slots the passes reuse.
-                    passes = Some(Passes { ranges: split, experts: experts.clone(), kinds, need: plan.need.clone() });
+                    passes = Some(Passes { ranges: split, experts: experts.clone(), kinds });
                 }
                 match self.store.filter(|_| !need.is_empty() && passes.is_none()) {
                     // Tier 3/4: what VRAM lacks comes through the host cache
@@ -582,8 +582,8 @@ impl<'a> CudaStep<'a> {
                         .map(|(p, &e)| pulsar_store::Selection { token: (p / g.k) as u32, slot: (p % g.k) as u32, expert: e as u32 })
                         .collect();
                     let plan = pool.assign_layer(dev, &req, None).map_err(err)?;
-                    let need = &ps.need;
-                    let r = st.store.resolve_streaming(spec.layer, &sel, &|e| in_pass(e) && need.binary_search(&e).is_ok(), &mut |id, b| {
+                    // Every expert of the pass: the layer's prefetch may have been dropped.
+                    let r = st.store.resolve_streaming(spec.layer, &sel, &|e| in_pass(e), &mut |id, b| {
                         pool.copy_slab(dev, &plan, id, b).map_err(|e| e.to_string())
                     });
                     if r.is_err() {
@@ -635,13 +635,11 @@ struct Grouped {
 }
 
 /// A layer's fill in passes ([`super::super::ExpertPool::passes`]): ranges
-/// of its distinct experts (ascending), their slab kinds, and the experts
-/// whose host bytes the fill reads.
+/// of its distinct experts (ascending) and their slab kinds.
 struct Passes {
     ranges: Vec<std::ops::Range<usize>>,
     experts: Vec<u32>,
     kinds: [pulsar_store::SlabKind; 3],
-    need: Vec<u32>,
 }
 
 /// Each expert's (gate, up, down) device addresses from the pool's last fill.

@@ -449,11 +449,37 @@ fn a_layer_whose_cold_slabs_overflow_the_scratch_fills_in_passes() {
     // The whole layer in one fill overflows, as it did before passes.
     assert!(fill(&mut b, &r, Some(&slab_bytes), &no_zero_copy, &mut st).is_err());
     // Hot slabs take no scratch: the warmed book's layer 0 is one pass.
-    let (b, _) = warmed(false);
+    let (mut b, _) = warmed(false);
     assert_eq!(b.passes(&req(0, &all, false)).unwrap(), vec![0..8]);
     // Too few scratch slots for one expert's three slabs: the overflow error.
     let (mut tiny, mut st) = (SlotBook::new(SLOT, 4, 8, f64::INFINITY).unwrap(), PoolStats::default());
     tiny.plan_layer(&req(2, &all, false), &mut st);
     let e = tiny.passes(&req(2, &all, false)).unwrap_err().to_string();
     assert!(e.contains("'s 3 cold slabs exceed the 2 scratch slots; raise --vram-budget"), "{e}");
+}
+
+#[test]
+fn passes_drop_a_prefetch_that_holds_the_scratch_they_need() {
+    // A prefill prefetch of layer 1 takes the whole 6-slot window; the
+    // layer then needs more than one pass, so the prefetch is dropped
+    // (before: "exceed the 0 scratch slots").
+    let (mut b, mut st) = (SlotBook::new(SLOT, 12, 8, f64::INFINITY).unwrap(), PoolStats::default());
+    let all: Vec<u32> = (0..8).collect();
+    let copied = prefetch(&mut b, 1, false, &all, &[], 512, &mut st);
+    assert_eq!(copied.len(), 6, "{copied:?}");
+    let r = req(1, &all, false);
+    b.plan_layer(&r, &mut st);
+    let p = b.passes(&r).unwrap();
+    assert!(p.len() > 1, "{p:?}");
+    assert!(copied.iter().all(|(id, _)| b.prefetched(1, *id).is_none()), "the prefetch was kept");
+    for range in &p {
+        fill_all(&mut b, &req(1, &all[range.clone()], false), &mut st);
+    }
+    // A layer that fits in one pass keeps its prefetch.
+    let (mut b, mut st) = (book(), PoolStats::default());
+    let few: Vec<u32> = (0..2).collect();
+    let copied = prefetch(&mut b, 1, false, &few, &[], 512, &mut st);
+    b.plan_layer(&req(1, &few, false), &mut st);
+    assert_eq!(b.passes(&req(1, &few, false)).unwrap(), vec![0..2]);
+    assert!(!copied.is_empty() && copied.iter().all(|(id, _)| b.prefetched(1, *id).is_some()));
 }
