@@ -338,11 +338,7 @@ impl<'a> CudaStep<'a> {
                     }
                     None if passes.is_some() => {}
                     None => {
-                        pool.fill_layer(dev, &req, &|ki, e| {
-                            let t = model.tensor(&model.weights[widx[ki]]);
-                            let range = model.file.expert_slab(t, e as u64).map_err(err)?;
-                            model.file.bytes(&range).map_err(err)
-                        })
+                        pool.fill_layer(dev, &req, &|ki, e| slab_bytes(model, widx[ki], e))
                         .map_err(err)?;
                         let nw: Option<Vec<usize>> = kinds.iter().map(|&kd| cm.slab_index.get(&(spec.layer + 1, kd)).copied()).collect();
                         if let (false, Some(nw)) = (predicted.is_empty(), nw) {
@@ -369,11 +365,7 @@ impl<'a> CudaStep<'a> {
                                     },
                                 };
                             }
-                            pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &lane_next, &|ki, e| {
-                                let t = model.tensor(&model.weights[nw[ki]]);
-                                let range = model.file.expert_slab(t, e as u64).map_err(err)?;
-                                model.file.bytes(&range).map_err(err)
-                            })
+                            pool.prefetch_layer(dev, spec.layer + 1, rows == 1, kinds, &predicted, &lane_next, &|ki, e| slab_bytes(model, nw[ki], e))
                             .map_err(err)?;
                             if grouped {
                                 prefetch_rest = Some((std::mem::take(&mut predicted), nw, kinds));
@@ -416,11 +408,7 @@ impl<'a> CudaStep<'a> {
             if let (Some((predicted, nw, kinds)), Some(pool)) = (prefetch_rest.take(), &cm.experts) {
                 let model = self.model;
                 pool.lock().unwrap_or_else(|e| e.into_inner())
-                    .prefetch_rest(dev, spec.layer + 1, kinds, &predicted, &|ki, e| {
-                        let t = model.tensor(&model.weights[nw[ki]]);
-                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
-                        model.file.bytes(&range).map_err(err)
-                    })
+                    .prefetch_rest(dev, spec.layer + 1, kinds, &predicted, &|ki, e| slab_bytes(model, nw[ki], e))
                     .map_err(err)?;
             }
         } else {
@@ -596,11 +584,7 @@ impl<'a> CudaStep<'a> {
                     pool.finish_fill(dev, plan).map_err(err)?;
                 }
                 None => {
-                    pool.fill_layer(dev, &req, &|ki, e| {
-                        let t = model.tensor(&model.weights[widx[ki]]);
-                        let range = model.file.expert_slab(t, e as u64).map_err(err)?;
-                        model.file.bytes(&range).map_err(err)
-                    })
+                    pool.fill_layer(dev, &req, &|ki, e| slab_bytes(model, widx[ki], e))
                     .map_err(err)?;
                 }
             }
@@ -646,4 +630,11 @@ struct Passes {
 fn host_ptrs_of(pool: &super::super::ExpertPool, ne: usize) -> Vec<[u64; 3]> {
     let t = pool.host_tables();
     (0..ne).map(|e| [t[0][e], t[1][e], t[2][e]]).collect()
+}
+
+/// Expert `e`'s slab of weight `w` in the model file (its mapping).
+fn slab_bytes(model: &crate::model::Model, w: usize, e: u32) -> Result<&[u8], String> {
+    let t = model.tensor(&model.weights[w]);
+    let range = model.file.expert_slab(t, e as u64).map_err(err)?;
+    model.file.bytes(&range).map_err(err)
 }
