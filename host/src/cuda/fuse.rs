@@ -194,8 +194,8 @@ impl AheadSet {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use pulsar_plugin_api::graph::{check, Act, Experts, Rope, RopeMode, ShapeCx};
-    use pulsar_plugin_api::{Graph, StateSpec, StepKind, Val, Wt};
+    use pulsar_plugin_api::graph::{Act, Experts, Rope, RopeMode};
+    use pulsar_plugin_api::{Graph, Val, Wt};
 
     use super::*;
 
@@ -210,17 +210,7 @@ pub(super) mod tests {
     /// The plan of the graph `body` writes on top of the embedded tokens
     /// (its result is the output).
     pub(in crate::cuda) fn plan_of(body: impl Fn(&mut Graph<'_>, Val) -> Val) -> StepPlan {
-        let dims = weights();
-        let names: Vec<String> = (0..dims.len()).map(|i| format!("w{i}")).collect();
-        let states: Vec<StateSpec> = Vec::new();
-        let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
-        let mut g = Graph::new(StepKind::Decode, cx);
-        let ids = g.tokens().unwrap();
-        let x = g.embed(Wt(0), ids, 1.0).unwrap();
-        let y = body(&mut g, x);
-        let sg = g.finish(y);
-        let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
-        StepPlan::from_checked(StepKind::Decode, &sg, check(&sg, &cx).unwrap())
+        StepPlan::for_test(&weights(), body)
     }
 
     /// The fusions of [`plan_of`]'s graph, with the CUDA step's 2-D ops as the face.

@@ -76,6 +76,22 @@ impl StepPlan {
         self.ops.len()
     }
 
+    /// Tests: the decode plan of the graph `body` writes on the embedded
+    /// tokens (weight 0 the embedding) over weights of `dims`, named
+    /// `w0`, `w1`, ...; `body`'s value is the output (not checked as logits).
+    #[cfg(test)]
+    pub(crate) fn for_test(dims: &[Vec<u64>], body: impl Fn(&mut pulsar_plugin_api::Graph<'_>, pulsar_plugin_api::Val) -> pulsar_plugin_api::Val) -> StepPlan {
+        let names: Vec<String> = (0..dims.len()).map(|i| format!("w{i}")).collect();
+        let states: Vec<pulsar_plugin_api::StateSpec> = Vec::new();
+        let cx = || ShapeCx { weights: dims, weight_names: &names, states: &states };
+        let mut g = pulsar_plugin_api::Graph::new(StepKind::Decode, cx());
+        let ids = g.tokens().unwrap();
+        let x = g.embed(pulsar_plugin_api::Wt(0), ids, 1.0).unwrap();
+        let y = body(&mut g, x);
+        let sg = g.finish(y);
+        StepPlan::from_checked(StepKind::Decode, &sg, check(&sg, &cx()).unwrap())
+    }
+
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
     }

@@ -188,8 +188,8 @@ fn match_at(plan: &StepPlan, i: usize) -> Option<MoeMatch> {
 
 #[cfg(test)]
 mod tests {
-    use pulsar_plugin_api::graph::{check, Act, Experts, ShapeCx};
-    use pulsar_plugin_api::{Graph, StateSpec, StepKind, Val, Wt};
+    use pulsar_plugin_api::graph::{Act, Experts};
+    use pulsar_plugin_api::{Graph, Val, Wt};
 
     use super::super::StepPlan;
     use super::*;
@@ -201,20 +201,12 @@ mod tests {
 
     /// Build a one-MoE-layer graph whose routing `route` writes, and find its matches.
     fn matches(route: impl Fn(&mut Graph<'_>, Val) -> (Val, Val)) -> Vec<MoeMatch> {
-        let dims = weights();
-        let names: Vec<String> = (0..dims.len()).map(|i| format!("w{i}")).collect();
-        let states: Vec<StateSpec> = Vec::new();
-        let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
-        let mut g = Graph::new(StepKind::Decode, cx);
-        let ids = g.tokens().unwrap();
-        let x = g.embed(Wt(0), ids, 1.0).unwrap();
-        let (sel, w) = route(&mut g, x);
-        let spec = Experts { layer: 0, gate: Wt(3), up: Wt(4), down: Wt(5), act: Act::Silu };
-        let y = g.experts(x, sel, w, spec).unwrap();
-        let sg = g.finish(y);
-        let cx = ShapeCx { weights: &dims, weight_names: &names, states: &states };
-        let c = check(&sg, &cx).unwrap();
-        StepPlan::from_checked(StepKind::Decode, &sg, c).moe
+        StepPlan::for_test(&weights(), |g, x| {
+            let (sel, w) = route(g, x);
+            let spec = Experts { layer: 0, gate: Wt(3), up: Wt(4), down: Wt(5), act: Act::Silu };
+            g.experts(x, sel, w, spec).unwrap()
+        })
+        .moe
     }
 
     #[test]
