@@ -252,19 +252,19 @@ template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
 // Lane-major (LANE): a unit (row, a) loads 16-byte granules a + A c (c < D/32)
 // of EPG values, whose values e are lane EPG a + e's; else a unit is a granule
 // stored in place.
-template <int KV, int N, int D, bool LANE, int STRIDE> struct ApStage {
+template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS> struct ApStage {
     static constexpr int EPG = KV ? 8 : 4, A = 32 / EPG, NT = D / 32;
     static constexpr int G = LANE ? NT : 1;                    // granules a unit
     static constexpr int UR = LANE ? A : D / EPG;              // units a row
-    static constexpr int NU = N * UR, UPT = (NU + AP_THREADS - 1) / AP_THREADS;
+    static constexpr int NU = N * UR, UPT = (NU + THREADS - 1) / THREADS;
     uint4 g[UPT][G];
 
     // rowp(r) is row r's first element; rows r >= n are zero.
     template <class RowP> __device__ __forceinline__ void load(RowP rowp, int n) {
 #pragma unroll
         for (int k = 0; k < UPT; k++) {
-            int u = threadIdx.x + k * AP_THREADS, r = u / UR, a = u % UR;
-            bool ok = (NU % AP_THREADS == 0 || u < NU) && r < n;
+            int u = threadIdx.x + k * THREADS, r = u / UR, a = u % UR;
+            bool ok = (NU % THREADS == 0 || u < NU) && r < n;
             const uint4* p = ok ? (const uint4*)rowp(r) : nullptr;
 #pragma unroll
             for (int c = 0; c < G; c++) g[k][c] = ok ? p[LANE ? a + A * c : a] : make_uint4(0, 0, 0, 0);
@@ -273,8 +273,8 @@ template <int KV, int N, int D, bool LANE, int STRIDE> struct ApStage {
     __device__ __forceinline__ void store(float* dst) const {
 #pragma unroll
         for (int k = 0; k < UPT; k++) {
-            int u = threadIdx.x + k * AP_THREADS, r = u / UR, a = u % UR;
-            if (NU % AP_THREADS != 0 && u >= NU) continue;
+            int u = threadIdx.x + k * THREADS, r = u / UR, a = u % UR;
+            if (NU % THREADS != 0 && u >= NU) continue;
             if (LANE) {
 #pragma unroll
                 for (int e = 0; e < EPG; e++) {
@@ -623,3 +623,227 @@ AP_ENTRY(f32_d128, 0, 128)
 AP_ENTRY(f16_d128, 1, 128)
 AP_ENTRY(f32_d256, 0, 256)
 AP_ENTRY(f16_d256, 1, 256)
+
+// ---- Decode with a GQA group's heads together: attn_partial's `part`, bit
+// for bit, each k / v row read once per block instead of once per head (the
+// per-query kernel reads the cache group times over: at long contexts that
+// traffic, not the arithmetic, bounds decode). A block takes one query, one kv
+// head, a slice of up to AD_HEADS of its group's heads (gb of them, slice
+// blockIdx.x % slices) and one split. The arithmetic is attn_partial's:
+// - score: thread (head quad, key) forms four heads' scores of one key, each
+//   the 32 lane partials (d = l, l+32, ..., folded in order from +0) added as
+//   lane 0 of warp_sum adds them: leaves in bit-reversed lane order, pairs
+//   merged on a stack (the butterfly pairs lanes 16 apart first). No shuffles.
+//   Keys are staged AD_KT at a time, lane-major (ApStage), through registers
+//   so the next tile's loads overlap this tile's arithmetic.
+// - max / sum: per head, attn_partial's own reductions over its 128 threads.
+// - o[d]: thread (quad, 4 dims) folds the keys in increasing order; v comes
+//   from global memory (the other quads' warps find it in L1).
+#define AD_THREADS 128
+#define AD_HEADS 16
+#define AD_CHUNK 256  // the keys of a split: the host's ATT_CHUNK
+
+template <int DK> struct AdGeo {
+    static constexpr int NT = DK / 32;
+    static constexpr int KT = DK >= 256 ? 32 : 64;  // keys staged at a time
+    static constexpr int QS = DK + 4, KS = DK + 4;  // q / k row strides (floats)
+    static constexpr int SMEM = (AD_HEADS * QS + KT * KS + AD_CHUNK * AD_HEADS) * 4;
+    static_assert(DK % 64 == 0 && AD_CHUNK % KT == 0 && KT % 32 == 0, "tile shape");
+};
+
+__device__ __forceinline__ constexpr int ad_brev5(int i) {
+    return ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
+}
+
+// Four heads' q . k for one key (rows lane-major: lane l's NT values at NT l),
+// as lane 0 of attn_partial's warp_sum has it. Heads a >= live are not formed.
+template <int NT, int QS>
+__device__ __forceinline__ void ad_dot4(const float* qp, const float* kp, int live, float (&out)[4]) {
+    float st[4][5];
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        const int l = ad_brev5(i);
+        float kv[NT];
+        ap_ld(kv, kp + NT * l);
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            if (a >= live) continue;
+            float qv[NT];
+            ap_ld(qv, qp + a * QS + NT * l);
+            float x = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NT; c++) x = __fadd_rn(x, __fmul_rn(qv[c], kv[c]));
+            // Merge with the subtrees this leaf completes (i's trailing ones).
+            int b = 0;
+#pragma unroll
+            for (int bb = 0; bb < 5; bb++) {
+                if (((i >> bb) & 1) == 0) break;
+                x = __fadd_rn(st[a][bb], x);
+                b = bb + 1;
+            }
+            if (i == 31)
+                out[a] = x;
+            else
+                st[a][b] = x;
+        }
+    }
+}
+
+// v values d0 .. d0 + 3 of a row (16-byte aligned f32, or 8-byte aligned f16).
+template <int KV> __device__ __forceinline__ float4 ad_ld4(const void* row, int d0) {
+    if (KV == 0) return *(const float4*)((const float*)row + d0);
+    uint2 w = *(const uint2*)((const u16*)row + d0);
+    return make_float4(h2f((u16)(w.x & 0xffffu)), h2f((u16)(w.x >> 16)), h2f((u16)(w.y & 0xffffu)), h2f((u16)(w.y >> 16)));
+}
+
+template <int KV, int DK>
+__device__ __forceinline__ void attn_decode(const float* q, const u32* positions, const void* k, const void* v,
+                                            float* part, int n_head, int n_kv_head, int dv, int n_ctx, float scale,
+                                            int window, float softcap, int n_split, int gb) {
+    typedef AdGeo<DK> Geo;
+    constexpr int NT = Geo::NT, KT = Geo::KT, QS = Geo::QS, KS = Geo::KS;
+    extern __shared__ float4 ad_smem4[];
+    float* Qs = (float*)ad_smem4;      // [AD_HEADS][QS], lane-major
+    float* Ks = Qs + AD_HEADS * QS;    // [KT][KS], lane-major
+    float* Sc = Ks + KT * KS;          // [AD_CHUNK][AD_HEADS]: scores, then e
+    __shared__ float red[2][AD_HEADS][AD_THREADS / 32];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int group = n_head / n_kv_head, slices = (group + gb - 1) / gb;
+    const int kvh = blockIdx.x / slices, h0 = kvh * group + (blockIdx.x % slices) * gb;
+    const int t = blockIdx.y, s = blockIdx.z;
+    gb = min(gb, kvh * group + group - h0);  // the last slice may be short
+    const int quads = (gb + 3) / 4;
+    auto out_row = [&](int g) { return part + (((size_t)t * n_head + h0 + g) * n_split + s) * (dv + 2); };
+    u32 pos = positions[t];
+    int start = window > 0 ? max(0, (int)pos + 1 - window) : 0;
+    int j0 = start + s * AD_CHUNK;
+    int j1 = min((int)pos + 1, j0 + AD_CHUNK);
+    if (pos >= (u32)n_ctx || j0 >= j1) {
+        const bool nan = pos >= (u32)n_ctx;
+        for (int i = tid; i < gb * (dv + 2); i += AD_THREADS) {
+            int g = i / (dv + 2), d = i % (dv + 2);
+            out_row(g)[d] = nan ? __int_as_float(0x7fc00000) : d == 0 ? NEG_INF : 0.0f;
+        }
+        return;
+    }
+    const int n = j1 - j0;
+    const size_t kw = (size_t)n_kv_head * DK, vw = (size_t)n_kv_head * dv;
+    auto krow = [&](int j) { return (const u8*)k + ((size_t)j * kw + (size_t)kvh * DK) * (KV ? 2 : 4); };
+    ApStage<KV, KT, DK, true, KS, AD_THREADS> kst;
+    kst.load([&](int r) { return krow(j0 + r); }, n);
+    for (int i = tid; i < gb * DK; i += AD_THREADS) {
+        int g = i / DK, d = i % DK;
+        Qs[g * QS + NT * (d & 31) + (d >> 5)] = q[((size_t)t * n_head + h0 + g) * DK + d];
+    }
+    for (int jt = 0; jt < n; jt += KT) {
+        __syncthreads();  // the last tile's readers are done
+        kst.store(Ks);
+        __syncthreads();
+        if (jt + KT < n) kst.load([&](int r) { return krow(j0 + jt + KT + r); }, n - jt - KT);
+        for (int task = warp; task < quads * (KT / 32); task += AD_THREADS / 32) {
+            const int qd = task % quads, sub = task / quads, key = jt + sub * 32 + lane;
+            if (jt + sub * 32 >= n) continue;
+            float sco[4];
+            ad_dot4<NT, QS>(Qs + 4 * qd * QS, Ks + (sub * 32 + lane) * KS, gb - 4 * qd, sco);
+            if (key >= n) continue;
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                if (4 * qd + a >= gb) continue;
+                float y = __fmul_rn(sco[a], scale);
+                if (softcap > 0.0f) y = __fmul_rn(softcap, tanh_c(__fdiv_rn(y, softcap)));
+                Sc[key * AD_HEADS + 4 * qd + a] = y;
+            }
+        }
+    }
+    __syncthreads();
+    // Softmax, per head as attn_partial reduces it.
+    for (int g = 0; g < gb; g++) {
+        float m = NEG_INF;
+        for (int i = tid; i < n; i += AD_THREADS) m = fmaxf(m, Sc[i * AD_HEADS + g]);
+        m = warp_max(m);
+        if (lane == 0) red[0][g][warp] = m;
+    }
+    __syncthreads();
+    for (int g = 0; g < gb; g++) {
+        float m = red[0][g][0];
+#pragma unroll
+        for (int w = 1; w < AD_THREADS / 32; w++) m = fmaxf(m, red[0][g][w]);
+        float l = 0.0f;
+        for (int i = tid; i < n; i += AD_THREADS) {
+            float e = exp_c(__fsub_rn(Sc[i * AD_HEADS + g], m));
+            Sc[i * AD_HEADS + g] = e;
+            l = __fadd_rn(l, e);
+        }
+        l = warp_sum(l);
+        if (lane == 0) red[1][g][warp] = l;
+    }
+    __syncthreads();
+    if (tid < gb) {
+        float m = red[0][tid][0], l = 0.0f;
+#pragma unroll
+        for (int w = 1; w < AD_THREADS / 32; w++) m = fmaxf(m, red[0][tid][w]);
+#pragma unroll
+        for (int w = 0; w < AD_THREADS / 32; w++) l = __fadd_rn(l, red[1][tid][w]);
+        float* pp = out_row(tid);
+        pp[0] = m;
+        pp[1] = l;
+    }
+    // o = sum e v: thread (quad, dims d0 .. d0 + 3).
+    const int dq = dv / 4;
+    for (int task = tid; task < quads * dq; task += AD_THREADS) {
+        const int qd = task / dq, d0 = 4 * (task % dq);
+        const u8* vb = (const u8*)v + ((size_t)j0 * vw + (size_t)kvh * dv) * (KV ? 2 : 4);
+        float acc[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[a][c] = 0.0f;
+#pragma unroll 4
+        for (int i = 0; i < n; i++) {
+            float4 x = ad_ld4<KV>(vb + (size_t)i * vw * (KV ? 2 : 4), d0);
+            float4 e = *(const float4*)(Sc + i * AD_HEADS + 4 * qd);
+            const float xv[4] = {x.x, x.y, x.z, x.w}, ev[4] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[a][c] = __fadd_rn(acc[a][c], __fmul_rn(ev[a], xv[c]));
+        }
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            if (4 * qd + a >= gb) continue;
+            float* pp = out_row(4 * qd + a) + 2 + d0;
+#pragma unroll
+            for (int c = 0; c < 4; c++) pp[c] = acc[a][c];
+        }
+    }
+}
+
+#define AD_ENTRY(NAME, KV, D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(AD_THREADS) attn_decode_##NAME(                               \
+        const float* q, const u32* positions, const void* k, const void* v, float* part, int n_head,            \
+        int n_kv_head, int dv, int n_ctx, float scale, int window, float softcap, int n_split, int gb) {       \
+        pdl_begin();                                                                                           \
+        attn_decode<KV, D>(q, positions, k, v, part, n_head, n_kv_head, dv, n_ctx, scale, window, softcap,     \
+                           n_split, gb);                                                                       \
+    }
+// Rows of several sequences (a batched step of the server), row t over the
+// f32 caches at kcs[t] / vcs[t], as attn_partial_rows_f32.
+#define AD_ROWS_ENTRY(NAME, D)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(AD_THREADS) attn_decode_rows_##NAME(                          \
+        const float* q, const u32* positions, const u64* kcs, const u64* vcs, float* part, int n_head,          \
+        int n_kv_head, int dv, int n_ctx, float scale, int window, float softcap, int n_split, int gb) {       \
+        pdl_begin();                                                                                           \
+        int t = blockIdx.y;                                                                                    \
+        attn_decode<0, D>(q, positions, (const void*)kcs[t], (const void*)vcs[t], part, n_head, n_kv_head, dv,  \
+                          n_ctx, scale, window, softcap, n_split, gb);                                         \
+    }
+
+AD_ENTRY(f32_d64, 0, 64)
+AD_ENTRY(f16_d64, 1, 64)
+AD_ENTRY(f32_d128, 0, 128)
+AD_ENTRY(f16_d128, 1, 128)
+AD_ENTRY(f32_d256, 0, 256)
+AD_ENTRY(f16_d256, 1, 256)
+AD_ROWS_ENTRY(f32_d64, 64)
+AD_ROWS_ENTRY(f32_d128, 128)
+AD_ROWS_ENTRY(f32_d256, 256)

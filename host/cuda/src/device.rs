@@ -33,6 +33,8 @@ pub struct CudaDevice {
     cc: (i32, i32),
     /// The most shared memory (static + dynamic) a block may opt in to.
     smem_optin: u32,
+    /// Streaming multiprocessors: how many blocks fill the device.
+    sm_count: usize,
     arch: String,
     cache_dir: Option<PathBuf>,
     modules: [OnceLock<Loaded>; Family::ALL.len()],
@@ -102,6 +104,7 @@ impl CudaDevice {
         let name = ctx.name()?;
         let cc = ctx.compute_capability()?;
         let smem_optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32;
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
         let tables = iq_tables()?;
         let mut iq = DeviceBuf::<u64>::alloc(&ctx, tables.len())?;
         iq.upload(&compute, &tables)?;
@@ -113,6 +116,7 @@ impl CudaDevice {
             name,
             cc,
             smem_optin,
+            sm_count,
             cache_dir,
             modules: std::array::from_fn(|_| OnceLock::new()),
             iq_tables: iq,
@@ -125,6 +129,10 @@ impl CudaDevice {
     }
     pub fn name(&self) -> &str {
         &self.name
+    }
+    /// Streaming multiprocessors (132 on an H100 SXM / H200).
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
     /// (major, minor), e.g. (9, 0) on an H100/H200.
     pub fn compute_capability(&self) -> (i32, i32) {

@@ -261,11 +261,27 @@ const ATTENTION: &[&str] = &[
     "attn_prefill_f16_d256",
     "attn_partial_rows_f32",
     "kv_write_rows",
+    "attn_decode_f32_d64",
+    "attn_decode_f16_d64",
+    "attn_decode_f32_d128",
+    "attn_decode_f16_d128",
+    "attn_decode_f32_d256",
+    "attn_decode_f16_d256",
+    "attn_decode_rows_f32_d64",
+    "attn_decode_rows_f32_d128",
+    "attn_decode_rows_f32_d256",
 ];
 pub(crate) const ATT_PREFILL: usize = 4;
 /// attn_partial_rows_f32 and kv_write_rows: rows of several sequences' caches.
 pub(crate) const ATT_ROWS: usize = ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len();
 pub(crate) const KV_WRITE_ROWS: usize = ATT_ROWS + 1;
+/// attn_decode_<kv>_d<dim> at ATT_DECODE + 2 i + (0 f32, 1 f16), and
+/// attn_decode_rows_f32_d<dim> at ATT_DECODE_ROWS + i, for dim ATT_PREFILL_DIMS[i].
+pub(crate) const ATT_DECODE: usize = KV_WRITE_ROWS + 1;
+pub(crate) const ATT_DECODE_ROWS: usize = ATT_DECODE + 2 * ATT_PREFILL_DIMS.len();
+/// Threads of an attn_decode block (AD_THREADS) and the most heads it takes (AD_HEADS).
+pub(crate) const ATT_DECODE_THREADS: u32 = 128;
+pub(crate) const ATT_DECODE_HEADS: usize = 16;
 /// The head dims (d_k = d_v) attn_prefill_* is built for.
 pub(crate) const ATT_PREFILL_DIMS: [usize; 3] = [64, 128, 256];
 /// Threads and (query, head) rows of an attn_prefill block (AP_THREADS, AP_ROWS).
@@ -279,10 +295,20 @@ pub(crate) const fn attn_prefill_smem(d: usize) -> u32 {
     ((ATT_PREFILL_ROWS * (d + 4) + (8192 / d) * (d + 4) + 256 * (ATT_PREFILL_ROWS + 8)) * 4) as u32
 }
 
+/// Dynamic shared memory of attn_decode_* for head dim `d` (AdGeo::SMEM):
+/// 16 q rows and KT (64, or 32 from d 256) k rows of d + 4 floats, and 256
+/// keys' scores of 16 heads.
+pub(crate) const fn attn_decode_smem(d: usize) -> u32 {
+    let kt = if d >= 256 { 32 } else { 64 };
+    ((ATT_DECODE_HEADS * (d + 4) + kt * (d + 4) + 256 * ATT_DECODE_HEADS) * 4) as u32
+}
+
 /// The dynamic shared memory above the default 48 KiB that entry `index` of
 /// `family` needs opted in at load.
 pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
     match family {
+        Family::Attention if index >= ATT_DECODE_ROWS => ATT_PREFILL_DIMS.get(index - ATT_DECODE_ROWS).map(|&d| attn_decode_smem(d)),
+        Family::Attention if index >= ATT_DECODE => ATT_PREFILL_DIMS.get((index - ATT_DECODE) / 2).map(|&d| attn_decode_smem(d)),
         Family::Attention if index >= ATT_PREFILL => ATT_PREFILL_DIMS.get((index - ATT_PREFILL) / 2).map(|&d| attn_prefill_smem(d)),
         Family::GemvQuant if index < QUANTIZE_Q8_0 => match index % 4 {
             0 => Some(DECODE_SMEM_MAX),
@@ -438,14 +464,25 @@ mod tests {
         }
         assert_eq!(ATTENTION[ATT_ROWS], "attn_partial_rows_f32");
         assert_eq!(ATTENTION[KV_WRITE_ROWS], "kv_write_rows");
-        assert_eq!(ATTENTION.len(), KV_WRITE_ROWS + 1);
+        for (i, d) in ATT_PREFILL_DIMS.iter().enumerate() {
+            for (kv, name) in ["f32", "f16"].iter().enumerate() {
+                let e = ATT_DECODE + 2 * i + kv;
+                assert_eq!(ATTENTION[e], format!("attn_decode_{name}_d{d}"));
+                assert_eq!(large_smem(Family::Attention, e), Some(attn_decode_smem(*d)));
+            }
+            assert_eq!(ATTENTION[ATT_DECODE_ROWS + i], format!("attn_decode_rows_f32_d{d}"));
+            assert_eq!(large_smem(Family::Attention, ATT_DECODE_ROWS + i), Some(attn_decode_smem(*d)));
+        }
+        assert_eq!(ATTENTION.len(), ATT_DECODE_ROWS + ATT_PREFILL_DIMS.len());
         assert_eq!(large_smem(Family::Attention, 0), None);
         // The kernel's geometry (attention.cu), which the sizes above restate.
         let src = Family::Attention.source();
-        for def in ["#define AP_THREADS 256", "#define AP_ROWS 64", "#define AP_CHUNK 256", "#define AP_SCS (AP_ROWS + 8)"] {
+        for def in ["#define AP_THREADS 256", "#define AP_ROWS 64", "#define AP_CHUNK 256", "#define AP_SCS (AP_ROWS + 8)", "#define AD_THREADS 128", "#define AD_HEADS 16", "#define AD_CHUNK 256"] {
             assert!(src.contains(def), "attention.cu lacks {def}");
         }
         assert_eq!(attn_prefill_smem(128), (64 * 132 + 64 * 132 + 256 * 72) * 4);
+        assert_eq!(attn_decode_smem(128), (16 * 132 + 64 * 132 + 256 * 16) * 4);
+        assert_eq!(attn_decode_smem(256), (16 * 260 + 32 * 260 + 256 * 16) * 4);
         assert_eq!(MOE.len(), LANE_FILL_ROWS + 1);
         // The chunked delta rule's geometry (prim.cu), which its launcher's shared size restates.
         let src = Family::Prim.source();
@@ -500,6 +537,8 @@ mod tests {
                 "EMBED_Q" | "EMBED_F" => &["embed_"],
                 "ATT_ENTRY" => &["attn_partial_"],
                 "AP_ENTRY" => &["attn_prefill_"],
+                "AD_ENTRY" => &["attn_decode_"],
+                "AD_ROWS_ENTRY" => &["attn_decode_rows_"],
                 "MOE_ENTRY" | "MOE_FENTRY" => &["moe_up_", "moe_down_"],
                 _ => &[],
             };

@@ -14,8 +14,8 @@ use crate::buf::{DeviceBuf, Pod};
 use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
-    attn_prefill_smem, float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family,
-    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, ATT_PREFILL, ATT_PREFILL_DIMS, ATT_ROWS, KV_WRITE_ROWS, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
+    attn_decode_smem, attn_prefill_smem, float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family,
+    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, ATT_DECODE, ATT_DECODE_HEADS, ATT_DECODE_ROWS, ATT_DECODE_THREADS, ATT_PREFILL, ATT_PREFILL_DIMS, ATT_ROWS, KV_WRITE_ROWS, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
     MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES, MOE_COMBINE, MOE_COMBINE_ADD, LANE_FILL_ROWS, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
     QUANTIZE_Q8_K, ROUTE_WARP,
 };
@@ -48,6 +48,12 @@ const _: () = assert!(ATT_CHUNK == 256);
 // blocks (fewer blocks than about half the SMs run faster as one per query).
 const ATT_TILED_MIN_Q: usize = 16;
 const ATT_TILED_MIN_BLOCKS: usize = 64;
+// Below this many cached keys a layer's cache stays in L2, where the
+// per-query kernel's re-reads of it (one per head) cost little and its many
+// blocks fill the device; from here the grouped kernel reads it once.
+const ATT_GROUPED_MIN_CTX: usize = 2048;
+// The grouped kernel pays for quads of heads: it takes groups of 4 or more.
+const ATT_GROUPED_MIN_GROUP: usize = 4;
 
 /// Which kernel runs a quantized GEMM. Both sum every dot in the canonical
 /// order of the GEMV (quant_units.cuh, block_value), so they give the GEMV's
@@ -111,6 +117,10 @@ pub enum AttnKernel {
     /// d_k = d_v in 64 / 128 / 256 and the shared memory of sm_80 / sm_90
     /// (d 256: sm_90).
     Tiled,
+    /// attn_decode: one block per (kv head, up to 16 of its heads, query,
+    /// split), each k / v row read once for all of them. Needs d_k in
+    /// 64 / 128 / 256 and d_v a multiple of 4.
+    Grouped,
 }
 
 /// Element types of a KV cache the attention kernels read.

@@ -58,11 +58,49 @@ impl CudaDevice {
         let n_q = positions.len();
         let rows = n_q.saturating_mul(p.n_head / p.n_kv_head.max(1));
         let blocks = rows.div_ceil(ATT_PREFILL_ROWS).saturating_mul(p.n_kv_head).saturating_mul(attention_splits(p, n_ctx));
-        let tiled = n_q >= ATT_TILED_MIN_Q
-            && blocks >= ATT_TILED_MIN_BLOCKS
-            && self.attention_tiled_entry::<K>(p, n_q, [q.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr()])?.is_some();
-        let kernel = if tiled { AttnKernel::Tiled } else { AttnKernel::PerQuery };
+        let ptrs = [q.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr()];
+        let tiled = n_q >= ATT_TILED_MIN_Q && blocks >= ATT_TILED_MIN_BLOCKS && self.attention_tiled_entry::<K>(p, n_q, ptrs)?.is_some();
+        let kernel = if tiled {
+            AttnKernel::Tiled
+        } else if grouped_pays(p, n_ctx) && self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, ptrs)?.is_some() {
+            AttnKernel::Grouped
+        } else {
+            AttnKernel::PerQuery
+        };
         self.attention_with(stream, kernel, p, q, positions, k_cache, v_cache, n_ctx, work, out)
+    }
+
+    /// Whether [`AttnKernel::Grouped`] takes these heads on this device
+    /// (given 16-byte aligned buffers, as [`CudaDevice::alloc`] makes them).
+    pub fn attention_grouped_available<K: KvElem>(&self, p: &AttnParams) -> Result<bool, CudaError> {
+        Ok(self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, [0; 3])?.is_some())
+    }
+
+    /// The attn_decode entry (`base` + stride x the head dim's index) and its
+    /// dynamic shared memory for these heads, or None where it does not
+    /// apply (head dims, this device's shared memory, pointers not 16-byte
+    /// aligned).
+    fn attention_grouped_entry(&self, p: &AttnParams, base: usize, stride: usize, ptrs: [u64; 3]) -> Result<Option<(usize, u32)>, CudaError> {
+        let Some(i) = ATT_PREFILL_DIMS.iter().position(|&d| d == p.head_dim_k) else {
+            return Ok(None);
+        };
+        let index = base + stride * i;
+        let smem = attn_decode_smem(p.head_dim_k);
+        let fits = p.head_dim_v % 4 == 0 && ptrs.iter().all(|a| a % 16 == 0) && self.func_smem(Family::Attention, index)? >= smem;
+        Ok(fits.then_some((index, smem)))
+    }
+
+    /// Heads per attn_decode block: all of a group's (at most 16) where that
+    /// gives blocks enough to fill the device twice over, else fewer (down
+    /// to 4) for more blocks. The bits do not depend on it.
+    fn grouped_heads(&self, p: &AttnParams, n_q: usize, n_split: usize) -> usize {
+        let group = p.n_head / p.n_kv_head.max(1);
+        let mut gb = group.min(ATT_DECODE_HEADS);
+        let blocks = |gb: usize| p.n_kv_head * group.div_ceil(gb) * n_q * n_split;
+        while gb > 4 && blocks(gb) < 2 * self.sm_count() {
+            gb = gb.div_ceil(2);
+        }
+        gb
     }
 
     /// Whether [`AttnKernel::Tiled`] takes these heads on this device
@@ -165,6 +203,18 @@ impl CudaDevice {
                     stream,
                     &mut params![qp, pp, kp, vp, wp, nq, nh, nkv, nc, scale, window, softcap, ns],
                 )?;
+            }
+        } else if kernel == AttnKernel::Grouped {
+            let Some((index, smem)) = self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, [qp, kp, vp])? else {
+                return Err(shape(OP, format!("no grouped kernel for d_k {} d_v {} here", p.head_dim_k, p.head_dim_v)));
+            };
+            let gb = self.grouped_heads(p, n_q, n_split);
+            let f = self.func(Family::Attention, index)?;
+            let grid = ((p.n_kv_head * (p.n_head / p.n_kv_head).div_ceil(gb)) as u32, n_q as u32, n_split as u32);
+            let gbi = gb as i32;
+            // SAFETY: parameters as AD_ENTRY; sizes checked above.
+            unsafe {
+                self.launch(f, grid, ATT_DECODE_THREADS, smem, stream, &mut params![qp, pp, kp, vp, wp, nh, nkv, dv, nc, scale, window, softcap, ns, gbi])?;
             }
         } else {
             let f = self.func(Family::Attention, K::ENTRY)?;
@@ -275,22 +325,41 @@ impl CudaDevice {
         let (chunk, ns) = (ATT_CHUNK as i32, n_split as i32);
         let (kt, vt) = (tables.device_ptr_at(k_at)?, tables.device_ptr_at(v_at)?);
         let (qp, pp, wp, op) = (q.device_ptr(), positions.device_ptr(), work.device_ptr(), out.device_ptr());
-        let f = self.func(Family::Attention, ATT_ROWS)?;
-        let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
-        // SAFETY: parameters as attn_partial_rows_f32; sizes checked above,
-        // the caches by the caller.
-        unsafe {
-            self.launch(
-                f,
-                (p.n_head as u32, n_q as u32, n_split as u32),
-                ATT_THREADS,
-                smem,
-                stream,
-                &mut params![qp, pp, kt, vt, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns],
-            )?;
+        // The table's addresses are the caches' own allocations (16-byte aligned).
+        let grouped = if grouped_pays(p, n_ctx) { self.attention_grouped_entry(p, ATT_DECODE_ROWS, 1, [qp, 0, 0])? } else { None };
+        if let Some((index, smem)) = grouped {
+            let gb = self.grouped_heads(p, n_q, n_split);
+            let f = self.func(Family::Attention, index)?;
+            let grid = ((p.n_kv_head * (p.n_head / p.n_kv_head).div_ceil(gb)) as u32, n_q as u32, n_split as u32);
+            let gbi = gb as i32;
+            // SAFETY: parameters as AD_ROWS_ENTRY; sizes checked above, the
+            // caches by the caller.
+            unsafe { self.launch(f, grid, ATT_DECODE_THREADS, smem, stream, &mut params![qp, pp, kt, vt, wp, nh, nkv, dv, nc, scale, window, softcap, ns, gbi])? };
+        } else {
+            let f = self.func(Family::Attention, ATT_ROWS)?;
+            let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
+            // SAFETY: parameters as attn_partial_rows_f32; sizes checked above,
+            // the caches by the caller.
+            unsafe {
+                self.launch(
+                    f,
+                    (p.n_head as u32, n_q as u32, n_split as u32),
+                    ATT_THREADS,
+                    smem,
+                    stream,
+                    &mut params![qp, pp, kt, vt, wp, nq, nh, nkv, dk, dv, nc, scale, window, softcap, chunk, ns],
+                )?;
+            }
         }
         let f = self.func(Family::Attention, 2)?;
         // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.
         unsafe { self.launch(f, (p.n_head as u32, n_q as u32, 1), ATT_THREADS, 0, stream, &mut params![wp, op, nq, nh, dv, ns]) }
     }
+}
+
+/// Whether the grouped decode kernel is the faster for these heads at this
+/// context (the per-query kernel's re-reads stay in L2 below it).
+fn grouped_pays(p: &AttnParams, n_ctx: usize) -> bool {
+    let span = if p.window > 0 { p.window.min(n_ctx) } else { n_ctx };
+    p.n_kv_head > 0 && p.n_head / p.n_kv_head >= ATT_GROUPED_MIN_GROUP && span >= ATT_GROUPED_MIN_CTX
 }

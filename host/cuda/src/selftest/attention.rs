@@ -1,8 +1,10 @@
 //! Self-test cases of attention against the CPU twin (`ops::attend_rows`) at
 //! tolerance 0: decode and small prefills with the kernel
 //! `CudaDevice::attention` picks (per query there), prefill shapes with the
-//! tiled kernel forced, and both kernels' split partials compared bit for bit
-//! (the `part` workspace attn_combine merges), positions past the cache too.
+//! tiled kernel forced, decode shapes with the grouped kernel forced, the
+//! other kernels' split partials compared with the per-query kernel's bit for
+//! bit (the `part` workspace attn_combine merges), positions past the cache
+//! too, and rows of several sequences' caches against each row alone.
 
 use pulsar_kernels::ops::{self, AttnParams};
 use pulsar_kernels::quant::random_values;
@@ -131,35 +133,99 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
             t.push(op, name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, f16, Some(AttnKernel::Tiled), next()));
         }
     }
+    // The grouped decode kernel: qwen3-235b's heads at 20 splits, a group
+    // of 6 (a short quad), 20 heads a kv head (a 16-head and a 4-head slice),
+    // windows and soft-capping, three queries, each head dim, and a group of
+    // 32 at a short context (slices of 4 there).
+    let grouped = [
+        ("decode qwen3-235b, 20 splits", params(64, 4, 128, 0.088, 0, 0.0), vec![5000u32], 5001),
+        ("decode group 6 window 700 softcap 30", params(12, 2, 64, 0.125, 700, 30.0), vec![2999], 3000),
+        ("decode group 20", params(40, 2, 128, 0.088, 0, 0.0), vec![2047], 2048),
+        ("3 queries, group 8 d256", params(16, 2, 256, 0.0625, 0, 0.0), vec![600, 1500, 1501], 1502),
+        ("decode group 32, 2 splits", params(32, 1, 128, 0.088, 0, 0.0), vec![300], 301),
+    ];
+    for (name, p, pos, n_ctx) in &grouped {
+        let shape = format!("{}q h{}/{} d{} ctx{n_ctx}", pos.len(), p.n_head, p.n_kv_head, p.head_dim_k);
+        for f16 in [false, true] {
+            let avail = if f16 { dev.attention_grouped_available::<u16>(p) } else { dev.attention_grouped_available::<f32>(p) };
+            if !avail.unwrap_or(false) {
+                continue;
+            }
+            let op = if f16 { "attention grouped f16 kv" } else { "attention grouped f32 kv" };
+            t.push(op, name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, f16, Some(AttnKernel::Grouped), next()));
+        }
+    }
+    // Rows of three sequences, each over its own cache, against each row
+    // alone (the grouped rows kernel from 2048 keys, the per-query one below).
+    for (name, ctxs) in [("rows, grouped", [3000usize, 2500, 4100]), ("rows, per query", [300, 250, 410])] {
+        let p = params(16, 4, 128, 0.088, 0, 0.0);
+        t.push("attention rows f32 kv", name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, next()));
+    }
+
     // Positions out of order, repeated, and at or past the cache (NaN rows),
-    // which the CPU twin refuses: the two kernels' partials, bit for bit.
+    // which the CPU twin refuses: each kernel's partials against the
+    // per-query kernel's, bit for bit.
     let odd: Vec<u32> = (0..45u32).map(|i| (i * 37) % 620).chain([599, 599, 0, 255, 256]).collect();
     for (name, p) in [("odd positions", params(16, 4, 128, 0.088, 0, 0.0)), ("odd positions, group 3 window 200 softcap 20", params(6, 2, 128, 0.1, 200, 20.0))] {
         let shape = format!("{}q h{}/{} d128 ctx600", odd.len(), p.n_head, p.n_kv_head);
         for f16 in [false, true] {
             let kv = if f16 { "f16 kv" } else { "f32 kv" };
-            t.push("attention tiled part = per-query part (bits)", &format!("{kv}, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, f16, next()));
+            t.push("attention tiled part = per-query part (bits)", &format!("{kv}, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, f16, AttnKernel::Tiled, next()));
+            t.push("attention grouped part = per-query part (bits)", &format!("{kv}, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, f16, AttnKernel::Grouped, next()));
         }
     }
 }
 
+/// [`CudaDevice::attention_rows`] over one cache per row (positions
+/// `ctxs[r] - 1`) against [`CudaDevice::attention`] of each row alone, bit for bit.
+fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], seed: u64) -> Result<Cmp, CudaError> {
+    let n = ctxs.len();
+    let longest = ctxs.iter().copied().max().unwrap_or(1);
+    let q = random_values(n * p.n_head * p.head_dim_k, seed);
+    let pos: Vec<u32> = ctxs.iter().map(|&c| (c - 1) as u32).collect();
+    let mut caches = Vec::new();
+    for (r, &c) in ctxs.iter().enumerate() {
+        let s = seed ^ (r as u64 + 1) << 8;
+        caches.push((dev.upload(&random_values(c * p.n_kv_head * p.head_dim_k, s))?, dev.upload(&random_values(c * p.n_kv_head * p.head_dim_v, s ^ 1))?));
+    }
+    let mut alone = Vec::new();
+    for (r, &c) in ctxs.iter().enumerate() {
+        let qd = dev.upload(&q[r * p.n_head * p.head_dim_k..][..p.n_head * p.head_dim_k])?;
+        let pd = dev.upload(&pos[r..r + 1])?;
+        let mut work = poisoned::<f32>(dev, attention_workspace_len(p, 1, c))?;
+        let mut o = poisoned::<f32>(dev, p.n_head * p.head_dim_v)?;
+        dev.attention(dev.compute(), p, &qd, &pd, &caches[r].0, &caches[r].1, c, &mut work, &mut o)?;
+        alone.extend(dev.download(&o)?);
+    }
+    let table: Vec<u64> = caches.iter().map(|c| c.0.device_ptr()).chain(caches.iter().map(|c| c.1.device_ptr())).collect();
+    let (qd, pd, td) = (dev.upload(&q)?, dev.upload(&pos)?, dev.upload(&table)?);
+    let mut work = poisoned::<f32>(dev, attention_workspace_len(p, n, longest))?;
+    let mut o = poisoned::<f32>(dev, n * p.n_head * p.head_dim_v)?;
+    // SAFETY: the table names live caches of ctxs[r] rows for row r, whose
+    // position is ctxs[r] - 1.
+    unsafe { dev.attention_rows(dev.compute(), p, &qd, &pd, &td, (0, n), longest, &mut work, &mut o)? };
+    let bits = |v: &[f32]| v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect::<Vec<u8>>();
+    Ok(compare_bytes(&bits(&dev.download(&o)?), &bits(&alone)))
+}
+
 /// The `part` workspaces of the per-query and the tiled kernel on the same
 /// inputs, compared bit for bit.
-fn parts_case(dev: &CudaDevice, p: &AttnParams, pos: &[u32], n_ctx: usize, f16_kv: bool, seed: u64) -> Result<Cmp, CudaError> {
+fn parts_case(dev: &CudaDevice, p: &AttnParams, pos: &[u32], n_ctx: usize, f16_kv: bool, other: AttnKernel, seed: u64) -> Result<Cmp, CudaError> {
     let q = dev.upload(&random_values(pos.len() * p.n_head * p.head_dim_k, seed))?;
     let pd = dev.upload(pos)?;
     let (kc, vc) = (random_values(n_ctx * p.n_kv_head * p.head_dim_k, seed ^ 1), random_values(n_ctx * p.n_kv_head * p.head_dim_v, seed ^ 2));
     if f16_kv {
         let bits = |v: &[f32]| v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect::<Vec<u16>>();
-        parts_of(dev, p, &q, &pd, &dev.upload(&bits(&kc))?, &dev.upload(&bits(&vc))?, n_ctx)
+        parts_of(dev, p, &q, &pd, &dev.upload(&bits(&kc))?, &dev.upload(&bits(&vc))?, n_ctx, other)
     } else {
-        parts_of(dev, p, &q, &pd, &dev.upload(&kc)?, &dev.upload(&vc)?, n_ctx)
+        parts_of(dev, p, &q, &pd, &dev.upload(&kc)?, &dev.upload(&vc)?, n_ctx, other)
     }
 }
 
-fn parts_of<K: KvElem>(dev: &CudaDevice, p: &AttnParams, q: &DeviceBuf<f32>, pos: &DeviceBuf<u32>, k: &DeviceBuf<K>, v: &DeviceBuf<K>, n_ctx: usize) -> Result<Cmp, CudaError> {
+#[allow(clippy::too_many_arguments)]
+fn parts_of<K: KvElem>(dev: &CudaDevice, p: &AttnParams, q: &DeviceBuf<f32>, pos: &DeviceBuf<u32>, k: &DeviceBuf<K>, v: &DeviceBuf<K>, n_ctx: usize, other: AttnKernel) -> Result<Cmp, CudaError> {
     let mut parts = Vec::new();
-    for kernel in [AttnKernel::PerQuery, AttnKernel::Tiled] {
+    for kernel in [AttnKernel::PerQuery, other] {
         let mut work = poisoned::<f32>(dev, attention_workspace_len(p, pos.len(), n_ctx))?;
         let mut o = poisoned::<f32>(dev, pos.len() * p.n_head * p.head_dim_v)?;
         run(dev, Some(kernel), p, q, pos, k, v, n_ctx, &mut work, &mut o)?;

@@ -21,9 +21,20 @@ use crate::ops::{attention_workspace_len, AttnKernel, GemmKernel, MoePairs};
 /// call and the achieved weight bandwidth.
 pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     let mut out = Vec::new();
+    let h32 = AttnParams { n_head: 32, n_kv_head: 8, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 };
     for n_ctx in [4096usize, 32768] {
         for f16 in [false, true] {
-            out.push(bench_attention(dev, n_ctx, f16).unwrap_or_else(|e| failed_row("attention", "", e)));
+            out.push(bench_attention(dev, &h32, n_ctx, f16, None).unwrap_or_else(|e| failed_row("attention", "", e)));
+        }
+    }
+    // qwen3-235b's heads (64 over 4): the per-query and the grouped kernel
+    // at each context, to place CudaDevice::attention's switch between them.
+    let h64 = AttnParams { n_head: 64, n_kv_head: 4, ..h32 };
+    for n_ctx in [1024usize, 2048, 4096, 8192, 32768] {
+        for f16 in [false, true] {
+            for kernel in [AttnKernel::PerQuery, AttnKernel::Grouped] {
+                out.push(bench_attention(dev, &h64, n_ctx, f16, Some(kernel)).unwrap_or_else(|e| failed_row("attention", "", e)));
+            }
         }
     }
     for (f16, kernel) in [(false, AttnKernel::Tiled), (false, AttnKernel::PerQuery), (true, AttnKernel::Tiled)] {
@@ -126,17 +137,10 @@ fn bench_gemv(
     })
 }
 
-/// Decode attention (one query, 32 heads over 8 KV heads, d 128) over `n_ctx` cached rows.
-fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow, CudaError> {
-    let p = AttnParams {
-        n_head: 32,
-        n_kv_head: 8,
-        head_dim_k: 128,
-        head_dim_v: 128,
-        scale: 0.088,
-        window: 0,
-        softcap: 0.0,
-    };
+/// Decode attention (one query) over `n_ctx` cached rows, with `kernel`
+/// or the one `CudaDevice::attention` picks (None).
+fn bench_attention(dev: &CudaDevice, p: &AttnParams, n_ctx: usize, f16: bool, kernel: Option<AttnKernel>) -> Result<BenchRow, CudaError> {
+    let p = *p;
     let kv = n_ctx * p.n_kv_head * p.head_dim_k;
     let q = dev.upload(&random_values(p.n_head * p.head_dim_k, 3))?;
     let pos = dev.upload(&[(n_ctx - 1) as u32])?;
@@ -146,6 +150,15 @@ fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow
     let reps = 20;
     let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
     let elem = if f16 { 2 } else { 4 };
+    #[allow(clippy::too_many_arguments)]
+    fn one<K: crate::ops::KvElem>(dev: &CudaDevice, kernel: Option<AttnKernel>, p: &AttnParams, q: &DeviceBuf<f32>, pos: &DeviceBuf<u32>, k: &DeviceBuf<K>, v: &DeviceBuf<K>, n_ctx: usize, work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
+        match kernel {
+            None => dev.attention(dev.compute(), p, q, pos, k, v, n_ctx, work, o),
+            Some(kn) => dev.attention_with(dev.compute(), kn, p, q, pos, k, v, n_ctx, work, o),
+        }
+    }
+    let call = |k: &DeviceBuf<f32>, v: &DeviceBuf<f32>, work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| one::<f32>(dev, kernel, &p, &q, &pos, k, v, n_ctx, work, o);
+    let call16 = |k: &DeviceBuf<u16>, v: &DeviceBuf<u16>, work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| one::<u16>(dev, kernel, &p, &q, &pos, k, v, n_ctx, work, o);
     let run = |work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| -> Result<f32, CudaError> {
         let vals = random_values(kv, 4);
         if f16 {
@@ -154,17 +167,17 @@ fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow
                 .map(|v| half::f16::from_f32(*v).to_bits())
                 .collect();
             let (k, v) = (dev.upload(&bits)?, dev.upload(&bits)?);
-            dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            call16(&k, &v, work, o)?;
             e0.record(s)?;
             for _ in 0..reps {
-                dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+                call16(&k, &v, work, o)?;
             }
         } else {
             let (k, v) = (dev.upload(&vals)?, dev.upload(&vals)?);
-            dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+            call(&k, &v, work, o)?;
             e0.record(s)?;
             for _ in 0..reps {
-                dev.attention(s, &p, &q, &pos, &k, &v, n_ctx, work, o)?;
+                call(&k, &v, work, o)?;
             }
         }
         e1.record(s)?;
@@ -174,13 +187,16 @@ fn bench_attention(dev: &CudaDevice, n_ctx: usize, f16: bool) -> Result<BenchRow
     let ms = run(&mut work, &mut o)? as f64;
     let us = ms * 1e3 / reps as f64;
     Ok(BenchRow {
-        op: "attention decode".into(),
+        op: match kernel {
+            None => "attention decode".into(),
+            Some(kn) => format!("attention decode ({kn:?})"),
+        },
         format: if f16 {
             "f16 kv".into()
         } else {
             "f32 kv".into()
         },
-        shape: format!("h32/8 d128 ctx{n_ctx}"),
+        shape: format!("h{}/{} d128 ctx{n_ctx}", p.n_head, p.n_kv_head),
         us,
         gb_per_s: (2 * kv * elem) as f64 / (us * 1e-6) / 1e9,
     })
