@@ -47,6 +47,8 @@ pub struct FileConfig {
     pub host_cache_gb: Option<f64>,
     pub device: Option<crate::session::DeviceChoice>,
     pub vram_budget_gb: Option<f64>,
+    #[serde(default, deserialize_with = "kv_type")]
+    pub kv_type: Option<pulsar_kernels::ops::KvType>,
     pub temp: Option<f32>,
     pub top_k: Option<usize>,
     pub top_p: Option<f32>,
@@ -59,7 +61,13 @@ pub struct FileConfig {
 }
 
 /// The keys, for error messages.
-pub const FILE_KEYS: &str = "threads, ctx, plugin_dirs, host_cache_gb, device, vram_budget_gb, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty";
+pub const FILE_KEYS: &str = "threads, ctx, plugin_dirs, host_cache_gb, device, vram_budget_gb, kv_type, temp, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty";
+
+/// `kv_type = "f16"`: parsed as `--kv-type` parses it.
+fn kv_type<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<pulsar_kernels::ops::KvType>, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    s.parse().map(Some).map_err(serde::de::Error::custom)
+}
 
 /// One line for a config file's parse error: where, the line itself (so the
 /// key is named), and what is wrong.

@@ -56,7 +56,7 @@ pub struct Engine<'m> {
 
 impl<'m> Engine<'m> {
     pub fn new(model: &'m Model, cpu: &'m CpuBackend, experts: &'m dyn ExpertSource, n_ctx: usize) -> Engine<'m> {
-        Engine { model, cpu, experts, kv: SeqState::new(&model.plan, n_ctx), n_past: 0, ubatch: 256, capture: None, history: Vec::new() }
+        Engine { model, cpu, experts, kv: SeqState::new(&model.plan, n_ctx, model.kv_type), n_past: 0, ubatch: 256, capture: None, history: Vec::new() }
     }
 
     pub fn n_ctx(&self) -> usize {
@@ -184,7 +184,7 @@ impl SeqBackend for CpuSeqs<'_> {
     type State = SeqState;
     type Snap = Snapshot;
     fn new_state(&mut self, n_ctx: usize) -> Result<SeqState, EngineError> {
-        Ok(SeqState::new(&self.model.plan, n_ctx))
+        Ok(SeqState::new(&self.model.plan, n_ctx, self.model.kv_type))
     }
     fn state_bytes(s: &SeqState) -> usize {
         s.bytes()

@@ -9,6 +9,7 @@ use std::path::Path;
 use abi_stable::sabi_trait::TD_Opaque;
 use abi_stable::std_types::{ROption, RStr, RString, RVec};
 use pulsar_gguf::{Array, GgmlType, GgufFile, TensorInfo, Value};
+use pulsar_kernels::ops::KvType;
 use pulsar_plugin_api::{
     ChatSpec, FamilyBox, MetaValue, ModelPlan, ModelView, ModelView_TO, PluginModRef, Role, TensorDesc,
 };
@@ -109,7 +110,7 @@ pub struct MemoryPlan {
     /// Routed experts: stream through the expert store.
     pub expert_bytes: u64,
     pub expert_bytes_per_layer: Vec<u64>,
-    /// f32 KV (and latent cache) bytes per token of context.
+    /// KV (in the model's `kv_type`) and latent cache (f32) bytes per token of context.
     pub kv_bytes_per_token: u64,
     /// Fixed-size per-sequence state (recurrent states), f32 bytes.
     pub state_bytes_per_seq: u64,
@@ -129,6 +130,9 @@ pub struct Model {
     pub chat: ChatSpec,
     /// The family's decode and prefill graphs, checked against the weights.
     pub steps: crate::graph::StepPlans,
+    /// The format the KV caches hold their rows in (`--kv-type`; f32 until
+    /// the caller sets it, before any engine is made).
+    pub kv_type: KvType,
 }
 
 impl Model {
@@ -177,7 +181,7 @@ impl Model {
         let dims: Vec<Vec<u64>> = weights.iter().map(|w| w.dims.clone()).collect();
         let steps = crate::graph::StepPlans::build(plugin_name, &family, &plan, &dims)?;
         let chat = family.chat();
-        Ok(Model { file, arch, plugin: plugin_name.to_string(), family, plan, weights, chat, steps })
+        Ok(Model { file, arch, plugin: plugin_name.to_string(), family, plan, weights, chat, steps, kv_type: KvType::F32 })
     }
 
     pub fn memory_plan(&self) -> MemoryPlan {
@@ -192,7 +196,12 @@ impl Model {
                 m.resident_bytes += w.bytes;
             }
         }
-        m.kv_bytes_per_token = self.plan.states.iter().map(|s| s.bytes().0).sum();
+        // KV rows in the cache's format; latent (rows) caches stay f32.
+        let kv = |s: &pulsar_plugin_api::StateSpec| match s.kind {
+            pulsar_plugin_api::STATE_KV => s.bytes().0 / 4 * self.kv_type.bytes() as u64,
+            _ => s.bytes().0,
+        };
+        m.kv_bytes_per_token = self.plan.states.iter().map(kv).sum();
         m.state_bytes_per_seq = self.plan.states.iter().map(|s| s.bytes().1).sum();
         let d = self.plan.n_embd as u64;
         let (ff, dm) = self

@@ -107,77 +107,124 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
 ATT_ENTRY(f32, 0)
 ATT_ENTRY(f16, 1)
 
+// M = max m_s; L = sum_s exp(m_s - M) l_s and o = (sum_s exp(m_s - M) o_s) / L,
+// each sum over the splits in order from +0 (splits without keys skipped).
+// The weights exp(m_s - M) and products w_s l_s are formed once per split,
+// CB splits at a time, in shared memory, so each thread's loop over the
+// splits is loads and adds only.
+#define CB 1024
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_combine(const float* part, float* out, int n_q, int n_head, int dv, int n_split) {
     pdl_begin();
+    __shared__ float w[CB], wl[CB], red[ATT_THREADS / 32];
     int h = blockIdx.x, t = blockIdx.y;
     const float* pp = part + ((size_t)t * n_head + h) * n_split * (dv + 2);
     float M = NEG_INF;
-    for (int s = 0; s < n_split; s++) M = fmaxf(M, pp[(size_t)s * (dv + 2)]);
+    for (int s = threadIdx.x; s < n_split; s += ATT_THREADS) M = fmaxf(M, pp[(size_t)s * (dv + 2)]);
+    M = warp_max(M);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = M;
+    __syncthreads();
+    M = red[0];
+#pragma unroll
+    for (int i = 1; i < ATT_THREADS / 32; i++) M = fmaxf(M, red[i]);
     float L = 0.0f;
-    for (int s = 0; s < n_split; s++) {
-        float ms = pp[(size_t)s * (dv + 2)];
-        if (ms != NEG_INF) L = __fadd_rn(L, __fmul_rn(exp_c(__fsub_rn(ms, M)), pp[(size_t)s * (dv + 2) + 1]));
+    const int nd = (dv + ATT_THREADS - 1) / ATT_THREADS;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // dims threadIdx.x + 128 i (dv <= 512)
+    for (int c0 = 0; c0 < n_split; c0 += CB) {
+        const int nc = min(CB, n_split - c0);
+        __syncthreads();  // the last chunk's readers are done
+        for (int i = threadIdx.x; i < nc; i += ATT_THREADS) {
+            const float* ps = pp + (size_t)(c0 + i) * (dv + 2);
+            float ms = ps[0];
+            // A split without keys (m = -inf) weighs -1: skipped below.
+            float e = ms != NEG_INF ? exp_c(__fsub_rn(ms, M)) : -1.0f;
+            w[i] = e;
+            wl[i] = e >= 0.0f ? __fmul_rn(e, ps[1]) : 0.0f;
+        }
+        __syncthreads();
+        for (int i = 0; i < nc; i++)
+            if (w[i] >= 0.0f) L = __fadd_rn(L, wl[i]);
+        for (int k = 0; k < nd && k < 4; k++) {
+            const int d = threadIdx.x + k * ATT_THREADS;
+            if (d >= dv) break;
+            float a = acc[k];
+            const float* po = pp + (size_t)c0 * (dv + 2) + 2 + d;
+#pragma unroll 8
+            for (int i = 0; i < nc; i++)
+                if (w[i] >= 0.0f) a = __fadd_rn(a, __fmul_rn(w[i], po[(size_t)i * (dv + 2)]));
+            acc[k] = a;
+        }
     }
     float* o = out + ((size_t)t * n_head + h) * dv;
-    for (int d = threadIdx.x; d < dv; d += ATT_THREADS) {
-        float acc = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            float ms = pp[(size_t)s * (dv + 2)];
-            if (ms != NEG_INF) acc = __fadd_rn(acc, __fmul_rn(exp_c(__fsub_rn(ms, M)), pp[(size_t)s * (dv + 2) + 2 + d]));
-        }
-        o[d] = __fdiv_rn(acc, L);
+    for (int k = 0; k < nd && k < 4; k++) {
+        const int d = threadIdx.x + k * ATT_THREADS;
+        if (d < dv) o[d] = __fdiv_rn(acc[k], L);
     }
 }
 
 // Store a step's k and v rows in a layer's cache at the rows their positions
-// name. The positions are read here, not on the host, so a captured decode
+// name (f32, or f16 bits rounded to nearest even as the CPU's cache rounds
+// them). The positions are read here, not on the host, so a captured decode
 // graph writes the right cache row at every replay. A position at or beyond
 // n_ctx is skipped (the host refuses such steps before they run).
-extern "C" __global__ void kv_write(const float* k, const float* v, const u32* positions, float* kc, float* vc,
-                                    int kw, int vw, int n_ctx) {
-    pdl_begin();
-    int r = blockIdx.y;
-    u32 pos = positions[r];
-    if (pos >= (u32)n_ctx) return;
+template <int KV> __device__ __forceinline__ void kv_put(void* c, size_t i, float x) {
+    if (KV == 0)
+        ((float*)c)[i] = x;
+    else
+        ((u16*)c)[i] = (u16)f2h(x);
+}
+template <int KV>
+__device__ __forceinline__ void kv_write_row(const float* k, const float* v, int r, u32 pos, void* kc, void* vc, int kw,
+                                             int vw) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kw + vw; i += gridDim.x * blockDim.x) {
         if (i < kw)
-            kc[(size_t)pos * kw + i] = k[(size_t)r * kw + i];
+            kv_put<KV>(kc, (size_t)pos * kw + i, k[(size_t)r * kw + i]);
         else
-            vc[(size_t)pos * vw + (i - kw)] = v[(size_t)r * vw + (i - kw)];
+            kv_put<KV>(vc, (size_t)pos * vw + (i - kw), v[(size_t)r * vw + (i - kw)]);
     }
 }
+#define KV_WRITE_ENTRY(NAME, KV)                                                                                \
+    extern "C" __global__ void kv_write##NAME(const float* k, const float* v, const u32* positions, void* kc,  \
+                                              void* vc, int kw, int vw, int n_ctx) {                           \
+        pdl_begin();                                                                                           \
+        int r = blockIdx.y;                                                                                    \
+        u32 pos = positions[r];                                                                                \
+        if (pos >= (u32)n_ctx) return;                                                                         \
+        kv_write_row<KV>(k, v, r, pos, kc, vc, kw, vw);                                                        \
+    }
+KV_WRITE_ENTRY(, 0)
+KV_WRITE_ENTRY(_f16, 1)
 
 // Rows of several sequences in one launch, each over its own cache (a
 // batched step of the server): row t's layer cache is at kcs[t] / vcs[t].
 // The arithmetic is attn_partial's and kv_write's, so a row gets the bits it
 // gets alone; n_ctx only sizes the splits (the longest row's context).
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_partial_rows_f32(
-    const float* q, const u32* positions, const u64* kcs, const u64* vcs, float* part, int n_q, int n_head,
-    int n_kv_head, int dk, int dv, int n_ctx, float scale, int window, float softcap, int chunk, int n_split) {
-    pdl_begin();
-    int t = blockIdx.y;
-    attn_partial<0>(q, positions, (const void*)kcs[t], (const void*)vcs[t], part, n_q, n_head, n_kv_head, dk, dv,
-                    n_ctx, scale, window, softcap, chunk, n_split);
-}
+#define ATT_ROWS_ENTRY(NAME, KV)                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_partial_rows_##NAME(                        \
+        const float* q, const u32* positions, const u64* kcs, const u64* vcs, float* part, int n_q, int n_head,  \
+        int n_kv_head, int dk, int dv, int n_ctx, float scale, int window, float softcap, int chunk,            \
+        int n_split) {                                                                                         \
+        pdl_begin();                                                                                           \
+        int t = blockIdx.y;                                                                                    \
+        attn_partial<KV>(q, positions, (const void*)kcs[t], (const void*)vcs[t], part, n_q, n_head, n_kv_head,  \
+                         dk, dv, n_ctx, scale, window, softcap, chunk, n_split);                               \
+    }
+ATT_ROWS_ENTRY(f32, 0)
+ATT_ROWS_ENTRY(f16, 1)
 
 // kv_write for rows of several sequences: row r goes to kcs[r] / vcs[r], each
 // a cache of n_ctx rows.
-extern "C" __global__ void kv_write_rows(const float* k, const float* v, const u32* positions, const u64* kcs,
-                                         const u64* vcs, int kw, int vw, int n_ctx) {
-    pdl_begin();
-    int r = blockIdx.y;
-    u32 pos = positions[r];
-    if (pos >= (u32)n_ctx) return;
-    float* kc = (float*)kcs[r];
-    float* vc = (float*)vcs[r];
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kw + vw; i += gridDim.x * blockDim.x) {
-        if (i < kw)
-            kc[(size_t)pos * kw + i] = k[(size_t)r * kw + i];
-        else
-            vc[(size_t)pos * vw + (i - kw)] = v[(size_t)r * vw + (i - kw)];
+#define KV_WRITE_ROWS_ENTRY(NAME, KV)                                                                          \
+    extern "C" __global__ void kv_write_rows##NAME(const float* k, const float* v, const u32* positions,       \
+                                                   const u64* kcs, const u64* vcs, int kw, int vw, int n_ctx) { \
+        pdl_begin();                                                                                           \
+        int r = blockIdx.y;                                                                                    \
+        u32 pos = positions[r];                                                                                \
+        if (pos >= (u32)n_ctx) return;                                                                         \
+        kv_write_row<KV>(k, v, r, pos, (void*)kcs[r], (void*)vcs[r], kw, vw);                                  \
     }
-}
+KV_WRITE_ROWS_ENTRY(, 0)
+KV_WRITE_ROWS_ENTRY(_f16, 1)
 
 // ---- Prefill: the same `part` as attn_partial, bit for bit, for many queries.
 // A block takes one kv head, AP_ROWS consecutive (query, head-of-the-group)
@@ -637,8 +684,9 @@ AP_ENTRY(f16_d256, 1, 256)
 //   Keys are staged AD_KT at a time, lane-major (ApStage), through registers
 //   so the next tile's loads overlap this tile's arithmetic.
 // - max / sum: per head, attn_partial's own reductions over its 128 threads.
-// - o[d]: thread (quad, 4 dims) folds the keys in increasing order; v comes
-//   from global memory (the other quads' warps find it in L1).
+// - o[d]: thread (quad, 4 dims) folds the keys in increasing order; v is
+//   staged as k is, the next tile's loads in flight during this tile's sums.
+// d_v = d_k.
 #define AD_THREADS 128
 #define AD_HEADS 16
 #define AD_CHUNK 256  // the keys of a split: the host's ATT_CHUNK
@@ -687,13 +735,6 @@ __device__ __forceinline__ void ad_dot4(const float* qp, const float* kp, int li
                 st[a][b] = x;
         }
     }
-}
-
-// v values d0 .. d0 + 3 of a row (16-byte aligned f32, or 8-byte aligned f16).
-template <int KV> __device__ __forceinline__ float4 ad_ld4(const void* row, int d0) {
-    if (KV == 0) return *(const float4*)((const float*)row + d0);
-    uint2 w = *(const uint2*)((const u16*)row + d0);
-    return make_float4(h2f((u16)(w.x & 0xffffu)), h2f((u16)(w.x >> 16)), h2f((u16)(w.y & 0xffffu)), h2f((u16)(w.y >> 16)));
 }
 
 template <int KV, int DK>
@@ -755,6 +796,9 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
             }
         }
     }
+    auto vrow = [&](int j) { return (const u8*)v + ((size_t)j * vw + (size_t)kvh * DK) * (KV ? 2 : 4); };
+    ApStage<KV, KT, DK, false, KS, AD_THREADS> vst;
+    vst.load([&](int r) { return vrow(j0 + r); }, n);  // arrives during the softmax
     __syncthreads();
     // Softmax, per head as attn_partial reduces it.
     for (int g = 0; g < gb; g++) {
@@ -788,38 +832,54 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
         pp[0] = m;
         pp[1] = l;
     }
-    // o = sum e v: thread (quad, dims d0 .. d0 + 3).
-    const int dq = dv / 4;
-    for (int task = tid; task < quads * dq; task += AD_THREADS) {
-        const int qd = task / dq, d0 = 4 * (task % dq);
-        const u8* vb = (const u8*)v + ((size_t)j0 * vw + (size_t)kvh * dv) * (KV ? 2 : 4);
-        float acc[4][4];
+    // o = sum e v: thread (quad, dims d0 .. d0 + 3) folds the keys in order,
+    // v staged KT rows at a time in the k tile's place.
+    constexpr int DQ = DK / 4, TPT = (AD_HEADS / 4 * DQ + AD_THREADS - 1) / AD_THREADS;
+    float acc[TPT][4][4];
+#pragma unroll
+    for (int u = 0; u < TPT; u++)
 #pragma unroll
         for (int a = 0; a < 4; a++)
 #pragma unroll
-            for (int c = 0; c < 4; c++) acc[a][c] = 0.0f;
-#pragma unroll 4
-        for (int i = 0; i < n; i++) {
-            float4 x = ad_ld4<KV>(vb + (size_t)i * vw * (KV ? 2 : 4), d0);
-            float4 e = *(const float4*)(Sc + i * AD_HEADS + 4 * qd);
-            const float xv[4] = {x.x, x.y, x.z, x.w}, ev[4] = {e.x, e.y, e.z, e.w};
+            for (int c = 0; c < 4; c++) acc[u][a][c] = 0.0f;
+    for (int jt = 0; jt < n; jt += KT) {
+        __syncthreads();  // the softmax, or the last tile's readers, are done
+        vst.store(Ks);
+        __syncthreads();
+        if (jt + KT < n) vst.load([&](int r) { return vrow(j0 + jt + KT + r); }, n - jt - KT);
+        const int nk = min(KT, n - jt);
 #pragma unroll
-            for (int a = 0; a < 4; a++)
+        for (int u = 0; u < TPT; u++) {
+            const int task = tid + u * AD_THREADS, qd = task / DQ, d0 = 4 * (task % DQ);
+            if (qd >= quads) continue;
+#pragma unroll 8
+            for (int i = 0; i < nk; i++) {
+                float4 x = *(const float4*)(Ks + i * KS + d0);
+                float4 e = *(const float4*)(Sc + (jt + i) * AD_HEADS + 4 * qd);
+                const float xv[4] = {x.x, x.y, x.z, x.w}, ev[4] = {e.x, e.y, e.z, e.w};
 #pragma unroll
-                for (int c = 0; c < 4; c++) acc[a][c] = __fadd_rn(acc[a][c], __fmul_rn(ev[a], xv[c]));
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) acc[u][a][c] = __fadd_rn(acc[u][a][c], __fmul_rn(ev[a], xv[c]));
+            }
         }
+    }
+#pragma unroll
+    for (int u = 0; u < TPT; u++) {
+        const int task = tid + u * AD_THREADS, qd = task / DQ, d0 = 4 * (task % DQ);
+        if (qd >= quads) continue;
 #pragma unroll
         for (int a = 0; a < 4; a++) {
             if (4 * qd + a >= gb) continue;
             float* pp = out_row(4 * qd + a) + 2 + d0;
 #pragma unroll
-            for (int c = 0; c < 4; c++) pp[c] = acc[a][c];
+            for (int c = 0; c < 4; c++) pp[c] = acc[u][a][c];
         }
     }
 }
 
 #define AD_ENTRY(NAME, KV, D)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(AD_THREADS) attn_decode_##NAME(                               \
+    extern "C" __global__ void __launch_bounds__(AD_THREADS, 3) attn_decode_##NAME(                             \
         const float* q, const u32* positions, const void* k, const void* v, float* part, int n_head,            \
         int n_kv_head, int dv, int n_ctx, float scale, int window, float softcap, int n_split, int gb) {       \
         pdl_begin();                                                                                           \
@@ -827,14 +887,14 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
                            n_split, gb);                                                                       \
     }
 // Rows of several sequences (a batched step of the server), row t over the
-// f32 caches at kcs[t] / vcs[t], as attn_partial_rows_f32.
-#define AD_ROWS_ENTRY(NAME, D)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(AD_THREADS) attn_decode_rows_##NAME(                          \
+// caches at kcs[t] / vcs[t], as attn_partial_rows_*.
+#define AD_ROWS_ENTRY(NAME, KV, D)                                                                             \
+    extern "C" __global__ void __launch_bounds__(AD_THREADS, 3) attn_decode_rows_##NAME(                        \
         const float* q, const u32* positions, const u64* kcs, const u64* vcs, float* part, int n_head,          \
         int n_kv_head, int dv, int n_ctx, float scale, int window, float softcap, int n_split, int gb) {       \
         pdl_begin();                                                                                           \
         int t = blockIdx.y;                                                                                    \
-        attn_decode<0, D>(q, positions, (const void*)kcs[t], (const void*)vcs[t], part, n_head, n_kv_head, dv,  \
+        attn_decode<KV, D>(q, positions, (const void*)kcs[t], (const void*)vcs[t], part, n_head, n_kv_head, dv, \
                           n_ctx, scale, window, softcap, n_split, gb);                                         \
     }
 
@@ -844,6 +904,9 @@ AD_ENTRY(f32_d128, 0, 128)
 AD_ENTRY(f16_d128, 1, 128)
 AD_ENTRY(f32_d256, 0, 256)
 AD_ENTRY(f16_d256, 1, 256)
-AD_ROWS_ENTRY(f32_d64, 64)
-AD_ROWS_ENTRY(f32_d128, 128)
-AD_ROWS_ENTRY(f32_d256, 256)
+AD_ROWS_ENTRY(f32_d64, 0, 64)
+AD_ROWS_ENTRY(f16_d64, 1, 64)
+AD_ROWS_ENTRY(f32_d128, 0, 128)
+AD_ROWS_ENTRY(f16_d128, 1, 128)
+AD_ROWS_ENTRY(f32_d256, 0, 256)
+AD_ROWS_ENTRY(f16_d256, 1, 256)

@@ -268,17 +268,31 @@ const ATTENTION: &[&str] = &[
     "attn_decode_f32_d256",
     "attn_decode_f16_d256",
     "attn_decode_rows_f32_d64",
+    "attn_decode_rows_f16_d64",
     "attn_decode_rows_f32_d128",
+    "attn_decode_rows_f16_d128",
     "attn_decode_rows_f32_d256",
+    "attn_decode_rows_f16_d256",
+    "kv_write_f16",
+    "attn_partial_rows_f16",
+    "kv_write_rows_f16",
 ];
 pub(crate) const ATT_PREFILL: usize = 4;
 /// attn_partial_rows_f32 and kv_write_rows: rows of several sequences' caches.
 pub(crate) const ATT_ROWS: usize = ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len();
 pub(crate) const KV_WRITE_ROWS: usize = ATT_ROWS + 1;
 /// attn_decode_<kv>_d<dim> at ATT_DECODE + 2 i + (0 f32, 1 f16), and
-/// attn_decode_rows_f32_d<dim> at ATT_DECODE_ROWS + i, for dim ATT_PREFILL_DIMS[i].
+/// attn_decode_rows_<kv>_d<dim> at ATT_DECODE_ROWS + 2 i + kv, for dim ATT_PREFILL_DIMS[i].
 pub(crate) const ATT_DECODE: usize = KV_WRITE_ROWS + 1;
 pub(crate) const ATT_DECODE_ROWS: usize = ATT_DECODE + 2 * ATT_PREFILL_DIMS.len();
+/// The f16 caches' kv_write, attn_partial_rows and kv_write_rows.
+pub(crate) const KV_WRITE_F16: usize = ATT_DECODE_ROWS + 2 * ATT_PREFILL_DIMS.len();
+pub(crate) const ATT_ROWS_F16: usize = KV_WRITE_F16 + 1;
+pub(crate) const KV_WRITE_ROWS_F16: usize = ATT_ROWS_F16 + 1;
+/// kv_write, attn_partial_rows and kv_write_rows by cache format (0 f32, 1 f16).
+pub(crate) const KV_WRITE_AT: [usize; 2] = [3, KV_WRITE_F16];
+pub(crate) const ATT_ROWS_AT: [usize; 2] = [ATT_ROWS, ATT_ROWS_F16];
+pub(crate) const KV_WRITE_ROWS_AT: [usize; 2] = [KV_WRITE_ROWS, KV_WRITE_ROWS_F16];
 /// Threads of an attn_decode block (AD_THREADS) and the most heads it takes (AD_HEADS).
 pub(crate) const ATT_DECODE_THREADS: u32 = 128;
 pub(crate) const ATT_DECODE_HEADS: usize = 16;
@@ -307,7 +321,8 @@ pub(crate) const fn attn_decode_smem(d: usize) -> u32 {
 /// `family` needs opted in at load.
 pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
     match family {
-        Family::Attention if index >= ATT_DECODE_ROWS => ATT_PREFILL_DIMS.get(index - ATT_DECODE_ROWS).map(|&d| attn_decode_smem(d)),
+        Family::Attention if index >= KV_WRITE_F16 => None,
+        Family::Attention if index >= ATT_DECODE_ROWS => ATT_PREFILL_DIMS.get((index - ATT_DECODE_ROWS) / 2).map(|&d| attn_decode_smem(d)),
         Family::Attention if index >= ATT_DECODE => ATT_PREFILL_DIMS.get((index - ATT_DECODE) / 2).map(|&d| attn_decode_smem(d)),
         Family::Attention if index >= ATT_PREFILL => ATT_PREFILL_DIMS.get((index - ATT_PREFILL) / 2).map(|&d| attn_prefill_smem(d)),
         Family::GemvQuant if index < QUANTIZE_Q8_0 => match index % 4 {
@@ -470,10 +485,19 @@ mod tests {
                 assert_eq!(ATTENTION[e], format!("attn_decode_{name}_d{d}"));
                 assert_eq!(large_smem(Family::Attention, e), Some(attn_decode_smem(*d)));
             }
-            assert_eq!(ATTENTION[ATT_DECODE_ROWS + i], format!("attn_decode_rows_f32_d{d}"));
-            assert_eq!(large_smem(Family::Attention, ATT_DECODE_ROWS + i), Some(attn_decode_smem(*d)));
+            for (kv, name) in ["f32", "f16"].iter().enumerate() {
+                let e = ATT_DECODE_ROWS + 2 * i + kv;
+                assert_eq!(ATTENTION[e], format!("attn_decode_rows_{name}_d{d}"));
+                assert_eq!(large_smem(Family::Attention, e), Some(attn_decode_smem(*d)));
+            }
         }
-        assert_eq!(ATTENTION.len(), ATT_DECODE_ROWS + ATT_PREFILL_DIMS.len());
+        for (kv, suffix) in ["", "_f16"].iter().enumerate() {
+            assert_eq!(ATTENTION[KV_WRITE_AT[kv]], format!("kv_write{suffix}"));
+            assert_eq!(ATTENTION[KV_WRITE_ROWS_AT[kv]], format!("kv_write_rows{suffix}"));
+            assert_eq!(ATTENTION[ATT_ROWS_AT[kv]], format!("attn_partial_rows_{}", ["f32", "f16"][kv]));
+            assert_eq!(large_smem(Family::Attention, KV_WRITE_AT[kv]), None);
+        }
+        assert_eq!(ATTENTION.len(), KV_WRITE_ROWS_F16 + 1);
         assert_eq!(large_smem(Family::Attention, 0), None);
         // The kernel's geometry (attention.cu), which the sizes above restate.
         let src = Family::Attention.source();
@@ -539,6 +563,9 @@ mod tests {
                 "AP_ENTRY" => &["attn_prefill_"],
                 "AD_ENTRY" => &["attn_decode_"],
                 "AD_ROWS_ENTRY" => &["attn_decode_rows_"],
+                "ATT_ROWS_ENTRY" => &["attn_partial_rows_"],
+                "KV_WRITE_ENTRY" => &["kv_write"],
+                "KV_WRITE_ROWS_ENTRY" => &["kv_write_rows"],
                 "MOE_ENTRY" | "MOE_FENTRY" => &["moe_up_", "moe_down_"],
                 _ => &[],
             };

@@ -15,7 +15,7 @@ use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
     attn_decode_smem, attn_prefill_smem, float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family,
-    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, ATT_DECODE, ATT_DECODE_HEADS, ATT_DECODE_ROWS, ATT_DECODE_THREADS, ATT_PREFILL, ATT_PREFILL_DIMS, ATT_ROWS, KV_WRITE_ROWS, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
+    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, ATT_DECODE, ATT_DECODE_HEADS, ATT_DECODE_ROWS, ATT_DECODE_THREADS, ATT_PREFILL, ATT_PREFILL_DIMS, ATT_ROWS_AT, KV_WRITE_AT, KV_WRITE_ROWS_AT, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
     MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES, MOE_COMBINE, MOE_COMBINE_ADD, LANE_FILL_ROWS, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
     QUANTIZE_Q8_K, ROUTE_WARP,
 };
@@ -118,8 +118,8 @@ pub enum AttnKernel {
     /// (d 256: sm_90).
     Tiled,
     /// attn_decode: one block per (kv head, up to 16 of its heads, query,
-    /// split), each k / v row read once for all of them. Needs d_k in
-    /// 64 / 128 / 256 and d_v a multiple of 4.
+    /// split), each k / v row read once for all of them. Needs d_k = d_v in
+    /// 64 / 128 / 256.
     Grouped,
 }
 

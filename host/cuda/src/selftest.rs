@@ -327,6 +327,7 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         "3 rows k512 v256 into 16".into(),
         kv_write_case(dev, next()),
     );
+    t.push("kv_write", "f16 cache, rounded as the CPU rounds", "3 rows k512 v256 into 16".into(), kv_write_f16_case(dev, next()));
     let soft = RouterSpec {
         k: 8,
         gating: Gating::Softmax,
@@ -809,6 +810,32 @@ fn kv_write_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
     got.extend(dev.download(&vc)?);
     want_k.extend(want_v);
     Ok(compare(&got, &want_k, 0.0))
+}
+
+/// `kv_write` into an f16 cache: each value rounded to nearest even, the
+/// bits the CPU cache (`KvType::F16`) stores; the other rows alone.
+fn kv_write_f16_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
+    use pulsar_kernels::ops::KvType;
+    let (kw, vw, n_ctx, pos) = (512usize, 256usize, 16usize, [5u32, 2, 9]);
+    // Large, tiny and halfway values as well as random ones.
+    let mut k = random_values(pos.len() * kw, seed);
+    k[..6].copy_from_slice(&[7e4, -7e4, 1e-8, 1.0 + 1.0 / 2048.0, 1.0 + 3.0 / 2048.0, -0.0]);
+    let v = random_values(pos.len() * vw, seed ^ 1);
+    let bits = |x: &[f32]| x.iter().map(|&x| KvType::F16.bits(x)).collect::<Vec<u16>>();
+    let (kc0, vc0) = (bits(&random_values(n_ctx * kw, seed ^ 2)), bits(&random_values(n_ctx * vw, seed ^ 3)));
+    let (mut kc, mut vc) = (dev.upload(&kc0)?, dev.upload(&vc0)?);
+    dev.kv_write(dev.compute(), &dev.upload(&k)?, &dev.upload(&v)?, &dev.upload(&pos)?, kw, vw, &mut kc, &mut vc)?;
+    let (mut want_k, mut want_v) = (kc0, vc0);
+    for (r, &p) in pos.iter().enumerate() {
+        let p = p as usize;
+        want_k[p * kw..(p + 1) * kw].copy_from_slice(&bits(&k[r * kw..(r + 1) * kw]));
+        want_v[p * vw..(p + 1) * vw].copy_from_slice(&bits(&v[r * vw..(r + 1) * vw]));
+    }
+    let mut got = dev.download(&kc)?;
+    got.extend(dev.download(&vc)?);
+    want_k.extend(want_v);
+    let le = |x: &[u16]| x.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+    Ok(compare_bytes(&le(&got), &le(&want_k)))
 }
 
 /// The table as GitHub Markdown.

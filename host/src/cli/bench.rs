@@ -391,7 +391,8 @@ pub fn main(ctx: &mut Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     if a.n_prompt.iter().chain(&a.n_gen).all(|&n| n == 0) {
         anyhow::bail!("nothing to measure: -p and -n are all 0");
     }
-    let model = ctx.open_model(&a.model, None)?;
+    let mut model = ctx.open_model(&a.model, None)?;
+    model.kv_type = a.gpu.kv_type;
     let cpu = CpuBackend::new(ctx.cfg.threads.value)?;
     let mem = model.memory_plan();
     let budget = a.host_cache.map(pulsar_store::budget_from_gib).transpose()?;

@@ -25,6 +25,11 @@ pub struct GpuArgs {
     /// cpu, cuda, cuda:N, or auto (CUDA when a GPU is there).
     #[arg(long, env = "PULSAR_DEVICE", default_value = "auto", help_heading = "Memory and streaming")]
     pub device: crate::session::DeviceChoice,
+    /// The KV cache's format: f32, f16 (half the memory and the bandwidth
+    /// long-context decode spends on it; CUDA and the CPU), or bf16 (the
+    /// CPU only so far). Rows are rounded once, as they are written.
+    #[arg(long, env = "PULSAR_KV", default_value = "f32", value_name = "TYPE", help_heading = "Memory and streaming")]
+    pub kv_type: pulsar_kernels::ops::KvType,
     /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
     #[arg(long, env = "PULSAR_VRAM_GB", value_name = "GB", help_heading = "Memory and streaming")]
     pub vram_budget: Option<f64>,
@@ -72,6 +77,7 @@ impl GpuArgs {
     /// `vram_budget_gb`) and record them for `--print-config`.
     pub fn settle(&mut self, cfg: &mut Config, m: &clap::ArgMatches, file: &FileConfig) {
         self.device = cfg.settle(m, "device", "device", self.device, file.device);
+        self.kv_type = cfg.settle(m, "kv_type", "kv_type", self.kv_type, file.kv_type);
         self.vram_budget = cfg.settle_opt(m, "vram_budget", "vram_budget_gb", self.vram_budget, file.vram_budget_gb);
         self.cold_path = cfg.settle(m, "cold_path", "cold_path", self.cold_path, None);
     }

@@ -232,7 +232,8 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
         eprint!("{}", ctx.cfg.print());
     }
     let t_load = Instant::now();
-    let model = ctx.open_model(&model_path, a.arch_plugin.as_deref())?;
+    let mut model = ctx.open_model(&model_path, a.arch_plugin.as_deref())?;
+    model.kv_type = a.gpu.kv_type;
     let tok = crate::tok::load(&model.file).with_context(|| format!("tokenizer of {}", model_path.display()))?;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     super::warn_past_trained_ctx(&model, n_ctx);

@@ -288,7 +288,8 @@ pub fn main(mut ctx: Ctx, mut a: Args) -> anyhow::Result<ExitCode> {
     a.host_cache = ctx.cfg.settle_opt(&ctx.sub, "host_cache", "host_cache_gb", a.host_cache, ctx.file.host_cache_gb);
     ctx.cfg.ctx = config::resolve(&ctx.sub, "ctx", a.ctx.map(Some), ctx.file.ctx.map(Some), || None);
     a.gpu.settle(&mut ctx.cfg, &ctx.sub, &ctx.file);
-    let model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
+    let mut model = ctx.open_model(&a.model, a.arch_plugin.as_deref())?;
+    model.kv_type = a.gpu.kv_type;
     let n_ctx = ctx.cfg.ctx.value.unwrap_or_else(|| (model.plan.n_ctx_train as usize).clamp(1, 4096));
     if n_ctx == 0 {
         anyhow::bail!("ctx 0 (from {}): at least one position", ctx.cfg.ctx.source);

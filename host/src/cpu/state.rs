@@ -1,20 +1,73 @@
 //! A sequence's state on the CPU, one slot per state the plan declares (by
 //! state index): f32 K/V rows per position, rows of a latent cache per
 //! position, and fixed-size recurrent states. Allocated once for the
-//! context length.
+//! context length. KV rows are held in the model's [`KvType`] (rounded once
+//! as they are written); latent rows and recurrent states are f32.
 //!
 //! Rows written at a position are never written again by later positions,
 //! so keeping a prefix of a KV or rows cache is free; a recurrent state
 //! holds exactly the tokens it has absorbed, so going back needs a
 //! [`Snapshot`] (or a restart from position 0).
 
+use pulsar_kernels::ops::{KvRows, KvType};
 use pulsar_plugin_api::{ModelPlan, STATE_KV, STATE_RECURRENT, STATE_ROWS};
+
+/// Rows of one cache in its format.
+#[derive(Clone)]
+enum KvBuf {
+    F32(Vec<f32>),
+    /// f16 or bf16 bits.
+    Half(KvType, Vec<u16>),
+}
+
+impl KvBuf {
+    fn new(ty: KvType, n: usize) -> KvBuf {
+        match ty {
+            KvType::F32 => KvBuf::F32(vec![0.0; n]),
+            t => KvBuf::Half(t, vec![0; n]),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            KvBuf::F32(v) => v.len(),
+            KvBuf::Half(_, v) => v.len(),
+        }
+    }
+    fn kv_type(&self) -> KvType {
+        match self {
+            KvBuf::F32(_) => KvType::F32,
+            KvBuf::Half(t, _) => *t,
+        }
+    }
+    fn put(&mut self, at: usize, x: &[f32]) {
+        match self {
+            KvBuf::F32(v) => v[at..at + x.len()].copy_from_slice(x),
+            KvBuf::Half(t, v) => v[at..at + x.len()].iter_mut().zip(x).for_each(|(o, &x)| *o = t.bits(x)),
+        }
+    }
+    fn rows(&self, n: usize) -> KvRows<'_> {
+        match self {
+            KvBuf::F32(v) => KvRows::F32(&v[..n]),
+            KvBuf::Half(KvType::F16, v) => KvRows::F16(&v[..n]),
+            KvBuf::Half(_, v) => KvRows::Bf16(&v[..n]),
+        }
+    }
+    /// Copy the first `n` values of `from` (the same format).
+    fn copy_prefix(&mut self, from: &KvBuf, n: usize) -> Result<(), String> {
+        match (self, from) {
+            (KvBuf::F32(d), KvBuf::F32(s)) => d[..n].copy_from_slice(&s[..n]),
+            (KvBuf::Half(a, d), KvBuf::Half(b, s)) if a == b => d[..n].copy_from_slice(&s[..n]),
+            _ => return Err("the two caches hold different KV formats".into()),
+        }
+        Ok(())
+    }
+}
 
 pub struct LayerKv {
     kw: usize,
     vw: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvBuf,
+    v: KvBuf,
 }
 
 fn full(pos: usize, n_ctx: usize) -> String {
@@ -27,16 +80,22 @@ impl LayerKv {
         if pos >= n_ctx {
             return Err(full(pos, n_ctx));
         }
-        self.k[pos * self.kw..(pos + 1) * self.kw].copy_from_slice(k);
-        self.v[pos * self.vw..(pos + 1) * self.vw].copy_from_slice(v);
+        if k.len() != self.kw || v.len() != self.vw {
+            return Err(format!("k/v rows of {}/{} values for a cache of widths {}/{}", k.len(), v.len(), self.kw, self.vw));
+        }
+        self.k.put(pos * self.kw, k);
+        self.v.put(pos * self.vw, v);
         Ok(())
     }
     /// Keys of positions `[0, n)`.
-    pub fn keys(&self, n: usize) -> &[f32] {
-        &self.k[..n * self.kw]
+    pub fn keys(&self, n: usize) -> KvRows<'_> {
+        self.k.rows(n * self.kw)
     }
-    pub fn values(&self, n: usize) -> &[f32] {
-        &self.v[..n * self.vw]
+    pub fn values(&self, n: usize) -> KvRows<'_> {
+        self.v.rows(n * self.vw)
+    }
+    pub fn kv_type(&self) -> KvType {
+        self.k.kv_type()
     }
 }
 
@@ -87,16 +146,17 @@ pub struct SeqState {
 }
 
 impl SeqState {
-    /// Every state of `plan` for a context of `n_ctx` positions; kinds this
-    /// host does not know get no slot (the model refuses them at open).
-    pub fn new(plan: &ModelPlan, n_ctx: usize) -> SeqState {
+    /// Every state of `plan` for a context of `n_ctx` positions, KV rows in
+    /// `kv`; kinds this host does not know get no slot (the model refuses
+    /// them at open).
+    pub fn new(plan: &ModelPlan, n_ctx: usize, kv: KvType) -> SeqState {
         let slots = plan
             .states
             .iter()
             .map(|s| match (s.kind, s.dims.as_slice()) {
                 (STATE_KV, [h, dk, dv, _]) => {
                     let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
-                    Some(Slot::Kv(LayerKv { kw, vw, k: vec![0.0; kw * n_ctx], v: vec![0.0; vw * n_ctx] }))
+                    Some(Slot::Kv(LayerKv { kw, vw, k: KvBuf::new(kv, kw * n_ctx), v: KvBuf::new(kv, vw * n_ctx) }))
                 }
                 (STATE_ROWS, [w]) => Some(Slot::Rows(Rows { width: *w as usize, data: vec![0.0; *w as usize * n_ctx] })),
                 (STATE_RECURRENT, d) => Some(Slot::Recurrent(Recurrent { value: vec![0.0; d.iter().product::<u64>() as usize], pos: 0 })),
@@ -117,8 +177,8 @@ impl SeqState {
         for slot in self.slots.iter_mut().flatten() {
             match slot {
                 Slot::Kv(l) => {
-                    l.k = vec![0.0; l.k.len()];
-                    l.v = vec![0.0; l.v.len()];
+                    l.k = KvBuf::new(l.k.kv_type(), l.k.len());
+                    l.v = KvBuf::new(l.v.kv_type(), l.v.len());
                 }
                 Slot::Rows(r) => r.data = vec![0.0; r.data.len()],
                 Slot::Recurrent(_) => {}
@@ -131,7 +191,7 @@ impl SeqState {
             .iter()
             .flatten()
             .map(|s| match s {
-                Slot::Kv(l) => 4 * (l.k.len() + l.v.len()),
+                Slot::Kv(l) => l.kv_type().bytes() * (l.k.len() + l.v.len()),
                 Slot::Rows(r) => 4 * r.data.len(),
                 Slot::Recurrent(r) => 4 * r.value.len(),
             })
@@ -201,8 +261,8 @@ impl SeqState {
         for (dst, src) in self.slots.iter_mut().zip(&from.slots) {
             match (dst, src) {
                 (Some(Slot::Kv(d)), Some(Slot::Kv(s))) if (d.kw, d.vw) == (s.kw, s.vw) => {
-                    d.k[..n * d.kw].copy_from_slice(&s.k[..n * s.kw]);
-                    d.v[..n * d.vw].copy_from_slice(&s.v[..n * s.vw]);
+                    d.k.copy_prefix(&s.k, n * d.kw)?;
+                    d.v.copy_prefix(&s.v, n * d.vw)?;
                 }
                 (Some(Slot::Rows(d)), Some(Slot::Rows(s))) if d.width == s.width => d.data[..n * d.width].copy_from_slice(&s.data[..n * s.width]),
                 (None, None) => {}
@@ -249,7 +309,7 @@ mod tests {
     #[test]
     fn every_kind_gets_its_slot_and_bytes() {
         let p = plan(vec![StateSpec::kv(0, 2, 4, 3, 0), StateSpec::rows(0, 5), StateSpec::recurrent(1, &[2, 3])]);
-        let mut s = SeqState::new(&p, 8);
+        let mut s = SeqState::new(&p, 8, KvType::F32);
         assert_eq!(s.bytes(), 4 * (8 * 8 + 8 * 6) + 4 * 8 * 5 + 4 * 6);
         assert!(s.layer_mut(0, 8, 6).is_ok());
         assert!(s.layer_mut(0, 8, 5).is_err());
@@ -262,25 +322,47 @@ mod tests {
     #[test]
     fn a_prefix_copies_kv_and_rows_and_never_a_recurrent_state() {
         let p = plan(vec![StateSpec::kv(0, 1, 2, 2, 0), StateSpec::rows(0, 3)]);
-        let (mut a, mut b) = (SeqState::new(&p, 4), SeqState::new(&p, 4));
+        let (mut a, mut b) = (SeqState::new(&p, 4, KvType::F32), SeqState::new(&p, 4, KvType::F32));
         for pos in 0..4 {
             let x = pos as f32;
             a.layer_mut(0, 2, 2).unwrap().write(pos, &[x, x + 0.5], &[-x, -x - 0.5]).unwrap();
             a.rows_mut(1).unwrap().write(pos, &[x; 3]).unwrap();
         }
         b.copy_prefix(&a, 3).unwrap();
-        assert_eq!(b.layer(0).unwrap().keys(4), &[0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 0.0, 0.0]);
-        assert_eq!(b.layer(0).unwrap().values(3), a.layer(0).unwrap().values(3));
+        let f32s = |r: KvRows<'_>| match r {
+            KvRows::F32(v) => v.to_vec(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(f32s(b.layer(0).unwrap().keys(4)), &[0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 0.0, 0.0]);
+        assert_eq!(f32s(b.layer(0).unwrap().values(3)), f32s(a.layer(0).unwrap().values(3)));
         assert_eq!(&b.rows_mut(1).unwrap().rows(4)[6..], &[2.0, 2.0, 2.0, 0.0, 0.0, 0.0]);
         assert!(b.copy_prefix(&a, 5).unwrap_err().contains("--ctx"));
         let r = plan(vec![StateSpec::kv(0, 1, 2, 2, 0), StateSpec::recurrent(0, &[3])]);
-        assert!(SeqState::new(&r, 4).copy_prefix(&SeqState::new(&r, 4), 1).is_err());
+        assert!(SeqState::new(&r, 4, KvType::F32).copy_prefix(&SeqState::new(&r, 4, KvType::F32), 1).is_err());
+    }
+
+    #[test]
+    fn sixteen_bit_caches_round_on_write_take_half_the_bytes_and_copy_only_their_own_format() {
+        let p = plan(vec![StateSpec::kv(0, 1, 2, 2, 0)]);
+        for t in [KvType::F16, KvType::Bf16] {
+            let (mut a, mut b) = (SeqState::new(&p, 4, t), SeqState::new(&p, 4, t));
+            assert_eq!(a.bytes(), 2 * (8 + 8));
+            a.layer_mut(0, 2, 2).unwrap().write(1, &[0.1, -3.7], &[1e-3, 7.0]).unwrap();
+            b.copy_prefix(&a, 2).unwrap();
+            let mut buf = [0f32; 2];
+            let layer = b.layer(0).unwrap();
+            assert_eq!(layer.kv_type(), t);
+            assert_eq!(layer.keys(2).get(2, &mut buf), &[t.round(0.1), t.round(-3.7)]);
+            assert_eq!(layer.values(2).get(2, &mut buf), &[t.round(1e-3), 7.0]);
+            assert!(b.layer_mut(0, 2, 2).unwrap().write(0, &[0.0; 3], &[0.0; 2]).is_err());
+            assert!(SeqState::new(&p, 4, KvType::F32).copy_prefix(&a, 1).unwrap_err().contains("format"));
+        }
     }
 
     #[test]
     fn a_snapshot_restores_recurrent_states_and_truncation_respects_them() {
         let p = plan(vec![StateSpec::kv(0, 1, 2, 2, 0), StateSpec::recurrent(0, &[3])]);
-        let mut s = SeqState::new(&p, 16);
+        let mut s = SeqState::new(&p, 16, KvType::F32);
         s.recurrent_mut(1).unwrap().value = vec![1.0, 2.0, 3.0];
         s.recurrent_mut(1).unwrap().pos = 4;
         let snap = s.snapshot(4);
@@ -291,7 +373,7 @@ mod tests {
         // A recurrent state cannot go back without a snapshot; KV alone can.
         assert_eq!(s.keepable(2, 4), 0);
         assert_eq!(s.keepable(4, 4), 4);
-        let kv_only = SeqState::new(&plan(vec![StateSpec::kv(0, 1, 2, 2, 0)]), 16);
+        let kv_only = SeqState::new(&plan(vec![StateSpec::kv(0, 1, 2, 2, 0)]), 16, KvType::F32);
         assert_eq!(kv_only.keepable(2, 4), 2);
         assert_eq!(kv_only.keepable(9, 4), 4);
     }

@@ -30,6 +30,7 @@ use std::sync::Mutex;
 
 use pulsar_cuda::{CudaDevice, DeviceBuf};
 use pulsar_gguf::GgmlType;
+use pulsar_kernels::ops::KvType;
 use pulsar_plugin_api::graph::{Op, Rope};
 use pulsar_plugin_api::Role;
 
@@ -456,11 +457,61 @@ fn size(b: u64) -> String {
 /// a page each would cost more than it saves.
 pub const PAGED_MIN_PAGES: usize = 4;
 
-/// The KV cache on the device: f32 rows, one key and one value buffer per
-/// KV state (by state index).
+/// One KV cache buffer on the device, in the model's [`KvType`].
+pub enum KvDev {
+    F32(DeviceBuf<f32>),
+    /// f16 bits.
+    F16(DeviceBuf<u16>),
+}
+
+impl KvDev {
+    fn alloc(dev: &CudaDevice, ty: KvType, n: usize, paged: bool) -> Result<KvDev, CudaBackendError> {
+        Ok(match (ty, paged) {
+            (KvType::F32, false) => KvDev::F32(dev.alloc(n)?),
+            (KvType::F32, true) => KvDev::F32(dev.alloc_paged(n)?),
+            (KvType::F16, false) => KvDev::F16(dev.alloc(n)?),
+            (KvType::F16, true) => KvDev::F16(dev.alloc_paged(n)?),
+            (t, _) => return Err(CudaBackendError::Other(format!("--kv-type {t} runs on the CPU only so far; on CUDA use f32 or f16"))),
+        })
+    }
+    pub fn kv_type(&self) -> KvType {
+        match self {
+            KvDev::F32(_) => KvType::F32,
+            KvDev::F16(_) => KvType::F16,
+        }
+    }
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            KvDev::F32(b) => b.device_ptr(),
+            KvDev::F16(b) => b.device_ptr(),
+        }
+    }
+    pub fn bytes(&self) -> usize {
+        match self {
+            KvDev::F32(b) => b.bytes(),
+            KvDev::F16(b) => b.bytes(),
+        }
+    }
+    pub fn backed_bytes(&self) -> usize {
+        match self {
+            KvDev::F32(b) => b.backed_bytes(),
+            KvDev::F16(b) => b.backed_bytes(),
+        }
+    }
+    /// Map memory for the first `n` values (a paged buffer).
+    pub fn back(&mut self, n: usize) -> Result<(), pulsar_cuda::CudaError> {
+        match self {
+            KvDev::F32(b) => b.back(n),
+            KvDev::F16(b) => b.back(n),
+        }
+    }
+}
+
+/// The KV cache on the device: rows in the model's [`KvType`], one key and
+/// one value buffer per KV state (by state index).
 pub struct CudaKv {
     pub n_ctx: usize,
-    pub layers: HashMap<usize, (usize, usize, DeviceBuf<f32>, DeviceBuf<f32>)>,
+    pub layers: HashMap<usize, (usize, usize, KvDev, KvDev)>,
     /// Rows states (latent caches): width and `n_ctx` rows.
     pub rows: HashMap<usize, (usize, DeviceBuf<f32>)>,
     /// Recurrent states (one sequence's).
@@ -482,12 +533,14 @@ impl CudaKv {
         // Nothing paged: no page size to ask the driver for.
         let page = if min_pages == usize::MAX { usize::MAX } else { dev.page_bytes()? };
         let alloc = |n: usize| if n * 4 >= min_pages.saturating_mul(page) { dev.alloc_paged::<f32>(n) } else { dev.alloc::<f32>(n) };
+        let ty = model.kv_type;
+        let alloc_kv = |n: usize| KvDev::alloc(dev, ty, n, n * ty.bytes() >= min_pages.saturating_mul(page));
         let mut kv = CudaKv { n_ctx, layers: HashMap::new(), rows: HashMap::new(), recurrent: HashMap::new() };
         for (i, s) in model.plan.states.iter().enumerate() {
             let n: usize = s.dims.iter().product::<u64>() as usize;
             if let Some((h, dk, dv, _)) = s.as_kv() {
                 let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
-                kv.layers.insert(i, (kw, vw, alloc(kw * n_ctx)?, alloc(vw * n_ctx)?));
+                kv.layers.insert(i, (kw, vw, alloc_kv(kw * n_ctx)?, alloc_kv(vw * n_ctx)?));
             } else if s.kind == pulsar_plugin_api::STATE_ROWS {
                 kv.rows.insert(i, (n, alloc(n * n_ctx)?));
             } else if s.kind == pulsar_plugin_api::STATE_RECURRENT {
@@ -523,18 +576,19 @@ impl CudaKv {
     /// paged ones `pool` positions plus up to a page each per sequence.
     pub fn paged_bytes_for(model: &Model, n_ctx: usize, n_seq: usize, pool: usize, page: usize) -> u64 {
         let (mut whole, mut per_pos, mut paged) = (0u64, 0u64, 0u64);
+        let kv = model.kv_type.bytes() as u64;
         for s in &model.plan.states {
-            let widths: Vec<u64> = match (s.as_kv(), s.kind) {
-                (Some((h, dk, dv, _)), _) => vec![(h * dk) as u64, (h * dv) as u64],
-                (None, pulsar_plugin_api::STATE_ROWS) => vec![s.dims.iter().product()],
+            let widths: Vec<(u64, u64)> = match (s.as_kv(), s.kind) {
+                (Some((h, dk, dv, _)), _) => vec![((h * dk) as u64, kv), ((h * dv) as u64, kv)],
+                (None, pulsar_plugin_api::STATE_ROWS) => vec![(s.dims.iter().product(), 4)],
                 _ => continue,
             };
-            for w in widths {
-                if (w as usize) * n_ctx * 4 >= PAGED_MIN_PAGES * page {
-                    per_pos += 4 * w;
+            for (w, b) in widths {
+                if w * n_ctx as u64 * b >= (PAGED_MIN_PAGES * page) as u64 {
+                    per_pos += b * w;
                     paged += 1;
                 } else {
-                    whole += 4 * w * n_ctx as u64;
+                    whole += b * w * n_ctx as u64;
                 }
             }
         }

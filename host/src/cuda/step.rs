@@ -135,11 +135,12 @@ impl CudaKv {
         let mut copies = Vec::new();
         for (i, (kw, vw, k, v)) in &self.layers {
             let (skw, svw, sk, sv) = from.layers.get(i).ok_or_else(|| fail(format!("no state {i} to copy from")))?;
-            if (kw, vw) != (skw, svw) {
-                return Err(fail(format!("state {i}: widths differ")));
+            if (kw, vw) != (skw, svw) || k.kv_type() != sk.kv_type() {
+                return Err(fail(format!("state {i}: widths or formats differ")));
             }
-            copies.push((k.device_ptr(), sk.device_ptr(), n * kw * 4));
-            copies.push((v.device_ptr(), sv.device_ptr(), n * vw * 4));
+            let b = k.kv_type().bytes();
+            copies.push((k.device_ptr(), sk.device_ptr(), n * kw * b));
+            copies.push((v.device_ptr(), sv.device_ptr(), n * vw * b));
         }
         for (i, (w, b)) in &self.rows {
             let (sw, sb) = from.rows.get(i).ok_or_else(|| fail(format!("no state {i} to copy from")))?;

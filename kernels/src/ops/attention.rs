@@ -1,6 +1,7 @@
 use rayon::prelude::*;
 use rayon::ThreadPool;
 
+use super::kv::KvRows;
 use super::math;
 
 /// Causal attention of a step's queries over a layer's cached keys/values.
@@ -85,16 +86,19 @@ const ATT_THREADS: usize = 128;
 /// each warp's 32 halved by the butterfly, the four warp sums added in order;
 /// `o = sum_i e_i v_i` in key order. The chunks combine as
 /// `M = max m_c`, `L = sum_c exp(m_c - M) l_c`, `out = (sum_c exp(m_c - M) o_c) / L`,
-/// chunk by chunk. `exp`/`tanh` are the shared [`super::math`] ones.
-pub fn attend_rows(
+/// chunk by chunk. `exp`/`tanh` are the shared [`super::math`] ones. A
+/// 16-bit cache is read widened (exactly), so it gives the bits an f32 cache
+/// of the rounded values gives.
+pub fn attend_rows<'a>(
     pool: &ThreadPool,
     p: &AttnParams,
     q: &[f32],
     positions: &[u32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: impl Into<KvRows<'a>>,
+    v_cache: impl Into<KvRows<'a>>,
     out: &mut [f32],
 ) {
+    let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
     let (kw, vw) = (p.n_kv_head * dk, p.n_kv_head * dv);
     let n_q = positions.len();
@@ -116,12 +120,13 @@ pub fn attend_rows(
         let mut ml = Vec::with_capacity(n_chunks);
         let mut oc = vec![0f32; n_chunks * dv];
         let mut e = Vec::with_capacity(ATT_CHUNK.min(pos + 1 - start));
+        let (mut kb, mut vb) = (vec![0f32; dk], vec![0f32; dv]);
         for (c, oc) in oc.chunks_exact_mut(dv).enumerate() {
             let j0 = start + c * ATT_CHUNK;
             let j1 = (pos + 1).min(j0 + ATT_CHUNK);
             e.clear();
             e.extend((j0..j1).map(|j| {
-                let kh = &k_cache[j * kw + kvh * dk..][..dk];
+                let kh = k_cache.get(j * kw + kvh * dk, &mut kb);
                 let s = wide.dot(qh, kh) * p.scale;
                 if p.softcap > 0.0 {
                     p.softcap * math::tanh(s / p.softcap)
@@ -133,7 +138,7 @@ pub fn attend_rows(
             e.iter_mut().for_each(|v| *v = math::exp(*v - m));
             ml.push((m, math::block_sum::<f32, ATT_THREADS>(e.iter().copied())));
             for (j, w) in (j0..j1).zip(&e) {
-                wide.axpy(oc, *w, &v_cache[j * vw + kvh * dv..][..dv]);
+                wide.axpy(oc, *w, v_cache.get(j * vw + kvh * dv, &mut vb));
             }
         }
         let big_m = ml.iter().map(|&(m, _)| m).fold(f32::NEG_INFINITY, f32::max);

@@ -13,6 +13,7 @@ pub const DELTA_NET_CHUNK: usize = 64;
 
 mod act;
 mod attention;
+mod kv;
 pub mod math;
 mod norm;
 mod rope;
@@ -20,6 +21,7 @@ mod route;
 
 pub use act::{gelu, gelu_tanh, glu_rows, silu, Activation};
 pub use attention::{attend_rows, AttnParams};
+pub use kv::{bf16_bits, KvRows, KvType};
 pub use norm::rms_norm_rows;
 pub use rope::{rope_rows, rope_rows_with, yarn_inv_freq, RopeKind, RopeParams};
 pub use route::{softmax_in_place, top_k};

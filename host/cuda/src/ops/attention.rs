@@ -5,10 +5,11 @@ use super::*;
 
 impl CudaDevice {
     /// Write a step's `k` (`[n, kw]`) and `v` (`[n, vw]`) rows into a layer's
-    /// cache (`n_ctx` rows) at the rows `positions` name, read on the device
-    /// so a captured decode graph stays right from token to token.
+    /// cache (`n_ctx` rows; f32, or f16 rounded to nearest even) at the rows
+    /// `positions` name, read on the device so a captured decode graph stays
+    /// right from token to token.
     #[allow(clippy::too_many_arguments)]
-    pub fn kv_write(
+    pub fn kv_write<K: KvElem>(
         &self,
         stream: &CudaStream,
         k: &DeviceBuf<f32>,
@@ -16,8 +17,8 @@ impl CudaDevice {
         positions: &DeviceBuf<u32>,
         kw: usize,
         vw: usize,
-        k_cache: &mut DeviceBuf<f32>,
-        v_cache: &mut DeviceBuf<f32>,
+        k_cache: &mut DeviceBuf<K>,
+        v_cache: &mut DeviceBuf<K>,
     ) -> Result<(), CudaError> {
         const OP: &str = "kv_write";
         let n = positions.len();
@@ -31,7 +32,7 @@ impl CudaDevice {
         }
         let n_ctx = to_i32(OP, "n_ctx", k_cache.len() / kw)?;
         let (kwi, vwi) = (to_i32(OP, "kw", kw)?, to_i32(OP, "vw", vw)?);
-        let f = self.func(Family::Attention, 3)?;
+        let f = self.func(Family::Attention, KV_WRITE_AT[K::ENTRY])?;
         let (kp, vp, pp, kcp, vcp) = (k.device_ptr(), v.device_ptr(), positions.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr());
         let grid = ((kw + vw).div_ceil(256).min(64) as u32, n as u32, 1);
         // SAFETY: (k, v, positions, kc, vc, kw, vw, n_ctx) as kv_write; sizes checked above.
@@ -86,18 +87,19 @@ impl CudaDevice {
         };
         let index = base + stride * i;
         let smem = attn_decode_smem(p.head_dim_k);
-        let fits = p.head_dim_v % 4 == 0 && ptrs.iter().all(|a| a % 16 == 0) && self.func_smem(Family::Attention, index)? >= smem;
+        let fits = p.head_dim_v == p.head_dim_k && ptrs.iter().all(|a| a % 16 == 0) && self.func_smem(Family::Attention, index)? >= smem;
         Ok(fits.then_some((index, smem)))
     }
 
     /// Heads per attn_decode block: all of a group's (at most 16) where that
-    /// gives blocks enough to fill the device twice over, else fewer (down
-    /// to 4) for more blocks. The bits do not depend on it.
+    /// gives blocks enough for four waves over the device, else fewer (down
+    /// to 4) for more blocks (their k / v reads then meet in L2). The bits
+    /// do not depend on it.
     fn grouped_heads(&self, p: &AttnParams, n_q: usize, n_split: usize) -> usize {
         let group = p.n_head / p.n_kv_head.max(1);
         let mut gb = group.min(ATT_DECODE_HEADS);
         let blocks = |gb: usize| p.n_kv_head * group.div_ceil(gb) * n_q * n_split;
-        while gb > 4 && blocks(gb) < 2 * self.sm_count() {
+        while gb > 4 && blocks(gb) < 4 * self.sm_count() {
             gb = gb.div_ceil(2);
         }
         gb
@@ -149,8 +151,8 @@ impl CudaDevice {
                 format!("{} heads over {} kv heads", p.n_head, p.n_kv_head),
             ));
         }
-        if p.head_dim_k > 1024 {
-            return Err(shape(OP, format!("head_dim_k {} above 1024", p.head_dim_k)));
+        if p.head_dim_k > 1024 || p.head_dim_v > 512 {
+            return Err(shape(OP, format!("head dims {}/{} above 1024/512", p.head_dim_k, p.head_dim_v)));
         }
         let n_q = positions.len();
         want(OP, "q", q.len(), n_q * p.n_head * p.head_dim_k)?;
@@ -252,11 +254,11 @@ impl CudaDevice {
     /// `tables[k_at + r]` and `tables[v_at + r]`, at row `positions[r]`.
     ///
     /// # Safety
-    /// Every address must be the start of a live f32 cache of at least
+    /// Every address must be the start of a live cache of `K` of at least
     /// `n_ctx` rows of `kw` (keys) or `vw` (values) values, and no two rows
     /// of one cache may name the same position.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn kv_write_rows(
+    pub unsafe fn kv_write_rows<K: KvElem>(
         &self,
         stream: &CudaStream,
         k: &DeviceBuf<f32>,
@@ -275,7 +277,7 @@ impl CudaDevice {
             return Err(shape(OP, format!("{n} rows of widths {kw}/{vw} at table entries {k_at}/{v_at} of {}", tables.len())));
         }
         let (kwi, vwi, nc) = (to_i32(OP, "kw", kw)?, to_i32(OP, "vw", vw)?, to_i32(OP, "n_ctx", n_ctx)?);
-        let f = self.func(Family::Attention, KV_WRITE_ROWS)?;
+        let f = self.func(Family::Attention, KV_WRITE_ROWS_AT[K::ENTRY])?;
         let (kt, vt) = (tables.device_ptr_at(k_at)?, tables.device_ptr_at(v_at)?);
         let (kp, vp, pp) = (k.device_ptr(), v.device_ptr(), positions.device_ptr());
         let grid = ((kw + vw).div_ceil(256).min(64) as u32, n as u32, 1);
@@ -285,17 +287,17 @@ impl CudaDevice {
     }
 
     /// [`CudaDevice::attention`] (the per-query kernel) for rows of several
-    /// sequences, each over its own f32 cache: row `t` reads the layer
+    /// sequences, each over its own cache of `K`: row `t` reads the layer
     /// caches at the device addresses `tables[k_at + t]` / `tables[v_at + t]`.
     /// A row's output has the bits it has alone. `n_ctx` is the longest
     /// row's context (it sizes the splits); `work` holds
     /// [`attention_workspace_len`] values for it.
     ///
     /// # Safety
-    /// Every address must be the start of a live f32 cache holding at least
-    /// `positions[t] + 1` rows of the widths `p` gives.
+    /// Every address must be the start of a live cache of `K` holding at
+    /// least `positions[t] + 1` rows of the widths `p` gives.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn attention_rows(
+    pub unsafe fn attention_rows<K: KvElem>(
         &self,
         stream: &CudaStream,
         p: &AttnParams,
@@ -308,7 +310,7 @@ impl CudaDevice {
         out: &mut DeviceBuf<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "attention_rows";
-        if p.n_kv_head == 0 || p.n_head % p.n_kv_head != 0 || p.head_dim_k == 0 || p.head_dim_v == 0 || p.head_dim_k > 1024 {
+        if p.n_kv_head == 0 || p.n_head % p.n_kv_head != 0 || p.head_dim_k == 0 || p.head_dim_v == 0 || p.head_dim_k > 1024 || p.head_dim_v > 512 {
             return Err(shape(OP, format!("{} heads over {} kv heads, head dims {}/{}", p.n_head, p.n_kv_head, p.head_dim_k, p.head_dim_v)));
         }
         let n_q = positions.len();
@@ -326,7 +328,7 @@ impl CudaDevice {
         let (kt, vt) = (tables.device_ptr_at(k_at)?, tables.device_ptr_at(v_at)?);
         let (qp, pp, wp, op) = (q.device_ptr(), positions.device_ptr(), work.device_ptr(), out.device_ptr());
         // The table's addresses are the caches' own allocations (16-byte aligned).
-        let grouped = if grouped_pays(p, n_ctx) { self.attention_grouped_entry(p, ATT_DECODE_ROWS, 1, [qp, 0, 0])? } else { None };
+        let grouped = if grouped_pays(p, n_ctx) { self.attention_grouped_entry(p, ATT_DECODE_ROWS + K::ENTRY, 2, [qp, 0, 0])? } else { None };
         if let Some((index, smem)) = grouped {
             let gb = self.grouped_heads(p, n_q, n_split);
             let f = self.func(Family::Attention, index)?;
@@ -336,7 +338,7 @@ impl CudaDevice {
             // caches by the caller.
             unsafe { self.launch(f, grid, ATT_DECODE_THREADS, smem, stream, &mut params![qp, pp, kt, vt, wp, nh, nkv, dv, nc, scale, window, softcap, ns, gbi])? };
         } else {
-            let f = self.func(Family::Attention, ATT_ROWS)?;
+            let f = self.func(Family::Attention, ATT_ROWS_AT[K::ENTRY])?;
             let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
             // SAFETY: parameters as attn_partial_rows_f32; sizes checked above,
             // the caches by the caller.

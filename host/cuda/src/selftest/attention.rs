@@ -159,7 +159,8 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
     // alone (the grouped rows kernel from 2048 keys, the per-query one below).
     for (name, ctxs) in [("rows, grouped", [3000usize, 2500, 4100]), ("rows, per query", [300, 250, 410])] {
         let p = params(16, 4, 128, 0.088, 0, 0.0);
-        t.push("attention rows f32 kv", name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, next()));
+        t.push("attention rows f32 kv", name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, false, next()));
+        t.push("attention rows f16 kv", name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, true, next()));
     }
 
     // Positions out of order, repeated, and at or past the cache (NaN rows),
@@ -177,17 +178,32 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
 }
 
 /// [`CudaDevice::attention_rows`] over one cache per row (positions
-/// `ctxs[r] - 1`) against [`CudaDevice::attention`] of each row alone, bit for bit.
-fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], seed: u64) -> Result<Cmp, CudaError> {
+/// `ctxs[r] - 1`) against [`CudaDevice::attention`] of each row alone, bit
+/// for bit; the caches f32 or f16.
+fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], f16: bool, seed: u64) -> Result<Cmp, CudaError> {
+    let q = random_values(ctxs.len() * p.n_head * p.head_dim_k, seed);
+    let pos: Vec<u32> = ctxs.iter().map(|&c| (c - 1) as u32).collect();
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = ctxs
+        .iter()
+        .enumerate()
+        .map(|(r, &c)| {
+            let s = seed ^ ((r as u64 + 1) << 8);
+            (random_values(c * p.n_kv_head * p.head_dim_k, s), random_values(c * p.n_kv_head * p.head_dim_v, s ^ 1))
+        })
+        .collect();
+    if f16 {
+        let bits = |v: &[f32]| v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect::<Vec<u16>>();
+        let up: Vec<_> = caches.iter().map(|(k, v)| Ok((dev.upload(&bits(k))?, dev.upload(&bits(v))?))).collect::<Result<_, CudaError>>()?;
+        rows_of(dev, p, &q, &pos, ctxs, &up)
+    } else {
+        let up: Vec<_> = caches.iter().map(|(k, v)| Ok((dev.upload(k)?, dev.upload(v)?))).collect::<Result<_, CudaError>>()?;
+        rows_of(dev, p, &q, &pos, ctxs, &up)
+    }
+}
+
+fn rows_of<K: KvElem>(dev: &CudaDevice, p: &AttnParams, q: &[f32], pos: &[u32], ctxs: &[usize], caches: &[(DeviceBuf<K>, DeviceBuf<K>)]) -> Result<Cmp, CudaError> {
     let n = ctxs.len();
     let longest = ctxs.iter().copied().max().unwrap_or(1);
-    let q = random_values(n * p.n_head * p.head_dim_k, seed);
-    let pos: Vec<u32> = ctxs.iter().map(|&c| (c - 1) as u32).collect();
-    let mut caches = Vec::new();
-    for (r, &c) in ctxs.iter().enumerate() {
-        let s = seed ^ (r as u64 + 1) << 8;
-        caches.push((dev.upload(&random_values(c * p.n_kv_head * p.head_dim_k, s))?, dev.upload(&random_values(c * p.n_kv_head * p.head_dim_v, s ^ 1))?));
-    }
     let mut alone = Vec::new();
     for (r, &c) in ctxs.iter().enumerate() {
         let qd = dev.upload(&q[r * p.n_head * p.head_dim_k..][..p.n_head * p.head_dim_k])?;
@@ -198,12 +214,12 @@ fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], seed: u64) -> Res
         alone.extend(dev.download(&o)?);
     }
     let table: Vec<u64> = caches.iter().map(|c| c.0.device_ptr()).chain(caches.iter().map(|c| c.1.device_ptr())).collect();
-    let (qd, pd, td) = (dev.upload(&q)?, dev.upload(&pos)?, dev.upload(&table)?);
+    let (qd, pd, td) = (dev.upload(q)?, dev.upload(pos)?, dev.upload(&table)?);
     let mut work = poisoned::<f32>(dev, attention_workspace_len(p, n, longest))?;
     let mut o = poisoned::<f32>(dev, n * p.n_head * p.head_dim_v)?;
     // SAFETY: the table names live caches of ctxs[r] rows for row r, whose
     // position is ctxs[r] - 1.
-    unsafe { dev.attention_rows(dev.compute(), p, &qd, &pd, &td, (0, n), longest, &mut work, &mut o)? };
+    unsafe { dev.attention_rows::<K>(dev.compute(), p, &qd, &pd, &td, (0, n), longest, &mut work, &mut o)? };
     let bits = |v: &[f32]| v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect::<Vec<u8>>();
     Ok(compare_bytes(&bits(&dev.download(&o)?), &bits(&alone)))
 }

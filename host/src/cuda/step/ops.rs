@@ -4,7 +4,7 @@
 //! lowering drives.
 
 use pulsar_cuda::{attention_workspace_len, DeviceBuf};
-use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
+use pulsar_kernels::ops::{AttnParams, KvType, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::graph::{Act, Experts, Op, RopeMode, Sizes};
 use pulsar_plugin_api::{Val, Wt};
@@ -12,7 +12,7 @@ use pulsar_plugin_api::{Val, Wt};
 use super::super::fuse::{Ahead, OpKey};
 use super::super::lower::{AttnSpec, Exec, NormRopeK, RopeSpec};
 use super::super::profile::short_name;
-use super::super::{CudaModel, DevWeight};
+use super::super::{CudaModel, DevWeight, KvDev};
 use super::{err, CudaStep, R};
 use crate::cpu::act_of;
 use crate::graph::MoeSpec;
@@ -269,15 +269,26 @@ impl<'a> CudaStep<'a> {
             Some((t, at)) => Some((t, *at.get(&state).ok_or_else(|| format!("no cache table for state {state}"))?)),
             None => None,
         };
+        // Every sequence's caches hold the model's one format.
+        let f16 = match self.kvs[self.runs[0].2].layers.get(&state) {
+            Some((_, _, k, _)) => k.kv_type() == KvType::F16,
+            None => return Err(format!("layer {} declared no KV cache", s.layer)),
+        };
+        let dev = &self.cm.dev;
         match tables {
             // SAFETY: the table holds, per row, the addresses of its
             // sequence's caches for this state (CudaRunner::step), each of
-            // `cap` or more rows of these widths (checked above).
-            Some((t, at)) => unsafe { self.cm.dev.kv_write_rows(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }.map_err(err)?,
+            // `cap` or more rows of these widths in this format (checked above).
+            Some((t, at)) if f16 => unsafe { dev.kv_write_rows::<u16>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }.map_err(err)?,
+            Some((t, at)) => unsafe { dev.kv_write_rows::<f32>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }.map_err(err)?,
             None => {
                 let one = self.runs[0].2;
-                let (_, _, kc, vc) = self.kvs[one].layers.get_mut(&state).ok_or_else(|| format!("layer {} declared no KV cache", s.layer))?;
-                self.cm.dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc).map_err(err)?;
+                match self.kvs[one].layers.get_mut(&state) {
+                    Some((_, _, KvDev::F32(kc), KvDev::F32(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
+                    Some((_, _, KvDev::F16(kc), KvDev::F16(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
+                    _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
+                }
+                .map_err(err)?;
             }
         }
         // A graph being captured sizes the splits for its bucket of contexts.
@@ -285,14 +296,18 @@ impl<'a> CudaStep<'a> {
         let params = AttnParams { n_head: nh, n_kv_head: nkv, head_dim_k: dk, head_dim_v: dv, scale: s.scale, window: s.window as usize, softcap: s.softcap };
         let mut work = self.pools.f32.take(&self.cm.dev, attention_workspace_len(&params, n, n_ctx)).map_err(err)?;
         let mut out = self.new_val(n, nh * dv)?;
+        let (dev, qb) = (&self.cm.dev, self.buf(q)?);
         match tables {
             // SAFETY: as for kv_write_rows; every row's position is below its cache's rows.
-            Some((t, at)) => unsafe { self.cm.dev.attention_rows(&stream, &params, self.buf(q)?, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) }.map_err(err)?,
-            None => {
-                let (_, _, kc, vc) = &self.kvs[self.runs[0].2].layers[&state];
-                self.cm.dev.attention(&stream, &params, self.buf(q)?, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out).map_err(err)?;
-            }
+            Some((t, at)) if f16 => unsafe { dev.attention_rows::<u16>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+            Some((t, at)) => unsafe { dev.attention_rows::<f32>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+            None => match &self.kvs[self.runs[0].2].layers[&state] {
+                (_, _, KvDev::F32(kc), KvDev::F32(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
+                (_, _, KvDev::F16(kc), KvDev::F16(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
+                _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
+            },
         }
+        .map_err(err)?;
         self.pools.f32.give(work);
         self.push(out, n, nh * dv)
     }
