@@ -11,7 +11,8 @@
 #   family    the test-only family (rows state, scan, custom router) on CUDA vs the
 #             CPU (BIN_DIR/custom_family, the test binary, when present)
 #   parity    every family's fixtures: CUDA vs CPU teacher-forced logits and
-#             greedy tokens, decode consistency on CUDA
+#             greedy tokens, decode consistency on CUDA; KV_TYPES (default f32)
+#             and VARIANTS (default "f32 q8_0") choose the KV formats and weights
 #   stream    the deepseek2 / hy_v3 / minimax-m2 / m3 fixtures under a tiny --vram-budget,
 #             every cold path: the same greedy text as resident
 #   gemma     gemma-3-270m Q4_K_M ($GEMMA, default $WORK/gemma.gguf): CUDA vs CPU
@@ -82,19 +83,24 @@ if has parity; then
   say "## parity: CUDA vs CPU (teacher forcing, top-5 logits)"
   say "| fixture | positions | top-1 agree | max abs diff | rel to max |"
   say "|---|---|---|---|---|"
+  # KV_TYPES (default f32) and VARIANTS (default f32 q8_0) choose the KV
+  # cache formats and the fixture weights compared.
+  for kv in ${KV_TYPES:-f32}; do
   for arch in qwen3moe gemma3 hy_v3 minimax-m2 minimax-m3 deepseek2 deepseek2-kimi_k25 qwen35moe qwen35; do
-    for v in f32 q8_0; do
+    for v in ${VARIANTS:-f32 q8_0}; do
       m="$ROOT/fixtures/parity/$arch/model-$v.gguf"
+      K=(--kv-type "$kv")
       toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('$ROOT/fixtures/parity/$arch/meta.json'))['tokens'])))")
-      "$H" run -m "$m" --tokens "$toks" --teacher-force --device cpu "${P[@]}" > "$WORK/cpu.jsonl" 2>>"$O/parity.log"
-      "$H" run -m "$m" --tokens "$toks" --teacher-force --device cuda "${P[@]}" > "$WORK/cuda.jsonl" 2>>"$O/parity.log"
-      compare "$arch $v" "$WORK/cpu.jsonl" "$WORK/cuda.jsonl"
-      ga=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cpu "${P[@]}" 2>>"$O/parity.log" | od -An -tx1)
-      gb=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cuda "${P[@]}" 2>>"$O/parity.log" | od -An -tx1)
-      if [ -z "$ga" ]; then say "greedy 24 tokens $arch $v: FAILED (no output; parity.log says why)"
-      elif [ "$ga" = "$gb" ]; then say "greedy 24 tokens $arch $v: identical"; else say "greedy 24 tokens $arch $v: DIFFERENT"; fi
-      "$H" run -m "$m" --tokens "$toks" --decode-consistency 32 --device cuda "${P[@]}" 2>>"$O/parity.log" | sed "s/^/$arch $v cuda /" | tee -a "$S"
+      "$H" run -m "$m" --tokens "$toks" --teacher-force --device cpu "${K[@]}" "${P[@]}" > "$WORK/cpu.jsonl" 2>>"$O/parity.log"
+      "$H" run -m "$m" --tokens "$toks" --teacher-force --device cuda "${K[@]}" "${P[@]}" > "$WORK/cuda.jsonl" 2>>"$O/parity.log"
+      compare "$arch $v kv $kv" "$WORK/cpu.jsonl" "$WORK/cuda.jsonl"
+      ga=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cpu "${K[@]}" "${P[@]}" 2>>"$O/parity.log" | od -An -tx1)
+      gb=$("$H" run -m "$m" --tokens "$toks" -n 24 --device cuda "${K[@]}" "${P[@]}" 2>>"$O/parity.log" | od -An -tx1)
+      if [ -z "$ga" ]; then say "greedy 24 tokens $arch $v kv $kv: FAILED (no output; parity.log says why)"
+      elif [ "$ga" = "$gb" ]; then say "greedy 24 tokens $arch $v kv $kv: identical"; else say "greedy 24 tokens $arch $v kv $kv: DIFFERENT"; fi
+      "$H" run -m "$m" --tokens "$toks" --decode-consistency 32 --device cuda "${K[@]}" "${P[@]}" 2>>"$O/parity.log" | sed "s/^/$arch $v kv $kv cuda /" | tee -a "$S"
     done
+  done
   done
 fi
 

@@ -518,7 +518,7 @@ fn config_file_settings_apply_and_print_config_shows_them() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny_model(dir.path());
     let cfg = dir.path().join("config.toml");
-    std::fs::write(&cfg, "device = \"cpu\"\ntemp = 0.5\nhost_cache_gb = 1.5\nrepeat_penalty = 1.2\n").unwrap();
+    std::fs::write(&cfg, "device = \"cpu\"\ntemp = 0.5\nhost_cache_gb = 1.5\nrepeat_penalty = 1.2\nkv_type = \"bf16\"\n").unwrap();
     let o = bin()
         .args(["--config"])
         .arg(&cfg)
@@ -538,6 +538,7 @@ fn config_file_settings_apply_and_print_config_shows_them() {
         ("temp", "0.5", "(config file)"),
         ("host_cache_gb", "1.5", "(config file)"),
         ("repeat_penalty", "1.2", "(config file)"),
+        ("kv_type", "bf16", "(config file)"),
         ("seed", "9", "(flag)"),
         ("top_k", "0", "(default)"),
         ("vram_budget_gb", "unset", "(default)"),
@@ -548,4 +549,12 @@ fn config_file_settings_apply_and_print_config_shows_them() {
     }
     // The file's device took effect: no CUDA notice, the CPU ran it.
     assert!(!err.contains("no CUDA driver"), "{err}");
+    // A KV type no backend has is one line naming it, from the file or the flag.
+    std::fs::write(&cfg, "kv_type = \"q3\"\n").unwrap();
+    for args in [vec!["--config", cfg.to_str().unwrap()], vec!["--kv-type", "q3"]] {
+        let (flag, rest) = args.split_at(if args[0] == "--config" { 2 } else { 0 });
+        let o = bin().args(flag).args(["run", "-m"]).arg(&m).args(rest).args(["-p", "hi", "-n", "1", "--device", "cpu"]).output().unwrap();
+        let err = stderr(&o);
+        assert!(!o.status.success() && err.contains("unknown KV cache type \"q3\""), "{err}");
+    }
 }

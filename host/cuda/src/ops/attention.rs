@@ -91,20 +91,6 @@ impl CudaDevice {
         Ok(fits.then_some((index, smem)))
     }
 
-    /// Heads per attn_decode block: all of a group's (at most 16) where that
-    /// gives blocks enough for four waves over the device, else fewer (down
-    /// to 4) for more blocks (their k / v reads then meet in L2). The bits
-    /// do not depend on it.
-    fn grouped_heads(&self, p: &AttnParams, n_q: usize, n_split: usize) -> usize {
-        let group = p.n_head / p.n_kv_head.max(1);
-        let mut gb = group.min(ATT_DECODE_HEADS);
-        let blocks = |gb: usize| p.n_kv_head * group.div_ceil(gb) * n_q * n_split;
-        while gb > 4 && blocks(gb) < 4 * self.sm_count() {
-            gb = gb.div_ceil(2);
-        }
-        gb
-    }
-
     /// Whether [`AttnKernel::Tiled`] takes these heads on this device
     /// (given 16-byte aligned buffers, as [`CudaDevice::alloc`] makes them).
     pub fn attention_tiled_available<K: KvElem>(&self, p: &AttnParams) -> Result<bool, CudaError> {
@@ -210,7 +196,7 @@ impl CudaDevice {
             let Some((index, smem)) = self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, [qp, kp, vp])? else {
                 return Err(shape(OP, format!("no grouped kernel for d_k {} d_v {} here", p.head_dim_k, p.head_dim_v)));
             };
-            let gb = self.grouped_heads(p, n_q, n_split);
+            let gb = grouped_heads(p, n_q, n_split, self.sm_count());
             let f = self.func(Family::Attention, index)?;
             let grid = ((p.n_kv_head * (p.n_head / p.n_kv_head).div_ceil(gb)) as u32, n_q as u32, n_split as u32);
             let gbi = gb as i32;
@@ -330,7 +316,7 @@ impl CudaDevice {
         // The table's addresses are the caches' own allocations (16-byte aligned).
         let grouped = if grouped_pays(p, n_ctx) { self.attention_grouped_entry(p, ATT_DECODE_ROWS + K::ENTRY, 2, [qp, 0, 0])? } else { None };
         if let Some((index, smem)) = grouped {
-            let gb = self.grouped_heads(p, n_q, n_split);
+            let gb = grouped_heads(p, n_q, n_split, self.sm_count());
             let f = self.func(Family::Attention, index)?;
             let grid = ((p.n_kv_head * (p.n_head / p.n_kv_head).div_ceil(gb)) as u32, n_q as u32, n_split as u32);
             let gbi = gb as i32;
@@ -364,4 +350,49 @@ impl CudaDevice {
 fn grouped_pays(p: &AttnParams, n_ctx: usize) -> bool {
     let span = if p.window > 0 { p.window.min(n_ctx) } else { n_ctx };
     p.n_kv_head > 0 && p.n_head / p.n_kv_head >= ATT_GROUPED_MIN_GROUP && span >= ATT_GROUPED_MIN_CTX
+}
+
+/// Heads per attn_decode block: all of a group's (at most 16) where that
+/// gives blocks enough for four waves over `sm_count` SMs, else fewer (down
+/// to 4) for more blocks (their k / v reads then meet in L2). The bits do
+/// not depend on it.
+fn grouped_heads(p: &AttnParams, n_q: usize, n_split: usize, sm_count: usize) -> usize {
+    let group = p.n_head / p.n_kv_head.max(1);
+    let mut gb = group.min(ATT_DECODE_HEADS);
+    let blocks = |gb: usize| p.n_kv_head * group.div_ceil(gb) * n_q * n_split;
+    while gb > 4 && blocks(gb) < 4 * sm_count {
+        gb = gb.div_ceil(2);
+    }
+    gb
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heads(n_head: usize, n_kv_head: usize, window: usize) -> AttnParams {
+        AttnParams { n_head, n_kv_head, head_dim_k: 128, head_dim_v: 128, scale: 0.1, window, softcap: 0.0 }
+    }
+
+    #[test]
+    fn the_grouped_kernel_takes_long_contexts_of_groups_of_four_or_more() {
+        let q235 = heads(64, 4, 0);
+        assert!(!grouped_pays(&q235, ATT_GROUPED_MIN_CTX - 1) && grouped_pays(&q235, ATT_GROUPED_MIN_CTX));
+        // A window caps the keys a query reads, whatever the context.
+        assert!(!grouped_pays(&heads(64, 4, 1024), 1 << 20));
+        assert!(!grouped_pays(&heads(12, 4, 0), 1 << 20), "groups of 3");
+    }
+
+    #[test]
+    fn heads_per_block_shrink_until_the_blocks_fill_four_waves() {
+        let q235 = heads(64, 4, 0);
+        // 32768 keys: 128 splits x 4 kv heads = 512 blocks of 16 heads, below 4 x 132.
+        assert_eq!(grouped_heads(&q235, 1, 128, 132), 8);
+        assert_eq!(grouped_heads(&q235, 1, 128, 32), 16);
+        assert_eq!(grouped_heads(&q235, 1, 1, 132), 4, "never below a quad");
+        // Groups smaller than 16 start from the group; 20 heads a kv head split 16 + 4.
+        assert_eq!(grouped_heads(&heads(32, 4, 0), 1, 1000, 132), 8);
+        assert_eq!(grouped_heads(&heads(40, 2, 0), 1, 1000, 132), 16);
+        assert_eq!(grouped_heads(&heads(6, 2, 0), 1, 1, 132), 3);
+    }
 }
