@@ -22,6 +22,9 @@
 #             --vram-budget 16 (cold and warm; upload and zero-copy cold paths),
 #             skew 0 and 1 ($BENCH_SKEWS, default "0 1")
 #   q4k       the same geometry with q4_K experts at 24 layers
+#   depth     the qwen3-235b twin at long context: decode-consistency after 4100
+#             tokens and tg64 at depths 0/8192/32768 ($DEPTHS), each KV format of
+#             $KV_TYPES (default "f16 f32")
 #   twins     each new family's synthetic twin at its real geometry, cut to $TWIN_LAYERS
 #             (default 8) layers of q2_K experts: resident and --vram-budget 16 (cold,
 #             warm) tg64 with the per-tier traffic; the file is deleted after each
@@ -214,5 +217,16 @@ if has q4k; then
   m=$(bench_model 1 q4_K 24)
   bench_row "$m" "q4_K x24 skew 1 resident"
   bench_row "$m" "q4_K x24 skew 1 --vram-budget 8" --vram-budget 8
+fi
+if has depth; then
+  # Long context on the qwen3-235b twin: decode-consistency after 4100 tokens
+  # and tg64 at depths 0 / 8192 / 32768, for each of $KV_TYPES (default "f16 f32").
+  say "## depth"
+  m=$(bench_model 0 q2_K 48)
+  toks=$(seq 1 4100 | awk '{printf "%s%d", (NR>1?",":""), ($1*37)%250+3}')  # the twin's byte vocabulary
+  for kv in ${KV_TYPES:-f16 f32}; do
+    "$H" run -m "$m" --tokens "$toks" --decode-consistency 32 -c 8192 --device cuda --kv-type "$kv" "${P[@]}" 2>>"$O/depth.log" | sed "s/^/depth 4100 kv $kv cuda /" | tee -a "$S"
+    PNR="-p 0 -n 64 -r 1 -d ${DEPTHS:-0,8192,32768}" bench_row "$m" "q2_K x48 resident, kv $kv" --kv-type "$kv"
+  done
 fi
 say "done $(date -u +%FT%TZ)"
