@@ -12,51 +12,54 @@
 use pulsar_kernels::ops::{KvRows, KvType};
 use pulsar_plugin_api::{ModelPlan, STATE_KV, STATE_RECURRENT, STATE_ROWS};
 
-/// Rows of one cache in its format.
+/// Rows of one cache in its format (the variants of [`KvRows`]).
 #[derive(Clone)]
 enum KvBuf {
     F32(Vec<f32>),
-    /// f16 or bf16 bits.
-    Half(KvType, Vec<u16>),
+    F16(Vec<u16>),
+    Bf16(Vec<u16>),
 }
 
 impl KvBuf {
     fn new(ty: KvType, n: usize) -> KvBuf {
         match ty {
             KvType::F32 => KvBuf::F32(vec![0.0; n]),
-            t => KvBuf::Half(t, vec![0; n]),
+            KvType::F16 => KvBuf::F16(vec![0; n]),
+            KvType::Bf16 => KvBuf::Bf16(vec![0; n]),
         }
     }
     fn len(&self) -> usize {
-        match self {
-            KvBuf::F32(v) => v.len(),
-            KvBuf::Half(_, v) => v.len(),
-        }
+        self.rows_all().len()
     }
     fn kv_type(&self) -> KvType {
+        self.rows_all().kv_type()
+    }
+    fn rows_all(&self) -> KvRows<'_> {
         match self {
-            KvBuf::F32(_) => KvType::F32,
-            KvBuf::Half(t, _) => *t,
+            KvBuf::F32(v) => KvRows::F32(v),
+            KvBuf::F16(v) => KvRows::F16(v),
+            KvBuf::Bf16(v) => KvRows::Bf16(v),
         }
     }
     fn put(&mut self, at: usize, x: &[f32]) {
+        let t = self.kv_type();
         match self {
             KvBuf::F32(v) => v[at..at + x.len()].copy_from_slice(x),
-            KvBuf::Half(t, v) => v[at..at + x.len()].iter_mut().zip(x).for_each(|(o, &x)| *o = t.bits(x)),
+            KvBuf::F16(v) | KvBuf::Bf16(v) => v[at..at + x.len()].iter_mut().zip(x).for_each(|(o, &x)| *o = t.bits(x)),
         }
     }
     fn rows(&self, n: usize) -> KvRows<'_> {
         match self {
             KvBuf::F32(v) => KvRows::F32(&v[..n]),
-            KvBuf::Half(KvType::F16, v) => KvRows::F16(&v[..n]),
-            KvBuf::Half(_, v) => KvRows::Bf16(&v[..n]),
+            KvBuf::F16(v) => KvRows::F16(&v[..n]),
+            KvBuf::Bf16(v) => KvRows::Bf16(&v[..n]),
         }
     }
     /// Copy the first `n` values of `from` (the same format).
     fn copy_prefix(&mut self, from: &KvBuf, n: usize) -> Result<(), String> {
         match (self, from) {
             (KvBuf::F32(d), KvBuf::F32(s)) => d[..n].copy_from_slice(&s[..n]),
-            (KvBuf::Half(a, d), KvBuf::Half(b, s)) if a == b => d[..n].copy_from_slice(&s[..n]),
+            (KvBuf::F16(d), KvBuf::F16(s)) | (KvBuf::Bf16(d), KvBuf::Bf16(s)) => d[..n].copy_from_slice(&s[..n]),
             _ => return Err("the two caches hold different KV formats".into()),
         }
         Ok(())
