@@ -197,9 +197,9 @@ impl Model {
             }
         }
         // KV rows in the cache's format; latent (rows) caches stay f32.
-        let kv = |s: &pulsar_plugin_api::StateSpec| match s.kind {
-            pulsar_plugin_api::STATE_KV => s.bytes().0 / 4 * self.kv_type.bytes() as u64,
-            _ => s.bytes().0,
+        let kv = |s: &pulsar_plugin_api::StateSpec| match s.as_kv() {
+            Some((h, dk, dv, _)) => (self.kv_type.row_bytes((h * dk) as usize) + self.kv_type.row_bytes((h * dv) as usize)) as u64,
+            None => s.bytes().0,
         };
         m.kv_bytes_per_token = self.plan.states.iter().map(kv).sum();
         m.state_bytes_per_seq = self.plan.states.iter().map(|s| s.bytes().1).sum();

@@ -9,17 +9,33 @@
 // exp_c/tanh_c of common.cuh.
 //
 // q: [n_q, n_head * dk]; k: [n_ctx, n_kv_head * dk]; v: [n_ctx, n_kv_head * dv]
-// (f32, or f16 for the *_f16 entry); positions: [n_q]; part: [n_q, n_head,
+// (f32, f16 or q8_0 rows as the entry's name says); positions: [n_q]; part: [n_q, n_head,
 // n_split, dv + 2]; out: [n_q, n_head * dv]. A query sees keys
 // (pos - window, pos] (all of [0, pos] when window is 0). A position at or
 // beyond n_ctx gives NaN output.
 
 #define ATT_THREADS 128
 
-template <int KV> __device__ __forceinline__ float ldkv(const void* p, size_t i) {
-    if (KV == 0) return ((const float*)p)[i];
-    return h2f(((const u16*)p)[i]);
+// KV formats: 0 f32, 1 f16 bits, 2 q8_0 rows (pulsar_kernels::ops::KvType):
+// a row of w values is w int8 quants, then an f16 scale per 32 values, padded
+// to 16 bytes (kv_rs), so a row's bytes are its own and 16-byte aligned.
+__device__ __forceinline__ size_t kv_rs(size_t w) { return (w + 2 * ((w + 31) / 32) + 15) & ~(size_t)15; }
+
+// Value `col` of row j of a cache of rows of w values.
+template <int KV> __device__ __forceinline__ float ldkv(const void* p, size_t j, size_t w, size_t col) {
+    if (KV == 0) return ((const float*)p)[j * w + col];
+    if (KV == 1) return h2f(((const u16*)p)[j * w + col]);
+    const u8* row = (const u8*)p + j * kv_rs(w);
+    return __fmul_rn((float)(signed char)row[col], h2f(((const u16*)(row + w))[col >> 5]));
 }
+
+// The first byte of row j's values from `col` on (col a multiple of 32 for q8_0).
+template <int KV> __device__ __forceinline__ const u8* kv_seg(const void* p, size_t j, size_t w, size_t col) {
+    if (KV == 2) return (const u8*)p + j * kv_rs(w) + col;
+    return (const u8*)p + (j * w + col) * (KV ? 2 : 4);
+}
+// q8_0: bytes from such a segment's start to its first scale (the same for every row).
+__device__ __forceinline__ int kv_sofs(size_t w, size_t col) { return (int)(w - col + 2 * (col / 32)); }
 
 template <int KV>
 __device__ __forceinline__ void attn_partial(const float* q, const u32* positions, const void* k, const void* v,
@@ -52,9 +68,8 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int j = j0 + warp; j < j1; j += ATT_THREADS / 32) {
-        size_t base = (size_t)j * kw + (size_t)kvh * dk;
         float acc = 0.0f;
-        for (int d = lane; d < dk; d += 32) acc = __fadd_rn(acc, __fmul_rn(qs[d], ldkv<KV>(k, base + d)));
+        for (int d = lane; d < dk; d += 32) acc = __fadd_rn(acc, __fmul_rn(qs[d], ldkv<KV>(k, j, kw, (size_t)kvh * dk + d)));
         acc = __fmul_rn(warp_sum(acc), scale);
         if (softcap > 0.0f) acc = __fmul_rn(softcap, tanh_c(__fdiv_rn(acc, softcap)));
         if (lane == 0) sc[j - j0] = acc;
@@ -85,7 +100,7 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
     for (int d = threadIdx.x; d < dv; d += ATT_THREADS) {
         float o = 0.0f;
         for (int i = 0; i < n; i++)
-            o = __fadd_rn(o, __fmul_rn(sc[i], ldkv<KV>(v, (size_t)(j0 + i) * vw + (size_t)kvh * dv + d)));
+            o = __fadd_rn(o, __fmul_rn(sc[i], ldkv<KV>(v, j0 + i, vw, (size_t)kvh * dv + d)));
         pp[2 + d] = o;
     }
     if (threadIdx.x == 0) {
@@ -106,6 +121,7 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
 
 ATT_ENTRY(f32, 0)
 ATT_ENTRY(f16, 1)
+ATT_ENTRY(q8_0, 2)
 
 // M = max m_s; L = sum_s exp(m_s - M) l_s and o = (sum_s exp(m_s - M) o_s) / L,
 // each sum over the splits in order from +0 (splits without keys skipped).
@@ -163,19 +179,49 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 }
 
 // Store a step's k and v rows in a layer's cache at the rows their positions
-// name (f32, or f16 bits rounded to nearest even as the CPU's cache rounds
-// them). The positions are read here, not on the host, so a captured decode
-// graph writes the right cache row at every replay. A position at or beyond
-// n_ctx is skipped (the host refuses such steps before they run).
+// name (f32; f16 bits rounded to nearest even as the CPU's cache rounds
+// them; q8_0 blocks quantized as KvType::put_row does). The positions are
+// read here, not on the host, so a captured decode graph writes the right
+// cache row at every replay. A position at or beyond n_ctx is skipped (the
+// host refuses such steps before they run).
 template <int KV> __device__ __forceinline__ void kv_put(void* c, size_t i, float x) {
     if (KV == 0)
         ((float*)c)[i] = x;
     else
         ((u16*)c)[i] = (u16)f2h(x);
 }
+// Block b of the q8_0 row `row` of the w values x, by one warp (lane i takes
+// value i): d = amax / 127 (as f16), quants round(x * (1 / d)) (0 where d is
+// 0, or for a NaN); the last block also zeroes the row's padding. A max is
+// exact in any order, and each lane's max starts from 0 as the CPU's fold
+// does, so a NaN is passed over as there.
+__device__ __forceinline__ void kv_put_q8(const float* x, int w, int b, u8* row, int lane) {
+    const int i0 = b * 32, n = min(32, w - i0), nb = (w + 31) / 32;
+    const float xv = lane < n ? x[i0 + lane] : 0.0f;
+    const float amax = warp_max(fmaxf(0.0f, fabsf(xv)));
+    const float d = __fdiv_rn(amax, 127.0f), id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    if (lane < n) {
+        const float r = roundf(__fmul_rn(xv, id));
+        row[i0 + lane] = (u8)(signed char)(r != r ? 0 : (int)r);
+    }
+    if (lane == 0) ((u16*)(row + w))[b] = (u16)f2h(d);
+    const int pad0 = w + 2 * nb;
+    if (b == nb - 1 && pad0 + lane < (int)kv_rs(w)) row[pad0 + lane] = 0;
+}
 template <int KV>
 __device__ __forceinline__ void kv_write_row(const float* k, const float* v, int r, u32 pos, void* kc, void* vc, int kw,
                                              int vw) {
+    if (KV == 2) {
+        // A warp per block (the loop is warp-uniform: warp_max needs all 32 lanes).
+        const int nbk = (kw + 31) / 32, nbv = (vw + 31) / 32, lane = threadIdx.x & 31;
+        for (int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nbk + nbv; b += (gridDim.x * blockDim.x) >> 5) {
+            if (b < nbk)
+                kv_put_q8(k + (size_t)r * kw, kw, b, (u8*)kc + pos * kv_rs(kw), lane);
+            else
+                kv_put_q8(v + (size_t)r * vw, vw, b - nbk, (u8*)vc + pos * kv_rs(vw), lane);
+        }
+        return;
+    }
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kw + vw; i += gridDim.x * blockDim.x) {
         if (i < kw)
             kv_put<KV>(kc, (size_t)pos * kw + i, k[(size_t)r * kw + i]);
@@ -194,6 +240,7 @@ __device__ __forceinline__ void kv_write_row(const float* k, const float* v, int
     }
 KV_WRITE_ENTRY(, 0)
 KV_WRITE_ENTRY(_f16, 1)
+KV_WRITE_ENTRY(_q8_0, 2)
 
 // Rows of several sequences in one launch, each over its own cache (a
 // batched step of the server): row t's layer cache is at kcs[t] / vcs[t].
@@ -211,6 +258,7 @@ KV_WRITE_ENTRY(_f16, 1)
     }
 ATT_ROWS_ENTRY(f32, 0)
 ATT_ROWS_ENTRY(f16, 1)
+ATT_ROWS_ENTRY(q8_0, 2)
 
 // kv_write for rows of several sequences: row r goes to kcs[r] / vcs[r], each
 // a cache of n_ctx rows.
@@ -225,6 +273,7 @@ ATT_ROWS_ENTRY(f16, 1)
     }
 KV_WRITE_ROWS_ENTRY(, 0)
 KV_WRITE_ROWS_ENTRY(_f16, 1)
+KV_WRITE_ROWS_ENTRY(_q8_0, 2)
 
 // ---- Prefill: the same `part` as attn_partial, bit for bit, for many queries.
 // A block takes one kv head, AP_ROWS consecutive (query, head-of-the-group)
@@ -286,25 +335,33 @@ template <int N> __device__ __forceinline__ void ap_st(float* p, const float (&x
         for (int i = 0; i < N; i += 4) *(float4*)(p + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
     }
 }
-// Element e of a 16-byte granule of f32 (KV 0) or f16 (KV 1) values.
+// Element e of a 16-byte granule of f32 (KV 0), f16 (KV 1) or q8_0 quant
+// (KV 2, unscaled) values.
 template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
-    u32 w = e < (KV ? 2 : 1) ? g.x : e < (KV ? 4 : 2) ? g.y : e < (KV ? 6 : 3) ? g.z : g.w;
+    constexpr int PW = KV == 0 ? 1 : KV == 1 ? 2 : 4;  // values a word
+    u32 w = e < PW ? g.x : e < 2 * PW ? g.y : e < 3 * PW ? g.z : g.w;
     if (KV == 0) return __uint_as_float(w);
-    return h2f((u16)((e & 1) ? w >> 16 : w & 0xffffu));
+    if (KV == 1) return h2f((u16)((e & 1) ? w >> 16 : w & 0xffffu));
+    return (float)(signed char)((w >> (8 * (e & 3))) & 0xffu);
 }
 
-// N rows of D values (f32, or f16 widened) staged into shared memory as f32
-// rows of STRIDE floats, through registers: load() early, store() after the
-// last tile's readers are done, so the loads overlap that tile's arithmetic.
-// Lane-major (LANE): a unit (row, a) loads 16-byte granules a + A c (c < D/32)
-// of EPG values, whose values e are lane EPG a + e's; else a unit is a granule
-// stored in place.
+// N rows of D values (f32, or f16 / q8_0 widened) staged into shared memory
+// as f32 rows of STRIDE floats, through registers: load() early, store()
+// after the last tile's readers are done, so the loads overlap that tile's
+// arithmetic. Lane-major (LANE): a unit (row, a) loads 16-byte granules
+// a + A c (c < D/32) of EPG values, whose values e are lane EPG a + e's; else
+// a unit is a granule stored in place. A q8_0 granule is 16 quants of one
+// block, whose scale is at the row segment's start + sofs (kv_sofs) + 2 x the
+// block: c (lane-major) or a / 2.
 template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS> struct ApStage {
-    static constexpr int EPG = KV ? 8 : 4, A = 32 / EPG, NT = D / 32;
+    static constexpr int EPG = KV == 0 ? 4 : KV == 1 ? 8 : 16, A = 32 / EPG, NT = D / 32;
     static constexpr int G = LANE ? NT : 1;                    // granules a unit
     static constexpr int UR = LANE ? A : D / EPG;              // units a row
     static constexpr int NU = N * UR, UPT = (NU + THREADS - 1) / THREADS;
+    static constexpr int SG = KV == 2 ? G : 1, SU = KV == 2 ? UPT : 1;
     uint4 g[UPT][G];
+    float sc[SU][SG];  // q8_0 scales
+    int sofs = 0;
 
     // rowp(r) is row r's first element; rows r >= n are zero.
     template <class RowP> __device__ __forceinline__ void load(RowP rowp, int n) {
@@ -312,10 +369,19 @@ template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS>
         for (int k = 0; k < UPT; k++) {
             int u = threadIdx.x + k * THREADS, r = u / UR, a = u % UR;
             bool ok = (NU % THREADS == 0 || u < NU) && r < n;
-            const uint4* p = ok ? (const uint4*)rowp(r) : nullptr;
+            const u8* b = ok ? rowp(r) : nullptr;
+            const uint4* p = (const uint4*)b;
 #pragma unroll
             for (int c = 0; c < G; c++) g[k][c] = ok ? p[LANE ? a + A * c : a] : make_uint4(0, 0, 0, 0);
+            if constexpr (KV == 2) {
+#pragma unroll
+                for (int c = 0; c < G; c++) sc[k][c] = ok ? h2f(((const u16*)(b + sofs))[LANE ? c : a >> 1]) : 0.0f;
+            }
         }
+    }
+    __device__ __forceinline__ float el(int k, int c, int e) const {
+        if constexpr (KV == 2) return __fmul_rn(ap_el<2>(g[k][c], e), sc[k][c]);
+        return ap_el<KV>(g[k][c], e);
     }
     __device__ __forceinline__ void store(float* dst) const {
 #pragma unroll
@@ -327,13 +393,13 @@ template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS>
                 for (int e = 0; e < EPG; e++) {
                     float x[NT];
 #pragma unroll
-                    for (int c = 0; c < NT; c++) x[c] = ap_el<KV>(g[k][c], e);
+                    for (int c = 0; c < NT; c++) x[c] = el(k, c, e);
                     ap_st(dst + r * STRIDE + NT * (EPG * a + e), x);
                 }
             } else {
                 float x[EPG];
 #pragma unroll
-                for (int e = 0; e < EPG; e++) x[e] = ap_el<KV>(g[k][0], e);
+                for (int e = 0; e < EPG; e++) x[e] = el(k, 0, e);
                 ap_st(dst + r * STRIDE + EPG * a, x);
             }
         }
@@ -473,8 +539,8 @@ __device__ __forceinline__ void attn_prefill(const float* q, const u32* position
     __syncthreads();
     const int J0 = span[4], J1 = span[5];
     if (J0 >= J1) return;
-    auto krow = [&](int j) { return (const u8*)k + ((size_t)j * kw + (size_t)kvh * DK) * (KV ? 2 : 4); };
-    auto vrow = [&](int j) { return (const u8*)v + ((size_t)j * vw + (size_t)kvh * DV) * (KV ? 2 : 4); };
+    auto krow = [&](int j) { return kv_seg<KV>(k, j, kw, (size_t)kvh * DK); };
+    auto vrow = [&](int j) { return kv_seg<KV>(v, j, vw, (size_t)kvh * DV); };
     {
         ApStage<0, AP_ROWS, DK, true, QS> qst;
         qst.load([&](int r) { return (const u8*)(q + ((size_t)rt[r] * n_head + rh[r]) * DK); }, AP_ROWS);
@@ -482,6 +548,7 @@ __device__ __forceinline__ void attn_prefill(const float* q, const u32* position
     }
     ApStage<KV, KT, DK, true, KS> kst;
     ApStage<KV, KT, DV, false, KS> vst;
+    kst.sofs = kv_sofs(kw, (size_t)kvh * DK), vst.sofs = kv_sofs(vw, (size_t)kvh * DV);
     kst.load([&](int r) { return krow(J0 + r); }, J1 - J0);
 
     // Scores. Warp tile: 32 rows (half rh) x WK keys (group kq); lane (rg, kg)
@@ -666,10 +733,13 @@ __device__ __forceinline__ void attn_prefill(const float* q, const u32* position
 
 AP_ENTRY(f32_d64, 0, 64)
 AP_ENTRY(f16_d64, 1, 64)
+AP_ENTRY(q8_0_d64, 2, 64)
 AP_ENTRY(f32_d128, 0, 128)
 AP_ENTRY(f16_d128, 1, 128)
+AP_ENTRY(q8_0_d128, 2, 128)
 AP_ENTRY(f32_d256, 0, 256)
 AP_ENTRY(f16_d256, 1, 256)
+AP_ENTRY(q8_0_d256, 2, 256)
 
 // ---- Decode with a GQA group's heads together: attn_partial's `part`, bit
 // for bit, each k / v row read once per block instead of once per head (the
@@ -769,8 +839,9 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
     }
     const int n = j1 - j0;
     const size_t kw = (size_t)n_kv_head * DK, vw = (size_t)n_kv_head * dv;
-    auto krow = [&](int j) { return (const u8*)k + ((size_t)j * kw + (size_t)kvh * DK) * (KV ? 2 : 4); };
+    auto krow = [&](int j) { return kv_seg<KV>(k, j, kw, (size_t)kvh * DK); };
     ApStage<KV, KT, DK, true, KS, AD_THREADS> kst;
+    kst.sofs = kv_sofs(kw, (size_t)kvh * DK);
     kst.load([&](int r) { return krow(j0 + r); }, n);
     for (int i = tid; i < gb * DK; i += AD_THREADS) {
         int g = i / DK, d = i % DK;
@@ -796,8 +867,9 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
             }
         }
     }
-    auto vrow = [&](int j) { return (const u8*)v + ((size_t)j * vw + (size_t)kvh * DK) * (KV ? 2 : 4); };
+    auto vrow = [&](int j) { return kv_seg<KV>(v, j, vw, (size_t)kvh * DK); };
     ApStage<KV, KT, DK, false, KS, AD_THREADS> vst;
+    vst.sofs = kv_sofs(vw, (size_t)kvh * DK);
     vst.load([&](int r) { return vrow(j0 + r); }, n);  // arrives during the softmax
     __syncthreads();
     // Softmax, per head as attn_partial reduces it.
@@ -900,13 +972,19 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
 
 AD_ENTRY(f32_d64, 0, 64)
 AD_ENTRY(f16_d64, 1, 64)
+AD_ENTRY(q8_0_d64, 2, 64)
 AD_ENTRY(f32_d128, 0, 128)
 AD_ENTRY(f16_d128, 1, 128)
+AD_ENTRY(q8_0_d128, 2, 128)
 AD_ENTRY(f32_d256, 0, 256)
 AD_ENTRY(f16_d256, 1, 256)
+AD_ENTRY(q8_0_d256, 2, 256)
 AD_ROWS_ENTRY(f32_d64, 0, 64)
 AD_ROWS_ENTRY(f16_d64, 1, 64)
+AD_ROWS_ENTRY(q8_0_d64, 2, 64)
 AD_ROWS_ENTRY(f32_d128, 0, 128)
 AD_ROWS_ENTRY(f16_d128, 1, 128)
+AD_ROWS_ENTRY(q8_0_d128, 2, 128)
 AD_ROWS_ENTRY(f32_d256, 0, 256)
 AD_ROWS_ENTRY(f16_d256, 1, 256)
+AD_ROWS_ENTRY(q8_0_d256, 2, 256)

@@ -246,8 +246,8 @@ pub(crate) const MMA_SMEM_BYTES: u32 = 2 * (64 * 304 + 64 * 336);
 /// The same for gemm_mma_grouped_* (32-token tiles: MM_STAGE_BYTES(4)).
 pub(crate) const MMA_GROUPED_SMEM_BYTES: u32 = 2 * (64 * 304 + 32 * 336);
 
-// attn_prefill_<kv>_d<dim> at ATT_PREFILL + 2 i + (0 f32, 1 f16) for dim
-// ATT_PREFILL_DIMS[i].
+// attn_prefill_<kv>_d<dim> at att_prefill_at(kv, i) for dim
+// ATT_PREFILL_DIMS[i]; the q8_0 entries follow the f32 / f16 ones' table.
 const ATTENTION: &[&str] = &[
     "attn_partial_f32",
     "attn_partial_f16",
@@ -276,23 +276,55 @@ const ATTENTION: &[&str] = &[
     "kv_write_f16",
     "attn_partial_rows_f16",
     "kv_write_rows_f16",
+    "attn_partial_q8_0",
+    "kv_write_q8_0",
+    "attn_partial_rows_q8_0",
+    "kv_write_rows_q8_0",
+    "attn_prefill_q8_0_d64",
+    "attn_prefill_q8_0_d128",
+    "attn_prefill_q8_0_d256",
+    "attn_decode_q8_0_d64",
+    "attn_decode_q8_0_d128",
+    "attn_decode_q8_0_d256",
+    "attn_decode_rows_q8_0_d64",
+    "attn_decode_rows_q8_0_d128",
+    "attn_decode_rows_q8_0_d256",
 ];
-pub(crate) const ATT_PREFILL: usize = 4;
+/// attn_combine: every format's.
+pub(crate) const ATT_COMBINE: usize = 2;
+const ATT_PREFILL: usize = 4;
 /// attn_partial_rows_f32 and kv_write_rows: rows of several sequences' caches.
-pub(crate) const ATT_ROWS: usize = ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len();
-pub(crate) const KV_WRITE_ROWS: usize = ATT_ROWS + 1;
-/// attn_decode_<kv>_d<dim> at ATT_DECODE + 2 i + (0 f32, 1 f16), and
-/// attn_decode_rows_<kv>_d<dim> at ATT_DECODE_ROWS + 2 i + kv, for dim ATT_PREFILL_DIMS[i].
-pub(crate) const ATT_DECODE: usize = KV_WRITE_ROWS + 1;
-pub(crate) const ATT_DECODE_ROWS: usize = ATT_DECODE + 2 * ATT_PREFILL_DIMS.len();
+const ATT_ROWS: usize = ATT_PREFILL + 2 * ATT_PREFILL_DIMS.len();
+const KV_WRITE_ROWS: usize = ATT_ROWS + 1;
+const ATT_DECODE: usize = KV_WRITE_ROWS + 1;
+const ATT_DECODE_ROWS: usize = ATT_DECODE + 2 * ATT_PREFILL_DIMS.len();
 /// The f16 caches' kv_write, attn_partial_rows and kv_write_rows.
-pub(crate) const KV_WRITE_F16: usize = ATT_DECODE_ROWS + 2 * ATT_PREFILL_DIMS.len();
-pub(crate) const ATT_ROWS_F16: usize = KV_WRITE_F16 + 1;
-pub(crate) const KV_WRITE_ROWS_F16: usize = ATT_ROWS_F16 + 1;
-/// kv_write, attn_partial_rows and kv_write_rows by cache format (0 f32, 1 f16).
-pub(crate) const KV_WRITE_AT: [usize; 2] = [3, KV_WRITE_F16];
-pub(crate) const ATT_ROWS_AT: [usize; 2] = [ATT_ROWS, ATT_ROWS_F16];
-pub(crate) const KV_WRITE_ROWS_AT: [usize; 2] = [KV_WRITE_ROWS, KV_WRITE_ROWS_F16];
+const KV_WRITE_F16: usize = ATT_DECODE_ROWS + 2 * ATT_PREFILL_DIMS.len();
+const ATT_ROWS_F16: usize = KV_WRITE_F16 + 1;
+const KV_WRITE_ROWS_F16: usize = ATT_ROWS_F16 + 1;
+/// The q8_0 caches' entries: attn_partial, kv_write, attn_partial_rows,
+/// kv_write_rows, then attn_prefill, attn_decode and attn_decode_rows by dim.
+const ATT_Q8: usize = KV_WRITE_ROWS_F16 + 1;
+const ATT_Q8_DIMS: usize = ATT_Q8 + 4;
+/// attn_partial, kv_write, attn_partial_rows and kv_write_rows by cache
+/// format (KvElem::ENTRY: 0 f32, 1 f16, 2 q8_0).
+pub(crate) const ATT_PARTIAL_AT: [usize; 3] = [0, 1, ATT_Q8];
+pub(crate) const KV_WRITE_AT: [usize; 3] = [3, KV_WRITE_F16, ATT_Q8 + 1];
+pub(crate) const ATT_ROWS_AT: [usize; 3] = [ATT_ROWS, ATT_ROWS_F16, ATT_Q8 + 2];
+pub(crate) const KV_WRITE_ROWS_AT: [usize; 3] = [KV_WRITE_ROWS, KV_WRITE_ROWS_F16, ATT_Q8 + 3];
+/// attn_prefill_<kv>_d<dim>, attn_decode_<kv>_d<dim> and
+/// attn_decode_rows_<kv>_d<dim> for cache format kv and dim ATT_PREFILL_DIMS[i].
+pub(crate) const fn att_prefill_at(kv: usize, i: usize) -> usize {
+    if kv < 2 { ATT_PREFILL + 2 * i + kv } else { ATT_Q8_DIMS + i }
+}
+pub(crate) const fn att_decode_at(kv: usize, i: usize) -> usize {
+    if kv < 2 { ATT_DECODE + 2 * i + kv } else { ATT_Q8_DIMS + ATT_PREFILL_DIMS.len() + i }
+}
+pub(crate) const fn att_decode_rows_at(kv: usize, i: usize) -> usize {
+    if kv < 2 { ATT_DECODE_ROWS + 2 * i + kv } else { ATT_Q8_DIMS + 2 * ATT_PREFILL_DIMS.len() + i }
+}
+/// Cache formats the attention kernels are built for, by KvElem::ENTRY.
+pub(crate) const ATT_FORMATS: [&str; 3] = ["f32", "f16", "q8_0"];
 /// Threads of an attn_decode block (AD_THREADS) and the most heads it takes (AD_HEADS).
 pub(crate) const ATT_DECODE_THREADS: u32 = 128;
 pub(crate) const ATT_DECODE_HEADS: usize = 16;
@@ -321,10 +353,15 @@ pub(crate) const fn attn_decode_smem(d: usize) -> u32 {
 /// `family` needs opted in at load.
 pub(crate) fn large_smem(family: Family, index: usize) -> Option<u32> {
     match family {
-        Family::Attention if index >= KV_WRITE_F16 => None,
-        Family::Attention if index >= ATT_DECODE_ROWS => ATT_PREFILL_DIMS.get((index - ATT_DECODE_ROWS) / 2).map(|&d| attn_decode_smem(d)),
-        Family::Attention if index >= ATT_DECODE => ATT_PREFILL_DIMS.get((index - ATT_DECODE) / 2).map(|&d| attn_decode_smem(d)),
-        Family::Attention if index >= ATT_PREFILL => ATT_PREFILL_DIMS.get((index - ATT_PREFILL) / 2).map(|&d| attn_prefill_smem(d)),
+        Family::Attention => (0..ATT_FORMATS.len()).flat_map(|kv| ATT_PREFILL_DIMS.iter().enumerate().map(move |(i, &d)| (kv, i, d))).find_map(|(kv, i, d)| {
+            if index == att_prefill_at(kv, i) {
+                Some(attn_prefill_smem(d))
+            } else if index == att_decode_at(kv, i) || index == att_decode_rows_at(kv, i) {
+                Some(attn_decode_smem(d))
+            } else {
+                None
+            }
+        }),
         Family::GemvQuant if index < QUANTIZE_Q8_0 => match index % 4 {
             0 => Some(DECODE_SMEM_MAX),
             2 => Some(MMA_SMEM_BYTES),
@@ -471,33 +508,30 @@ mod tests {
         assert_eq!(MOE[ROUTE_WARP], "route_topk_warp");
         assert_eq!(GEMV_FLOAT.len(), GEMV_STAGED + FLOAT_TYPES.len());
         for (i, d) in ATT_PREFILL_DIMS.iter().enumerate() {
-            for (kv, name) in ["f32", "f16"].iter().enumerate() {
-                let e = ATT_PREFILL + 2 * i + kv;
+            for (kv, name) in ATT_FORMATS.iter().enumerate() {
+                let e = att_prefill_at(kv, i);
                 assert_eq!(ATTENTION[e], format!("attn_prefill_{name}_d{d}"));
                 assert_eq!(large_smem(Family::Attention, e), Some(attn_prefill_smem(*d)));
-            }
-        }
-        assert_eq!(ATTENTION[ATT_ROWS], "attn_partial_rows_f32");
-        assert_eq!(ATTENTION[KV_WRITE_ROWS], "kv_write_rows");
-        for (i, d) in ATT_PREFILL_DIMS.iter().enumerate() {
-            for (kv, name) in ["f32", "f16"].iter().enumerate() {
-                let e = ATT_DECODE + 2 * i + kv;
+                let e = att_decode_at(kv, i);
                 assert_eq!(ATTENTION[e], format!("attn_decode_{name}_d{d}"));
                 assert_eq!(large_smem(Family::Attention, e), Some(attn_decode_smem(*d)));
-            }
-            for (kv, name) in ["f32", "f16"].iter().enumerate() {
-                let e = ATT_DECODE_ROWS + 2 * i + kv;
+                let e = att_decode_rows_at(kv, i);
                 assert_eq!(ATTENTION[e], format!("attn_decode_rows_{name}_d{d}"));
                 assert_eq!(large_smem(Family::Attention, e), Some(attn_decode_smem(*d)));
             }
         }
-        for (kv, suffix) in ["", "_f16"].iter().enumerate() {
+        for (kv, name) in ATT_FORMATS.iter().enumerate() {
+            let suffix = if kv == 0 { String::new() } else { format!("_{name}") };
+            assert_eq!(ATTENTION[ATT_PARTIAL_AT[kv]], format!("attn_partial_{name}"));
             assert_eq!(ATTENTION[KV_WRITE_AT[kv]], format!("kv_write{suffix}"));
             assert_eq!(ATTENTION[KV_WRITE_ROWS_AT[kv]], format!("kv_write_rows{suffix}"));
-            assert_eq!(ATTENTION[ATT_ROWS_AT[kv]], format!("attn_partial_rows_{}", ["f32", "f16"][kv]));
-            assert_eq!(large_smem(Family::Attention, KV_WRITE_AT[kv]), None);
+            assert_eq!(ATTENTION[ATT_ROWS_AT[kv]], format!("attn_partial_rows_{name}"));
+            for e in [ATT_PARTIAL_AT[kv], KV_WRITE_AT[kv], KV_WRITE_ROWS_AT[kv], ATT_ROWS_AT[kv]] {
+                assert_eq!(large_smem(Family::Attention, e), None);
+            }
         }
-        assert_eq!(ATTENTION.len(), KV_WRITE_ROWS_F16 + 1);
+        assert_eq!(ATTENTION[ATT_COMBINE], "attn_combine");
+        assert_eq!(ATTENTION.len(), att_decode_rows_at(2, ATT_PREFILL_DIMS.len() - 1) + 1);
         assert_eq!(large_smem(Family::Attention, 0), None);
         // The kernel's geometry (attention.cu), which the sizes above restate.
         let src = Family::Attention.source();

@@ -15,7 +15,7 @@ use crate::device::CudaDevice;
 use crate::error::{shape, CudaError};
 use crate::kernels::{
     attn_decode_smem, attn_prefill_smem, float_index, gemm_entry, gemm_mma_entry, gemm_mma_grouped_entry, gemv_entry, quant_index, Family,
-    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, ATT_DECODE, ATT_DECODE_HEADS, ATT_DECODE_ROWS, ATT_DECODE_THREADS, ATT_PREFILL, ATT_PREFILL_DIMS, ATT_ROWS_AT, KV_WRITE_AT, KV_WRITE_ROWS_AT, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
+    ACT_GATHER_ROWS, ACT_SCATTER_ROWS, att_decode_at, att_decode_rows_at, att_prefill_at, ATT_COMBINE, ATT_DECODE_HEADS, ATT_DECODE_THREADS, ATT_PARTIAL_AT, ATT_PREFILL_DIMS, ATT_ROWS_AT, KV_WRITE_AT, KV_WRITE_ROWS_AT, ATT_PREFILL_ROWS, ATT_PREFILL_THREADS, GEMV_STAGED,
     MMA_GROUPED_SMEM_BYTES, MMA_SMEM_BYTES, MOE_COMBINE, MOE_COMBINE_ADD, LANE_FILL_ROWS, MOE_FLOAT, MOE_GATHER_PTRS, QUANTIZE_Q8_0,
     QUANTIZE_Q8_K, ROUTE_WARP,
 };
@@ -127,13 +127,27 @@ pub enum AttnKernel {
 pub trait KvElem: Pod {
     #[doc(hidden)]
     const ENTRY: usize;
+    /// The cache format.
+    const KV_TYPE: pulsar_kernels::ops::KvType;
+    /// Elements of one row of `w` values.
+    fn row_len(w: usize) -> usize {
+        Self::KV_TYPE.row_bytes(w) / std::mem::size_of::<Self>()
+    }
 }
 impl KvElem for f32 {
     const ENTRY: usize = 0;
+    const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::F32;
 }
 /// f16 KV caches hold raw f16 bits.
 impl KvElem for u16 {
     const ENTRY: usize = 1;
+    const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::F16;
+}
+/// q8_0 KV caches hold rows of bytes (`KvType::Q8_0.row_bytes`): the quants,
+/// then the f16 scales.
+impl KvElem for u8 {
+    const ENTRY: usize = 2;
+    const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::Q8_0;
 }
 
 /// The per-(token, slot) expert pointers of one MoE launch: device addresses

@@ -18,18 +18,30 @@ enum KvBuf {
     F32(Vec<f32>),
     F16(Vec<u16>),
     Bf16(Vec<u16>),
+    /// Rows of `width` values, `KvType::Q8_0.row_bytes(width)` bytes each.
+    Q8_0 { data: Vec<u8>, width: usize },
 }
 
 impl KvBuf {
-    fn new(ty: KvType, n: usize) -> KvBuf {
+    /// `n` rows of `w` values.
+    fn new(ty: KvType, w: usize, n: usize) -> KvBuf {
         match ty {
-            KvType::F32 => KvBuf::F32(vec![0.0; n]),
-            KvType::F16 => KvBuf::F16(vec![0; n]),
-            KvType::Bf16 => KvBuf::Bf16(vec![0; n]),
+            KvType::F32 => KvBuf::F32(vec![0.0; w * n]),
+            KvType::F16 => KvBuf::F16(vec![0; w * n]),
+            KvType::Bf16 => KvBuf::Bf16(vec![0; w * n]),
+            KvType::Q8_0 => KvBuf::Q8_0 { data: vec![0; ty.row_bytes(w) * n], width: w },
         }
     }
+    /// Values held (rows times width).
     fn len(&self) -> usize {
         self.rows_all().len()
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            KvBuf::F32(v) => 4 * v.len(),
+            KvBuf::F16(v) | KvBuf::Bf16(v) => 2 * v.len(),
+            KvBuf::Q8_0 { data, .. } => data.len(),
+        }
     }
     fn kv_type(&self) -> KvType {
         self.rows_all().kv_type()
@@ -39,27 +51,40 @@ impl KvBuf {
             KvBuf::F32(v) => KvRows::F32(v),
             KvBuf::F16(v) => KvRows::F16(v),
             KvBuf::Bf16(v) => KvRows::Bf16(v),
+            KvBuf::Q8_0 { data, width } => KvRows::Q8_0 { data, width: *width },
         }
     }
-    fn put(&mut self, at: usize, x: &[f32]) {
+    /// Store row `j` (`w` values).
+    fn put(&mut self, j: usize, x: &[f32]) {
         let t = self.kv_type();
+        let at = j * x.len();
         match self {
             KvBuf::F32(v) => v[at..at + x.len()].copy_from_slice(x),
             KvBuf::F16(v) | KvBuf::Bf16(v) => v[at..at + x.len()].iter_mut().zip(x).for_each(|(o, &x)| *o = t.bits(x)),
+            KvBuf::Q8_0 { data, width } => {
+                let rb = t.row_bytes(*width);
+                t.put_row(x, &mut data[j * rb..(j + 1) * rb]);
+            }
         }
     }
-    fn rows(&self, n: usize) -> KvRows<'_> {
+    /// Rows `[0, n)` of `w` values.
+    fn rows(&self, w: usize, n: usize) -> KvRows<'_> {
         match self {
-            KvBuf::F32(v) => KvRows::F32(&v[..n]),
-            KvBuf::F16(v) => KvRows::F16(&v[..n]),
-            KvBuf::Bf16(v) => KvRows::Bf16(&v[..n]),
+            KvBuf::F32(v) => KvRows::F32(&v[..n * w]),
+            KvBuf::F16(v) => KvRows::F16(&v[..n * w]),
+            KvBuf::Bf16(v) => KvRows::Bf16(&v[..n * w]),
+            KvBuf::Q8_0 { data, width } => KvRows::Q8_0 { data: &data[..n * KvType::Q8_0.row_bytes(*width)], width: *width },
         }
     }
-    /// Copy the first `n` values of `from` (the same format).
-    fn copy_prefix(&mut self, from: &KvBuf, n: usize) -> Result<(), String> {
+    /// Copy the first `n` rows of `w` values of `from` (the same format).
+    fn copy_prefix(&mut self, from: &KvBuf, w: usize, n: usize) -> Result<(), String> {
         match (self, from) {
-            (KvBuf::F32(d), KvBuf::F32(s)) => d[..n].copy_from_slice(&s[..n]),
-            (KvBuf::F16(d), KvBuf::F16(s)) | (KvBuf::Bf16(d), KvBuf::Bf16(s)) => d[..n].copy_from_slice(&s[..n]),
+            (KvBuf::F32(d), KvBuf::F32(s)) => d[..n * w].copy_from_slice(&s[..n * w]),
+            (KvBuf::F16(d), KvBuf::F16(s)) | (KvBuf::Bf16(d), KvBuf::Bf16(s)) => d[..n * w].copy_from_slice(&s[..n * w]),
+            (KvBuf::Q8_0 { data: d, .. }, KvBuf::Q8_0 { data: s, .. }) => {
+                let b = n * KvType::Q8_0.row_bytes(w);
+                d[..b].copy_from_slice(&s[..b])
+            }
             _ => return Err("the two caches hold different KV formats".into()),
         }
         Ok(())
@@ -86,16 +111,16 @@ impl LayerKv {
         if k.len() != self.kw || v.len() != self.vw {
             return Err(format!("k/v rows of {}/{} values for a cache of widths {}/{}", k.len(), v.len(), self.kw, self.vw));
         }
-        self.k.put(pos * self.kw, k);
-        self.v.put(pos * self.vw, v);
+        self.k.put(pos, k);
+        self.v.put(pos, v);
         Ok(())
     }
     /// Keys of positions `[0, n)`.
     pub fn keys(&self, n: usize) -> KvRows<'_> {
-        self.k.rows(n * self.kw)
+        self.k.rows(self.kw, n)
     }
     pub fn values(&self, n: usize) -> KvRows<'_> {
-        self.v.rows(n * self.vw)
+        self.v.rows(self.vw, n)
     }
     pub fn kv_type(&self) -> KvType {
         self.k.kv_type()
@@ -159,7 +184,7 @@ impl SeqState {
             .map(|s| match (s.kind, s.dims.as_slice()) {
                 (STATE_KV, [h, dk, dv, _]) => {
                     let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
-                    Some(Slot::Kv(LayerKv { kw, vw, k: KvBuf::new(kv, kw * n_ctx), v: KvBuf::new(kv, vw * n_ctx) }))
+                    Some(Slot::Kv(LayerKv { kw, vw, k: KvBuf::new(kv, kw, n_ctx), v: KvBuf::new(kv, vw, n_ctx) }))
                 }
                 (STATE_ROWS, [w]) => Some(Slot::Rows(Rows { width: *w as usize, data: vec![0.0; *w as usize * n_ctx] })),
                 (STATE_RECURRENT, d) => Some(Slot::Recurrent(Recurrent { value: vec![0.0; d.iter().product::<u64>() as usize], pos: 0 })),
@@ -180,8 +205,9 @@ impl SeqState {
         for slot in self.slots.iter_mut().flatten() {
             match slot {
                 Slot::Kv(l) => {
-                    l.k = KvBuf::new(l.k.kv_type(), l.k.len());
-                    l.v = KvBuf::new(l.v.kv_type(), l.v.len());
+                    let n = l.k.len() / l.kw.max(1);
+                    l.k = KvBuf::new(l.k.kv_type(), l.kw, n);
+                    l.v = KvBuf::new(l.v.kv_type(), l.vw, n);
                 }
                 Slot::Rows(r) => r.data = vec![0.0; r.data.len()],
                 Slot::Recurrent(_) => {}
@@ -194,7 +220,7 @@ impl SeqState {
             .iter()
             .flatten()
             .map(|s| match s {
-                Slot::Kv(l) => l.kv_type().bytes() * (l.k.len() + l.v.len()),
+                Slot::Kv(l) => l.k.bytes() + l.v.bytes(),
                 Slot::Rows(r) => 4 * r.data.len(),
                 Slot::Recurrent(r) => 4 * r.value.len(),
             })
@@ -264,8 +290,8 @@ impl SeqState {
         for (dst, src) in self.slots.iter_mut().zip(&from.slots) {
             match (dst, src) {
                 (Some(Slot::Kv(d)), Some(Slot::Kv(s))) if (d.kw, d.vw) == (s.kw, s.vw) => {
-                    d.k.copy_prefix(&s.k, n * d.kw)?;
-                    d.v.copy_prefix(&s.v, n * d.vw)?;
+                    d.k.copy_prefix(&s.k, d.kw, n)?;
+                    d.v.copy_prefix(&s.v, d.vw, n)?;
                 }
                 (Some(Slot::Rows(d)), Some(Slot::Rows(s))) if d.width == s.width => d.data[..n * d.width].copy_from_slice(&s.data[..n * s.width]),
                 (None, None) => {}
@@ -360,6 +386,27 @@ mod tests {
             assert!(b.layer_mut(0, 2, 2).unwrap().write(0, &[0.0; 3], &[0.0; 2]).is_err());
             assert!(SeqState::new(&p, 4, KvType::F32).copy_prefix(&a, 1).unwrap_err().contains("format"));
         }
+    }
+
+    #[test]
+    fn q8_0_caches_quantize_rows_on_write_and_copy_them_whole() {
+        // k rows of 2 x 20 = 40 values: a block of 32 and one of 8; v rows of 2 x 3.
+        let p = plan(vec![StateSpec::kv(0, 2, 20, 3, 0)]);
+        let (mut a, mut b) = (SeqState::new(&p, 3, KvType::Q8_0), SeqState::new(&p, 3, KvType::Q8_0));
+        assert_eq!(a.bytes(), 3 * (48 + 16));
+        let k: Vec<f32> = (0..40).map(|i| i as f32 * 0.25 - 4.0).collect();
+        a.layer_mut(0, 40, 6).unwrap().write(1, &k, &[1.0, -2.0, 0.5, 0.0, 3.0, 127.0]).unwrap();
+        b.copy_prefix(&a, 2).unwrap();
+        let mut row = vec![0u8; 48];
+        KvType::Q8_0.put_row(&k, &mut row);
+        let want = KvRows::Q8_0 { data: &row, width: 40 };
+        let layer = b.layer(0).unwrap();
+        assert_eq!(layer.keys(2).len(), 80);
+        let (mut x, mut y) = ([0f32; 20], [0f32; 20]);
+        assert_eq!(layer.keys(2).get(60, &mut x), want.get(20, &mut y));
+        let mut v = [0f32; 3];
+        assert_eq!(layer.values(2).get(9, &mut v), &[0.0, 3.0, 127.0]);
+        assert!(SeqState::new(&p, 3, KvType::F16).copy_prefix(&a, 1).unwrap_err().contains("format"));
     }
 
     #[test]

@@ -462,47 +462,59 @@ pub enum KvDev {
     F32(DeviceBuf<f32>),
     /// f16 bits.
     F16(DeviceBuf<u16>),
+    /// q8_0 rows (`KvType::Q8_0.row_bytes`).
+    Q8_0(DeviceBuf<u8>),
 }
 
 impl KvDev {
-    fn alloc(dev: &CudaDevice, ty: KvType, n: usize, paged: bool) -> Result<KvDev, CudaBackendError> {
+    /// `n` rows of `w` values.
+    fn alloc(dev: &CudaDevice, ty: KvType, w: usize, n: usize, paged: bool) -> Result<KvDev, CudaBackendError> {
+        let units = |b: usize| n * ty.row_bytes(w) / b;
         Ok(match (ty, paged) {
-            (KvType::F32, false) => KvDev::F32(dev.alloc(n)?),
-            (KvType::F32, true) => KvDev::F32(dev.alloc_paged(n)?),
-            (KvType::F16, false) => KvDev::F16(dev.alloc(n)?),
-            (KvType::F16, true) => KvDev::F16(dev.alloc_paged(n)?),
-            (t, _) => return Err(CudaBackendError::Other(format!("--kv-type {t} runs on the CPU only so far; on CUDA use f32 or f16"))),
+            (KvType::F32, false) => KvDev::F32(dev.alloc(units(4))?),
+            (KvType::F32, true) => KvDev::F32(dev.alloc_paged(units(4))?),
+            (KvType::F16, false) => KvDev::F16(dev.alloc(units(2))?),
+            (KvType::F16, true) => KvDev::F16(dev.alloc_paged(units(2))?),
+            (KvType::Q8_0, false) => KvDev::Q8_0(dev.alloc(units(1))?),
+            (KvType::Q8_0, true) => KvDev::Q8_0(dev.alloc_paged(units(1))?),
+            (t, _) => return Err(CudaBackendError::Other(format!("--kv-type {t} runs on the CPU only so far; on CUDA use f32, f16 or q8_0"))),
         })
     }
     pub fn kv_type(&self) -> KvType {
         match self {
             KvDev::F32(_) => KvType::F32,
             KvDev::F16(_) => KvType::F16,
+            KvDev::Q8_0(_) => KvType::Q8_0,
         }
     }
     pub fn device_ptr(&self) -> u64 {
         match self {
             KvDev::F32(b) => b.device_ptr(),
             KvDev::F16(b) => b.device_ptr(),
+            KvDev::Q8_0(b) => b.device_ptr(),
         }
     }
     pub fn bytes(&self) -> usize {
         match self {
             KvDev::F32(b) => b.bytes(),
             KvDev::F16(b) => b.bytes(),
+            KvDev::Q8_0(b) => b.bytes(),
         }
     }
     pub fn backed_bytes(&self) -> usize {
         match self {
             KvDev::F32(b) => b.backed_bytes(),
             KvDev::F16(b) => b.backed_bytes(),
+            KvDev::Q8_0(b) => b.backed_bytes(),
         }
     }
-    /// Map memory for the first `n` values (a paged buffer).
-    pub fn back(&mut self, n: usize) -> Result<(), pulsar_cuda::CudaError> {
+    /// Map memory for the first `n` rows of `w` values (a paged buffer).
+    pub fn back(&mut self, w: usize, n: usize) -> Result<(), pulsar_cuda::CudaError> {
+        let bytes = n * self.kv_type().row_bytes(w);
         match self {
-            KvDev::F32(b) => b.back(n),
-            KvDev::F16(b) => b.back(n),
+            KvDev::F32(b) => b.back(bytes / 4),
+            KvDev::F16(b) => b.back(bytes / 2),
+            KvDev::Q8_0(b) => b.back(bytes),
         }
     }
 }
@@ -534,13 +546,13 @@ impl CudaKv {
         let page = if min_pages == usize::MAX { usize::MAX } else { dev.page_bytes()? };
         let alloc = |n: usize| if n * 4 >= min_pages.saturating_mul(page) { dev.alloc_paged::<f32>(n) } else { dev.alloc::<f32>(n) };
         let ty = model.kv_type;
-        let alloc_kv = |n: usize| KvDev::alloc(dev, ty, n, n * ty.bytes() >= min_pages.saturating_mul(page));
+        let alloc_kv = |w: usize| KvDev::alloc(dev, ty, w, n_ctx, n_ctx * ty.row_bytes(w) >= min_pages.saturating_mul(page));
         let mut kv = CudaKv { n_ctx, layers: HashMap::new(), rows: HashMap::new(), recurrent: HashMap::new() };
         for (i, s) in model.plan.states.iter().enumerate() {
             let n: usize = s.dims.iter().product::<u64>() as usize;
             if let Some((h, dk, dv, _)) = s.as_kv() {
                 let (kw, vw) = ((h * dk) as usize, (h * dv) as usize);
-                kv.layers.insert(i, (kw, vw, alloc_kv(kw * n_ctx)?, alloc_kv(vw * n_ctx)?));
+                kv.layers.insert(i, (kw, vw, alloc_kv(kw)?, alloc_kv(vw)?));
             } else if s.kind == pulsar_plugin_api::STATE_ROWS {
                 kv.rows.insert(i, (n, alloc(n * n_ctx)?));
             } else if s.kind == pulsar_plugin_api::STATE_RECURRENT {
@@ -556,8 +568,8 @@ impl CudaKv {
     pub fn back(&mut self, positions: usize) -> Result<(), CudaBackendError> {
         let n = positions.min(self.n_ctx);
         for (kw, vw, k, v) in self.layers.values_mut() {
-            k.back(n * *kw)?;
-            v.back(n * *vw)?;
+            k.back(*kw, n)?;
+            v.back(*vw, n)?;
         }
         for (w, b) in self.rows.values_mut() {
             b.back(n * *w)?;
@@ -576,19 +588,20 @@ impl CudaKv {
     /// paged ones `pool` positions plus up to a page each per sequence.
     pub fn paged_bytes_for(model: &Model, n_ctx: usize, n_seq: usize, pool: usize, page: usize) -> u64 {
         let (mut whole, mut per_pos, mut paged) = (0u64, 0u64, 0u64);
-        let kv = model.kv_type.bytes() as u64;
+        let kv = |w: u32| model.kv_type.row_bytes(w as usize) as u64;
         for s in &model.plan.states {
-            let widths: Vec<(u64, u64)> = match (s.as_kv(), s.kind) {
-                (Some((h, dk, dv, _)), _) => vec![((h * dk) as u64, kv), ((h * dv) as u64, kv)],
-                (None, pulsar_plugin_api::STATE_ROWS) => vec![(s.dims.iter().product(), 4)],
+            // Bytes of a position's row, per buffer.
+            let rows: Vec<u64> = match (s.as_kv(), s.kind) {
+                (Some((h, dk, dv, _)), _) => vec![kv(h * dk), kv(h * dv)],
+                (None, pulsar_plugin_api::STATE_ROWS) => vec![4 * s.dims.iter().product::<u64>()],
                 _ => continue,
             };
-            for (w, b) in widths {
-                if w * n_ctx as u64 * b >= (PAGED_MIN_PAGES * page) as u64 {
-                    per_pos += b * w;
+            for b in rows {
+                if b * n_ctx as u64 >= (PAGED_MIN_PAGES * page) as u64 {
+                    per_pos += b;
                     paged += 1;
                 } else {
-                    whole += b * w * n_ctx as u64;
+                    whole += b * n_ctx as u64;
                 }
             }
         }

@@ -138,9 +138,9 @@ impl CudaKv {
             if (kw, vw) != (skw, svw) || k.kv_type() != sk.kv_type() {
                 return Err(fail(format!("state {i}: widths or formats differ")));
             }
-            let b = k.kv_type().bytes();
-            copies.push((k.device_ptr(), sk.device_ptr(), n * kw * b));
-            copies.push((v.device_ptr(), sv.device_ptr(), n * vw * b));
+            let t = k.kv_type();
+            copies.push((k.device_ptr(), sk.device_ptr(), n * t.row_bytes(*kw)));
+            copies.push((v.device_ptr(), sv.device_ptr(), n * t.row_bytes(*vw)));
         }
         for (i, (w, b)) in &self.rows {
             let (sw, sb) = from.rows.get(i).ok_or_else(|| fail(format!("no state {i} to copy from")))?;

@@ -5,6 +5,15 @@
 //! widened exactly when it is read, so attention over a 16-bit cache is
 //! attention over the rounded values, in the same order: CUDA equals the
 //! CPU bit for bit in every format.
+//!
+//! q8_0 is llama.cpp's block format laid out per row: a row of `w` values is
+//! `w` int8 quants, then one f16 scale per block of 32 values (the last
+//! block may be shorter), padded to 16 bytes ([`KvType::row_bytes`]), so a
+//! row is self-contained and 16-byte aligned. A block is quantized as
+//! llama.cpp's `quantize_row_q8_0` does (`d = amax / 127`, `q = round(x / d)`
+//! via `x * (1 / d)`, rounding half away from zero) and read as `q * d`,
+//! which is exact in f32 (8 bits times 11), so the values attention reads do
+//! not depend on the order they are read in.
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,16 +25,21 @@ pub enum KvType {
     F32,
     F16,
     Bf16,
+    Q8_0,
 }
 
-impl KvType {
-    pub const ALL: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Bf16];
+/// Values per q8_0 block.
+pub const Q8_0_BLOCK: usize = 32;
 
-    /// Bytes of one value.
-    pub fn bytes(self) -> usize {
+impl KvType {
+    pub const ALL: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0];
+
+    /// Bytes of one row of `w` values (q8_0: quants, scales, padding to 16).
+    pub fn row_bytes(self, w: usize) -> usize {
         match self {
-            KvType::F32 => 4,
-            KvType::F16 | KvType::Bf16 => 2,
+            KvType::F32 => 4 * w,
+            KvType::F16 | KvType::Bf16 => 2 * w,
+            KvType::Q8_0 => (w + 2 * w.div_ceil(Q8_0_BLOCK)).next_multiple_of(16),
         }
     }
 
@@ -34,6 +48,7 @@ impl KvType {
             KvType::F32 => "f32",
             KvType::F16 => "f16",
             KvType::Bf16 => "bf16",
+            KvType::Q8_0 => "q8_0",
         }
     }
 
@@ -42,6 +57,17 @@ impl KvType {
         match self {
             KvType::F16 => half::f16::from_f32(x).to_bits(),
             _ => bf16_bits(x),
+        }
+    }
+
+    /// Store the row `x` in this format into `out` (`row_bytes(x.len())`
+    /// bytes; f32 and 16-bit values little-endian).
+    pub fn put_row(self, x: &[f32], out: &mut [u8]) {
+        assert_eq!(out.len(), self.row_bytes(x.len()), "a {self} row of {} values", x.len());
+        match self {
+            KvType::F32 => out.chunks_exact_mut(4).zip(x).for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
+            KvType::F16 | KvType::Bf16 => out.chunks_exact_mut(2).zip(x).for_each(|(o, &v)| o.copy_from_slice(&self.bits(v).to_le_bytes())),
+            KvType::Q8_0 => q8_0_row(x, out),
         }
     }
 
@@ -57,9 +83,29 @@ impl KvType {
     pub fn round(self, x: f32) -> f32 {
         match self {
             KvType::F32 => x,
+            KvType::Q8_0 => panic!("q8_0 rounds blocks, not values"),
             t => t.widen(t.bits(x)),
         }
     }
+}
+
+/// One q8_0 row: for each block, `d = amax / 127` (stored as f16), the
+/// quants `round(x * (1 / d))` (0 where d is 0; a NaN quant is 0). attention.cu's
+/// `kv_put_q8` does the same operations.
+fn q8_0_row(x: &[f32], out: &mut [u8]) {
+    let w = x.len();
+    let (qs, rest) = out.split_at_mut(w);
+    for (b, blk) in x.chunks(Q8_0_BLOCK).enumerate() {
+        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        for (o, &v) in qs[b * Q8_0_BLOCK..].iter_mut().zip(blk) {
+            let r = (v * id).round();
+            *o = if r.is_nan() { 0 } else { r as i8 as u8 };
+        }
+        rest[2 * b..2 * b + 2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+    }
+    rest[2 * w.div_ceil(Q8_0_BLOCK)..].fill(0);
 }
 
 impl fmt::Display for KvType {
@@ -74,7 +120,7 @@ impl FromStr for KvType {
         KvType::ALL
             .into_iter()
             .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| format!("unknown KV cache type {s:?} (expected f32, f16 or bf16)"))
+            .ok_or_else(|| format!("unknown KV cache type {s:?} (expected f32, f16, bf16 or q8_0)"))
     }
 }
 
@@ -94,6 +140,8 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
+    /// Rows of `width` values, [`KvType::row_bytes`] each.
+    Q8_0 { data: &'a [u8], width: usize },
 }
 
 impl<'a> KvRows<'a> {
@@ -101,6 +149,7 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(v) => v.len(),
             KvRows::F16(v) | KvRows::Bf16(v) => v.len(),
+            KvRows::Q8_0 { data, width } => data.len() / KvType::Q8_0.row_bytes(*width).max(1) * width,
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -111,11 +160,12 @@ impl<'a> KvRows<'a> {
             KvRows::F32(_) => KvType::F32,
             KvRows::F16(_) => KvType::F16,
             KvRows::Bf16(_) => KvType::Bf16,
+            KvRows::Q8_0 { .. } => KvType::Q8_0,
         }
     }
 
     /// Values `[at, at + buf.len())` as f32: the cache's own slice for f32,
-    /// else widened into `buf`.
+    /// else widened into `buf` (q8_0: within one row).
     #[inline]
     pub fn get<'b>(&'b self, at: usize, buf: &'b mut [f32]) -> &'b [f32] {
         let n = buf.len();
@@ -128,6 +178,22 @@ impl<'a> KvRows<'a> {
             }
             KvRows::Bf16(v) => {
                 buf.iter_mut().zip(&v[at..at + n]).for_each(|(o, &b)| *o = f32::from_bits((b as u32) << 16));
+                buf
+            }
+            KvRows::Q8_0 { data, width } => {
+                let (j, c) = (at / width, at % width);
+                assert!(c + n <= width, "a q8_0 read across rows");
+                let row = &data[j * KvType::Q8_0.row_bytes(width)..];
+                let scale = |b: usize| half::f16::from_bits(u16::from_le_bytes([row[width + 2 * b], row[width + 2 * b + 1]])).to_f32();
+                let mut blk = usize::MAX;
+                let mut d = 0f32;
+                for (i, o) in (c..c + n).zip(buf.iter_mut()) {
+                    if i / Q8_0_BLOCK != blk {
+                        blk = i / Q8_0_BLOCK;
+                        d = scale(blk);
+                    }
+                    *o = (row[i] as i8) as f32 * d;
+                }
                 buf
             }
         }
@@ -173,7 +239,7 @@ mod tests {
             assert_eq!(t.name().parse::<KvType>(), Ok(t));
             assert_eq!(t.name().to_uppercase().parse::<KvType>(), Ok(t));
         }
-        assert!("q8_0".parse::<KvType>().unwrap_err().contains("q8_0"));
+        assert!("q4_0".parse::<KvType>().unwrap_err().contains("q4_0"));
     }
 
     #[test]
@@ -185,5 +251,43 @@ mod tests {
         assert_eq!(KvRows::F32(&v).get(1, &mut buf), &v[1..3]);
         assert_eq!(KvRows::F16(&h).get(1, &mut buf), &[-2.0, KvType::F16.round(0.1)]);
         assert_eq!(KvRows::Bf16(&b).get(1, &mut buf), &[-2.0, KvType::Bf16.round(0.1)]);
+    }
+
+    #[test]
+    fn q8_0_rows_quantize_as_llama_cpp_and_read_back_exactly() {
+        // 40 values: a block of 32 and a short one of 8.
+        let x: Vec<f32> = (0..40).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.173).collect();
+        let rb = KvType::Q8_0.row_bytes(40);
+        assert_eq!(rb, 48, "40 quants + 2 scales, padded to 16");
+        assert_eq!(KvType::Q8_0.row_bytes(512), 544);
+        let mut row = vec![0xaau8; 2 * rb];
+        KvType::Q8_0.put_row(&x, &mut row[rb..]);
+        KvType::Q8_0.put_row(&x[..40].iter().map(|v| -v).collect::<Vec<_>>(), &mut row[..rb]);
+        let rows = KvRows::Q8_0 { data: &row, width: 40 };
+        assert_eq!(rows.len(), 80);
+        let mut buf = vec![0f32; 40];
+        let got = rows.get(40, &mut buf).to_vec();
+        for (b, blk) in x.chunks(32).enumerate() {
+            let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = half::f16::from_f32(amax / 127.0).to_f32();
+            for (i, &v) in blk.iter().enumerate() {
+                let q = (v * (1.0 / (amax / 127.0))).round();
+                let want = q * d;
+                assert!((got[32 * b + i] - want).abs() <= d * 1e-3, "{b} {i}: {} vs {want}", got[32 * b + i]);
+                assert!((got[32 * b + i] - v).abs() <= d * 0.5 + amax * 1e-3);
+            }
+        }
+        // The first row holds the negated values; a read inside one row.
+        let mut two = [0f32; 2];
+        assert_eq!(rows.get(33, &mut two), &[-got[33], -got[34]]);
+        // An all-zero block has scale 0 and quants 0; NaN quantizes to 0.
+        let mut z = vec![0u8; KvType::Q8_0.row_bytes(32)];
+        KvType::Q8_0.put_row(&[0.0; 32], &mut z);
+        assert!(z.iter().all(|&b| b == 0));
+        let mut nan = [1.0f32; 32];
+        nan[3] = f32::NAN;
+        KvType::Q8_0.put_row(&nan, &mut z);
+        assert_eq!(z[3], 0);
+        assert_eq!(z[0] as i8, 127);
     }
 }

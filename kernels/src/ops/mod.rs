@@ -21,7 +21,7 @@ mod route;
 
 pub use act::{gelu, gelu_tanh, glu_rows, silu, Activation};
 pub use attention::{attend_rows, AttnParams};
-pub use kv::{bf16_bits, KvRows, KvType};
+pub use kv::{bf16_bits, KvRows, KvType, Q8_0_BLOCK};
 pub use norm::rms_norm_rows;
 pub use rope::{rope_rows, rope_rows_with, yarn_inv_freq, RopeKind, RopeParams};
 pub use route::{softmax_in_place, top_k};

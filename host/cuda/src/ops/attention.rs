@@ -5,7 +5,7 @@ use super::*;
 
 impl CudaDevice {
     /// Write a step's `k` (`[n, kw]`) and `v` (`[n, vw]`) rows into a layer's
-    /// cache (`n_ctx` rows; f32, or f16 rounded to nearest even) at the rows
+    /// cache (`n_ctx` rows; f32, f16 rounded to nearest even, or q8_0) at the rows
     /// `positions` name, read on the device so a captured decode graph stays
     /// right from token to token.
     #[allow(clippy::too_many_arguments)]
@@ -24,13 +24,14 @@ impl CudaDevice {
         let n = positions.len();
         want(OP, "k", k.len(), n * kw)?;
         want(OP, "v", v.len(), n * vw)?;
-        if kw == 0 || vw == 0 || k_cache.len() % kw != 0 || v_cache.len() / vw != k_cache.len() / kw {
+        let (krl, vrl) = (K::row_len(kw), K::row_len(vw));
+        if kw == 0 || vw == 0 || k_cache.len() % krl != 0 || v_cache.len() / vrl != k_cache.len() / krl {
             return Err(shape(OP, format!("caches of {} and {} values for widths {kw} and {vw}", k_cache.len(), v_cache.len())));
         }
         if n > 65535 {
             return Err(shape(OP, "more than 65535 rows"));
         }
-        let n_ctx = to_i32(OP, "n_ctx", k_cache.len() / kw)?;
+        let n_ctx = to_i32(OP, "n_ctx", k_cache.len() / krl)?;
         let (kwi, vwi) = (to_i32(OP, "kw", kw)?, to_i32(OP, "vw", vw)?);
         let f = self.func(Family::Attention, KV_WRITE_AT[K::ENTRY])?;
         let (kp, vp, pp, kcp, vcp) = (k.device_ptr(), v.device_ptr(), positions.device_ptr(), k_cache.device_ptr(), v_cache.device_ptr());
@@ -40,7 +41,7 @@ impl CudaDevice {
     }
 
     /// Causal attention of `positions.len()` queries over the first `n_ctx`
-    /// rows of a KV cache (f32, or f16 bits as `u16`), split over the keys.
+    /// rows of a KV cache (f32, f16 bits as `u16`, or q8_0 rows as `u8`), split over the keys.
     /// `work` holds [`attention_workspace_len`] values. Twin: `ops::attend_rows`.
     /// Prefill-sized steps take [`AttnKernel::Tiled`] where it applies.
     #[allow(clippy::too_many_arguments)]
@@ -63,7 +64,7 @@ impl CudaDevice {
         let tiled = n_q >= ATT_TILED_MIN_Q && blocks >= ATT_TILED_MIN_BLOCKS && self.attention_tiled_entry::<K>(p, n_q, ptrs)?.is_some();
         let kernel = if tiled {
             AttnKernel::Tiled
-        } else if grouped_pays(p, n_ctx) && self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, ptrs)?.is_some() {
+        } else if grouped_pays(p, n_ctx) && self.attention_grouped_entry(p, |i| att_decode_at(K::ENTRY, i), ptrs)?.is_some() {
             AttnKernel::Grouped
         } else {
             AttnKernel::PerQuery
@@ -74,18 +75,18 @@ impl CudaDevice {
     /// Whether [`AttnKernel::Grouped`] takes these heads on this device
     /// (given 16-byte aligned buffers, as [`CudaDevice::alloc`] makes them).
     pub fn attention_grouped_available<K: KvElem>(&self, p: &AttnParams) -> Result<bool, CudaError> {
-        Ok(self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, [0; 3])?.is_some())
+        Ok(self.attention_grouped_entry(p, |i| att_decode_at(K::ENTRY, i), [0; 3])?.is_some())
     }
 
-    /// The attn_decode entry (`base` + stride x the head dim's index) and its
+    /// The attn_decode entry (`at` of the head dim's index) and its
     /// dynamic shared memory for these heads, or None where it does not
     /// apply (head dims, this device's shared memory, pointers not 16-byte
     /// aligned).
-    fn attention_grouped_entry(&self, p: &AttnParams, base: usize, stride: usize, ptrs: [u64; 3]) -> Result<Option<(usize, u32)>, CudaError> {
+    fn attention_grouped_entry(&self, p: &AttnParams, at: impl Fn(usize) -> usize, ptrs: [u64; 3]) -> Result<Option<(usize, u32)>, CudaError> {
         let Some(i) = ATT_PREFILL_DIMS.iter().position(|&d| d == p.head_dim_k) else {
             return Ok(None);
         };
-        let index = base + stride * i;
+        let index = at(i);
         let smem = attn_decode_smem(p.head_dim_k);
         let fits = p.head_dim_v == p.head_dim_k && ptrs.iter().all(|a| a % 16 == 0) && self.func_smem(Family::Attention, index)? >= smem;
         Ok(fits.then_some((index, smem)))
@@ -104,7 +105,7 @@ impl CudaDevice {
         let Some(i) = ATT_PREFILL_DIMS.iter().position(|&d| d == p.head_dim_k) else {
             return Ok(None);
         };
-        let index = ATT_PREFILL + 2 * i + K::ENTRY;
+        let index = att_prefill_at(K::ENTRY, i);
         let smem = attn_prefill_smem(p.head_dim_k);
         let fits = p.head_dim_v == p.head_dim_k
             && n_q.checked_mul(p.n_head).is_some_and(|r| r <= i32::MAX as usize)
@@ -143,8 +144,8 @@ impl CudaDevice {
         let n_q = positions.len();
         want(OP, "q", q.len(), n_q * p.n_head * p.head_dim_k)?;
         want(OP, "out", out.len(), n_q * p.n_head * p.head_dim_v)?;
-        if k_cache.len() < n_ctx * p.n_kv_head * p.head_dim_k
-            || v_cache.len() < n_ctx * p.n_kv_head * p.head_dim_v
+        if k_cache.len() < n_ctx * K::row_len(p.n_kv_head * p.head_dim_k)
+            || v_cache.len() < n_ctx * K::row_len(p.n_kv_head * p.head_dim_v)
         {
             return Err(shape(OP, format!("cache shorter than {n_ctx} rows")));
         }
@@ -193,7 +194,7 @@ impl CudaDevice {
                 )?;
             }
         } else if kernel == AttnKernel::Grouped {
-            let Some((index, smem)) = self.attention_grouped_entry(p, ATT_DECODE + K::ENTRY, 2, [qp, kp, vp])? else {
+            let Some((index, smem)) = self.attention_grouped_entry(p, |i| att_decode_at(K::ENTRY, i), [qp, kp, vp])? else {
                 return Err(shape(OP, format!("no grouped kernel for d_k {} d_v {} here", p.head_dim_k, p.head_dim_v)));
             };
             let gb = grouped_heads(p, n_q, n_split, self.sm_count());
@@ -205,7 +206,7 @@ impl CudaDevice {
                 self.launch(f, grid, ATT_DECODE_THREADS, smem, stream, &mut params![qp, pp, kp, vp, wp, nh, nkv, dv, nc, scale, window, softcap, ns, gbi])?;
             }
         } else {
-            let f = self.func(Family::Attention, K::ENTRY)?;
+            let f = self.func(Family::Attention, ATT_PARTIAL_AT[K::ENTRY])?;
             let smem = ((p.head_dim_k + ATT_CHUNK) * 4) as u32;
             let grid = (p.n_head as u32, n_q as u32, n_split as u32);
             // SAFETY: parameters as ATT_ENTRY; sizes checked above.
@@ -222,7 +223,7 @@ impl CudaDevice {
                 )?;
             }
         }
-        let f = self.func(Family::Attention, 2)?;
+        let f = self.func(Family::Attention, ATT_COMBINE)?;
         // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.
         unsafe {
             self.launch(
@@ -314,7 +315,7 @@ impl CudaDevice {
         let (kt, vt) = (tables.device_ptr_at(k_at)?, tables.device_ptr_at(v_at)?);
         let (qp, pp, wp, op) = (q.device_ptr(), positions.device_ptr(), work.device_ptr(), out.device_ptr());
         // The table's addresses are the caches' own allocations (16-byte aligned).
-        let grouped = if grouped_pays(p, n_ctx) { self.attention_grouped_entry(p, ATT_DECODE_ROWS + K::ENTRY, 2, [qp, 0, 0])? } else { None };
+        let grouped = if grouped_pays(p, n_ctx) { self.attention_grouped_entry(p, |i| att_decode_rows_at(K::ENTRY, i), [qp, 0, 0])? } else { None };
         if let Some((index, smem)) = grouped {
             let gb = grouped_heads(p, n_q, n_split, self.sm_count());
             let f = self.func(Family::Attention, index)?;
@@ -339,7 +340,7 @@ impl CudaDevice {
                 )?;
             }
         }
-        let f = self.func(Family::Attention, 2)?;
+        let f = self.func(Family::Attention, ATT_COMBINE)?;
         // SAFETY: (part, out, n_q, n_head, dv, n_split) as attn_combine.
         unsafe { self.launch(f, (p.n_head as u32, n_q as u32, 1), ATT_THREADS, 0, stream, &mut params![wp, op, nq, nh, dv, ns]) }
     }

@@ -4,9 +4,10 @@
 //! tiled kernel forced, decode shapes with the grouped kernel forced, the
 //! other kernels' split partials compared with the per-query kernel's bit for
 //! bit (the `part` workspace attn_combine merges), positions past the cache
-//! too, and rows of several sequences' caches against each row alone.
+//! too, and rows of several sequences' caches against each row alone; each
+//! in every cache format CUDA holds (f32, f16, q8_0).
 
-use pulsar_kernels::ops::{self, AttnParams};
+use pulsar_kernels::ops::{self, AttnParams, KvRows, KvType};
 use pulsar_kernels::quant::random_values;
 
 use super::{compare, compare_bytes, poisoned, Cmp, Table};
@@ -86,18 +87,9 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
             p.n_kv_head,
             p.head_dim_k
         );
-        t.push(
-            "attention f32 kv",
-            name,
-            shape.clone(),
-            attention_case(dev, pool, p, pos, *n_ctx, false, None, next()),
-        );
-        t.push(
-            "attention f16 kv",
-            name,
-            shape,
-            attention_case(dev, pool, p, pos, *n_ctx, true, None, next()),
-        );
+        for kv in KV_TYPES {
+            t.push(&format!("attention {kv} kv"), name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, kv, None, next()));
+        }
     }
     // A decode graph sizes the split count for a bucket of the context, not
     // the exact length: the extra splits are empty and must change nothing.
@@ -106,7 +98,7 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
         "attention f32 kv",
         "decode, splits sized for 4096",
         "1q h8/2 d128 pos1500 ctx4096".into(),
-        attention_case(dev, pool, &padded, &[1500], 4096, false, None, next()),
+        attention_case(dev, pool, &padded, &[1500], 4096, KvType::F32, None, next()),
     );
 
     // The tiled prefill kernel: the qwen3-235b chunk (64 heads over 4, d 128),
@@ -123,14 +115,12 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
     ];
     for (name, p, pos, n_ctx) in &tiled {
         let shape = format!("{}q h{}/{} d{} ctx{n_ctx}", pos.len(), p.n_head, p.n_kv_head, p.head_dim_k);
-        for f16 in [false, true] {
+        for kv in KV_TYPES {
             // d 256 needs sm_90's shared memory; elsewhere the kernel is not used.
-            let avail = if f16 { dev.attention_tiled_available::<u16>(p) } else { dev.attention_tiled_available::<f32>(p) };
-            if !avail.unwrap_or(false) {
+            if !available(dev, kv, AttnKernel::Tiled, p) {
                 continue;
             }
-            let op = if f16 { "attention tiled f16 kv" } else { "attention tiled f32 kv" };
-            t.push(op, name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, f16, Some(AttnKernel::Tiled), next()));
+            t.push(&format!("attention tiled {kv} kv"), name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, kv, Some(AttnKernel::Tiled), next()));
         }
     }
     // The grouped decode kernel: qwen3-235b's heads at 20 splits, a group
@@ -146,21 +136,20 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
     ];
     for (name, p, pos, n_ctx) in &grouped {
         let shape = format!("{}q h{}/{} d{} ctx{n_ctx}", pos.len(), p.n_head, p.n_kv_head, p.head_dim_k);
-        for f16 in [false, true] {
-            let avail = if f16 { dev.attention_grouped_available::<u16>(p) } else { dev.attention_grouped_available::<f32>(p) };
-            if !avail.unwrap_or(false) {
+        for kv in KV_TYPES {
+            if !available(dev, kv, AttnKernel::Grouped, p) {
                 continue;
             }
-            let op = if f16 { "attention grouped f16 kv" } else { "attention grouped f32 kv" };
-            t.push(op, name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, f16, Some(AttnKernel::Grouped), next()));
+            t.push(&format!("attention grouped {kv} kv"), name, shape.clone(), attention_case(dev, pool, p, pos, *n_ctx, kv, Some(AttnKernel::Grouped), next()));
         }
     }
     // Rows of three sequences, each over its own cache, against each row
     // alone (the grouped rows kernel from 2048 keys, the per-query one below).
     for (name, ctxs) in [("rows, grouped", [3000usize, 2500, 4100]), ("rows, per query", [300, 250, 410])] {
         let p = params(16, 4, 128, 0.088, 0, 0.0);
-        t.push("attention rows f32 kv", name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, false, next()));
-        t.push("attention rows f16 kv", name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, true, next()));
+        for kv in KV_TYPES {
+            t.push(&format!("attention rows {kv} kv"), name, format!("3 rows h16/4 d128 ctx{ctxs:?}"), rows_case(dev, &p, &ctxs, kv, next()));
+        }
     }
 
     // Positions out of order, repeated, and at or past the cache (NaN rows),
@@ -169,35 +158,113 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
     let odd: Vec<u32> = (0..45u32).map(|i| (i * 37) % 620).chain([599, 599, 0, 255, 256]).collect();
     for (name, p) in [("odd positions", params(16, 4, 128, 0.088, 0, 0.0)), ("odd positions, group 3 window 200 softcap 20", params(6, 2, 128, 0.1, 200, 20.0))] {
         let shape = format!("{}q h{}/{} d128 ctx600", odd.len(), p.n_head, p.n_kv_head);
-        for f16 in [false, true] {
-            let kv = if f16 { "f16 kv" } else { "f32 kv" };
-            t.push("attention tiled part = per-query part (bits)", &format!("{kv}, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, f16, AttnKernel::Tiled, next()));
-            t.push("attention grouped part = per-query part (bits)", &format!("{kv}, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, f16, AttnKernel::Grouped, next()));
+        for kv in KV_TYPES {
+            t.push("attention tiled part = per-query part (bits)", &format!("{kv} kv, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, kv, AttnKernel::Tiled, next()));
+            t.push("attention grouped part = per-query part (bits)", &format!("{kv} kv, {name}"), shape.clone(), parts_case(dev, &p, &odd, 600, kv, AttnKernel::Grouped, next()));
         }
+    }
+}
+
+/// The cache formats the CUDA kernels read.
+const KV_TYPES: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
+
+/// A cache's rows of `w` values in format `kv`: the bytes to upload, as the
+/// element type its kernels take.
+enum Enc {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+    Q8(Vec<u8>),
+}
+
+/// Rows `x` of `w` values in format `kv`, and the values the format holds
+/// (what the CPU twin reads).
+fn encode(kv: KvType, x: &[f32], w: usize) -> (Enc, Vec<f32>) {
+    let rb = kv.row_bytes(w);
+    let mut bytes = vec![0u8; x.len() / w * rb];
+    for (row, out) in x.chunks_exact(w).zip(bytes.chunks_exact_mut(rb)) {
+        kv.put_row(row, out);
+    }
+    let mut vals = vec![0f32; x.len()];
+    match kv {
+        KvType::F32 => (Enc::F32(x.to_vec()), x.to_vec()),
+        KvType::F16 => {
+            let bits: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            KvRows::F16(&bits).get(0, &mut vals);
+            (Enc::F16(bits), vals)
+        }
+        _ => {
+            for (j, out) in vals.chunks_exact_mut(w).enumerate() {
+                KvRows::Q8_0 { data: &bytes, width: w }.get(j * w, out);
+            }
+            (Enc::Q8(bytes), vals)
+        }
+    }
+}
+
+/// `$body` with `$k` / `$v` the uploaded caches of `$ek` / `$ev` (one format).
+macro_rules! with_caches {
+    ($dev:expr, $ek:expr, $ev:expr, |$k:ident, $v:ident| $body:expr) => {
+        match ($ek, $ev) {
+            (Enc::F32(a), Enc::F32(b)) => {
+                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
+                $body
+            }
+            (Enc::F16(a), Enc::F16(b)) => {
+                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
+                $body
+            }
+            (Enc::Q8(a), Enc::Q8(b)) => {
+                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
+                $body
+            }
+            _ => unreachable!("one format for k and v"),
+        }
+    };
+}
+
+/// Whether `kernel` (tiled or grouped) takes these heads in format `kv` here.
+fn available(dev: &CudaDevice, kv: KvType, kernel: AttnKernel, p: &AttnParams) -> bool {
+    fn one<K: KvElem>(dev: &CudaDevice, kernel: AttnKernel, p: &AttnParams) -> bool {
+        let r = if kernel == AttnKernel::Tiled { dev.attention_tiled_available::<K>(p) } else { dev.attention_grouped_available::<K>(p) };
+        r.unwrap_or(false)
+    }
+    match kv {
+        KvType::F16 => one::<u16>(dev, kernel, p),
+        KvType::Q8_0 => one::<u8>(dev, kernel, p),
+        _ => one::<f32>(dev, kernel, p),
     }
 }
 
 /// [`CudaDevice::attention_rows`] over one cache per row (positions
 /// `ctxs[r] - 1`) against [`CudaDevice::attention`] of each row alone, bit
-/// for bit; the caches f32 or f16.
-fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], f16: bool, seed: u64) -> Result<Cmp, CudaError> {
+/// for bit; the caches in format `kv`.
+fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], kv: KvType, seed: u64) -> Result<Cmp, CudaError> {
     let q = random_values(ctxs.len() * p.n_head * p.head_dim_k, seed);
     let pos: Vec<u32> = ctxs.iter().map(|&c| (c - 1) as u32).collect();
-    let caches: Vec<(Vec<f32>, Vec<f32>)> = ctxs
+    let (kw, vw) = (p.n_kv_head * p.head_dim_k, p.n_kv_head * p.head_dim_v);
+    let caches: Vec<(Enc, Enc)> = ctxs
         .iter()
         .enumerate()
         .map(|(r, &c)| {
             let s = seed ^ ((r as u64 + 1) << 8);
-            (random_values(c * p.n_kv_head * p.head_dim_k, s), random_values(c * p.n_kv_head * p.head_dim_v, s ^ 1))
+            (encode(kv, &random_values(c * kw, s), kw).0, encode(kv, &random_values(c * vw, s ^ 1), vw).0)
         })
         .collect();
-    if f16 {
-        let bits = |v: &[f32]| v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect::<Vec<u16>>();
-        let up: Vec<_> = caches.iter().map(|(k, v)| Ok((dev.upload(&bits(k))?, dev.upload(&bits(v))?))).collect::<Result<_, CudaError>>()?;
-        rows_of(dev, p, &q, &pos, ctxs, &up)
-    } else {
-        let up: Vec<_> = caches.iter().map(|(k, v)| Ok((dev.upload(k)?, dev.upload(v)?))).collect::<Result<_, CudaError>>()?;
-        rows_of(dev, p, &q, &pos, ctxs, &up)
+    macro_rules! up {
+        ($variant:ident) => {
+            caches
+                .iter()
+                .map(|c| match c {
+                    (Enc::$variant(k), Enc::$variant(v)) => Ok((dev.upload(k)?, dev.upload(v)?)),
+                    _ => unreachable!("one format"),
+                })
+                .collect::<Result<Vec<_>, CudaError>>()?
+        };
+    }
+    match kv {
+        KvType::F16 => rows_of(dev, p, &q, &pos, ctxs, &up!(F16)),
+        KvType::Q8_0 => rows_of(dev, p, &q, &pos, ctxs, &up!(Q8)),
+        _ => rows_of(dev, p, &q, &pos, ctxs, &up!(F32)),
     }
 }
 
@@ -226,16 +293,13 @@ fn rows_of<K: KvElem>(dev: &CudaDevice, p: &AttnParams, q: &[f32], pos: &[u32], 
 
 /// The `part` workspaces of the per-query and the tiled kernel on the same
 /// inputs, compared bit for bit.
-fn parts_case(dev: &CudaDevice, p: &AttnParams, pos: &[u32], n_ctx: usize, f16_kv: bool, other: AttnKernel, seed: u64) -> Result<Cmp, CudaError> {
+fn parts_case(dev: &CudaDevice, p: &AttnParams, pos: &[u32], n_ctx: usize, kv: KvType, other: AttnKernel, seed: u64) -> Result<Cmp, CudaError> {
     let q = dev.upload(&random_values(pos.len() * p.n_head * p.head_dim_k, seed))?;
     let pd = dev.upload(pos)?;
-    let (kc, vc) = (random_values(n_ctx * p.n_kv_head * p.head_dim_k, seed ^ 1), random_values(n_ctx * p.n_kv_head * p.head_dim_v, seed ^ 2));
-    if f16_kv {
-        let bits = |v: &[f32]| v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect::<Vec<u16>>();
-        parts_of(dev, p, &q, &pd, &dev.upload(&bits(&kc))?, &dev.upload(&bits(&vc))?, n_ctx, other)
-    } else {
-        parts_of(dev, p, &q, &pd, &dev.upload(&kc)?, &dev.upload(&vc)?, n_ctx, other)
-    }
+    let (kw, vw) = (p.n_kv_head * p.head_dim_k, p.n_kv_head * p.head_dim_v);
+    let (ek, _) = encode(kv, &random_values(n_ctx * kw, seed ^ 1), kw);
+    let (ev, _) = encode(kv, &random_values(n_ctx * vw, seed ^ 2), vw);
+    with_caches!(dev, &ek, &ev, |k, v| parts_of(dev, p, &q, &pd, &k, &v, n_ctx, other))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -277,41 +341,21 @@ fn attention_case(
     p: &AttnParams,
     pos: &[u32],
     n_ctx: usize,
-    f16_kv: bool,
+    kv: KvType,
     kernel: Option<AttnKernel>,
     seed: u64,
 ) -> Result<Cmp, CudaError> {
     let n_q = pos.len();
     let q = random_values(n_q * p.n_head * p.head_dim_k, seed);
-    let mut kc = random_values(n_ctx * p.n_kv_head * p.head_dim_k, seed ^ 1);
-    let mut vc = random_values(n_ctx * p.n_kv_head * p.head_dim_v, seed ^ 2);
-    let to_f16 = |v: &mut Vec<f32>| -> Vec<u16> {
-        let bits: Vec<u16> = v
-            .iter()
-            .map(|x| half::f16::from_f32(*x).to_bits())
-            .collect();
-        v.iter_mut()
-            .zip(&bits)
-            .for_each(|(x, b)| *x = half::f16::from_bits(*b).to_f32());
-        bits
-    };
-    let (kh, vh) = if f16_kv {
-        (to_f16(&mut kc), to_f16(&mut vc))
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    let (kw, vw) = (p.n_kv_head * p.head_dim_k, p.n_kv_head * p.head_dim_v);
+    let (ek, kc) = encode(kv, &random_values(n_ctx * kw, seed ^ 1), kw);
+    let (ev, vc) = encode(kv, &random_values(n_ctx * vw, seed ^ 2), vw);
+    // The twin over the values the format holds: f32 rows of them.
     let mut cpu = vec![0f32; n_q * p.n_head * p.head_dim_v];
     ops::attend_rows(pool, p, &q, pos, &kc, &vc, &mut cpu);
     let (qd, pd) = (dev.upload(&q)?, dev.upload(pos)?);
     let mut work = dev.alloc::<f32>(attention_workspace_len(p, n_q, n_ctx))?;
     let mut o = poisoned::<f32>(dev, cpu.len())?;
-    if f16_kv {
-        let (kd, vd) = (dev.upload(&kh)?, dev.upload(&vh)?);
-        run(dev, kernel, p, &qd, &pd, &kd, &vd, n_ctx, &mut work, &mut o)?;
-    } else {
-        let (kd, vd) = (dev.upload(&kc)?, dev.upload(&vc)?);
-        run(dev, kernel, p, &qd, &pd, &kd, &vd, n_ctx, &mut work, &mut o)?;
-    }
+    with_caches!(dev, &ek, &ev, |kd, vd| run(dev, kernel, p, &qd, &pd, &kd, &vd, n_ctx, &mut work, &mut o))?;
     Ok(compare(&dev.download(&o)?, &cpu, 0.0))
 }
-

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use pulsar_gguf::GgmlType;
-use pulsar_kernels::ops::{Activation, AttnParams};
+use pulsar_kernels::ops::{Activation, AttnParams, KvType};
 use pulsar_kernels::quant::{random_blocks, random_values};
 use pulsar_kernels::{ActFormat, Activations};
 
@@ -22,18 +22,19 @@ use crate::ops::{attention_workspace_len, AttnKernel, GemmKernel, MoePairs};
 pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     let mut out = Vec::new();
     let h32 = AttnParams { n_head: 32, n_kv_head: 8, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 };
+    const KVS: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
     for n_ctx in [4096usize, 32768] {
-        for f16 in [false, true] {
-            out.push(bench_attention(dev, &h32, n_ctx, f16, None).unwrap_or_else(|e| failed_row("attention", "", e)));
+        for kv in KVS {
+            out.push(bench_attention(dev, &h32, n_ctx, kv, None).unwrap_or_else(|e| failed_row("attention", "", e)));
         }
     }
     // qwen3-235b's heads (64 over 4): the per-query and the grouped kernel
     // at each context, to place CudaDevice::attention's switch between them.
     let h64 = AttnParams { n_head: 64, n_kv_head: 4, ..h32 };
     for n_ctx in [1024usize, 2048, 4096, 8192, 32768] {
-        for f16 in [false, true] {
+        for kv in KVS {
             for kernel in [AttnKernel::PerQuery, AttnKernel::Grouped] {
-                out.push(bench_attention(dev, &h64, n_ctx, f16, Some(kernel)).unwrap_or_else(|e| failed_row("attention", "", e)));
+                out.push(bench_attention(dev, &h64, n_ctx, kv, Some(kernel)).unwrap_or_else(|e| failed_row("attention", "", e)));
             }
         }
     }
@@ -137,68 +138,53 @@ fn bench_gemv(
     })
 }
 
-/// Decode attention (one query) over `n_ctx` cached rows, with `kernel`
-/// or the one `CudaDevice::attention` picks (None).
-fn bench_attention(dev: &CudaDevice, p: &AttnParams, n_ctx: usize, f16: bool, kernel: Option<AttnKernel>) -> Result<BenchRow, CudaError> {
+/// Decode attention (one query) over `n_ctx` cached rows in format `kv`,
+/// with `kernel` or the one `CudaDevice::attention` picks (None); GB/s over
+/// the cache's bytes (a q8_0 row's scales and padding included).
+fn bench_attention(dev: &CudaDevice, p: &AttnParams, n_ctx: usize, kv: KvType, kernel: Option<AttnKernel>) -> Result<BenchRow, CudaError> {
     let p = *p;
-    let kv = n_ctx * p.n_kv_head * p.head_dim_k;
+    let w = p.n_kv_head * p.head_dim_k;
+    let vals = random_values(n_ctx * w, 4);
+    let mut bytes = vec![0u8; n_ctx * kv.row_bytes(w)];
+    for (row, out) in vals.chunks_exact(w).zip(bytes.chunks_exact_mut(kv.row_bytes(w))) {
+        kv.put_row(row, out);
+    }
     let q = dev.upload(&random_values(p.n_head * p.head_dim_k, 3))?;
     let pos = dev.upload(&[(n_ctx - 1) as u32])?;
-    let mut work = dev.alloc::<f32>(attention_workspace_len(&p, 1, n_ctx))?;
-    let mut o = dev.alloc::<f32>(p.n_head * p.head_dim_v)?;
-    let s = dev.compute();
-    let reps = 20;
-    let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
-    let elem = if f16 { 2 } else { 4 };
     #[allow(clippy::too_many_arguments)]
-    fn one<K: crate::ops::KvElem>(dev: &CudaDevice, kernel: Option<AttnKernel>, p: &AttnParams, q: &DeviceBuf<f32>, pos: &DeviceBuf<u32>, k: &DeviceBuf<K>, v: &DeviceBuf<K>, n_ctx: usize, work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>) -> Result<(), CudaError> {
-        match kernel {
-            None => dev.attention(dev.compute(), p, q, pos, k, v, n_ctx, work, o),
-            Some(kn) => dev.attention_with(dev.compute(), kn, p, q, pos, k, v, n_ctx, work, o),
+    fn time<K: crate::ops::KvElem>(dev: &CudaDevice, kernel: Option<AttnKernel>, p: &AttnParams, q: &DeviceBuf<f32>, pos: &DeviceBuf<u32>, cache: &[K], n_ctx: usize) -> Result<f64, CudaError> {
+        let (k, v) = (dev.upload(cache)?, dev.upload(cache)?);
+        let mut work = dev.alloc::<f32>(attention_workspace_len(p, 1, n_ctx))?;
+        let mut o = dev.alloc::<f32>(p.n_head * p.head_dim_v)?;
+        let mut call = || match kernel {
+            None => dev.attention(dev.compute(), p, q, pos, &k, &v, n_ctx, &mut work, &mut o),
+            Some(kn) => dev.attention_with(dev.compute(), kn, p, q, pos, &k, &v, n_ctx, &mut work, &mut o),
+        };
+        let reps = 20;
+        let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+        call()?;
+        e0.record(dev.compute())?;
+        for _ in 0..reps {
+            call()?;
         }
-    }
-    let call = |k: &DeviceBuf<f32>, v: &DeviceBuf<f32>, work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| one::<f32>(dev, kernel, &p, &q, &pos, k, v, n_ctx, work, o);
-    let call16 = |k: &DeviceBuf<u16>, v: &DeviceBuf<u16>, work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| one::<u16>(dev, kernel, &p, &q, &pos, k, v, n_ctx, work, o);
-    let run = |work: &mut DeviceBuf<f32>, o: &mut DeviceBuf<f32>| -> Result<f32, CudaError> {
-        let vals = random_values(kv, 4);
-        if f16 {
-            let bits: Vec<u16> = vals
-                .iter()
-                .map(|v| half::f16::from_f32(*v).to_bits())
-                .collect();
-            let (k, v) = (dev.upload(&bits)?, dev.upload(&bits)?);
-            call16(&k, &v, work, o)?;
-            e0.record(s)?;
-            for _ in 0..reps {
-                call16(&k, &v, work, o)?;
-            }
-        } else {
-            let (k, v) = (dev.upload(&vals)?, dev.upload(&vals)?);
-            call(&k, &v, work, o)?;
-            e0.record(s)?;
-            for _ in 0..reps {
-                call(&k, &v, work, o)?;
-            }
-        }
-        e1.record(s)?;
+        e1.record(dev.compute())?;
         e1.synchronize()?;
-        Ok(e0.elapsed_ms(&e1)?)
+        Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
+    }
+    let us = match kv {
+        KvType::F16 => time::<u16>(dev, kernel, &p, &q, &pos, &bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect::<Vec<_>>(), n_ctx)?,
+        KvType::Q8_0 => time::<u8>(dev, kernel, &p, &q, &pos, &bytes, n_ctx)?,
+        _ => time::<f32>(dev, kernel, &p, &q, &pos, &vals, n_ctx)?,
     };
-    let ms = run(&mut work, &mut o)? as f64;
-    let us = ms * 1e3 / reps as f64;
     Ok(BenchRow {
         op: match kernel {
             None => "attention decode".into(),
             Some(kn) => format!("attention decode ({kn:?})"),
         },
-        format: if f16 {
-            "f16 kv".into()
-        } else {
-            "f32 kv".into()
-        },
+        format: format!("{kv} kv"),
         shape: format!("h{}/{} d128 ctx{n_ctx}", p.n_head, p.n_kv_head),
         us,
-        gb_per_s: (2 * kv * elem) as f64 / (us * 1e-6) / 1e9,
+        gb_per_s: (2 * bytes.len()) as f64 / (us * 1e-6) / 1e9,
     })
 }
 

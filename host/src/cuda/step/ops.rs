@@ -270,8 +270,8 @@ impl<'a> CudaStep<'a> {
             None => None,
         };
         // Every sequence's caches hold the model's one format.
-        let f16 = match self.kvs[self.runs[0].2].layers.get(&state) {
-            Some((_, _, k, _)) => k.kv_type() == KvType::F16,
+        let ty = match self.kvs[self.runs[0].2].layers.get(&state) {
+            Some((_, _, k, _)) => k.kv_type(),
             None => return Err(format!("layer {} declared no KV cache", s.layer)),
         };
         let dev = &self.cm.dev;
@@ -279,13 +279,18 @@ impl<'a> CudaStep<'a> {
             // SAFETY: the table holds, per row, the addresses of its
             // sequence's caches for this state (CudaRunner::step), each of
             // `cap` or more rows of these widths in this format (checked above).
-            Some((t, at)) if f16 => unsafe { dev.kv_write_rows::<u16>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }.map_err(err)?,
-            Some((t, at)) => unsafe { dev.kv_write_rows::<f32>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }.map_err(err)?,
+            Some((t, at)) => match ty {
+                KvType::F16 => unsafe { dev.kv_write_rows::<u16>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
+                KvType::Q8_0 => unsafe { dev.kv_write_rows::<u8>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
+                _ => unsafe { dev.kv_write_rows::<f32>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
+            }
+            .map_err(err)?,
             None => {
                 let one = self.runs[0].2;
                 match self.kvs[one].layers.get_mut(&state) {
                     Some((_, _, KvDev::F32(kc), KvDev::F32(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
                     Some((_, _, KvDev::F16(kc), KvDev::F16(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
+                    Some((_, _, KvDev::Q8_0(kc), KvDev::Q8_0(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
                     _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
                 }
                 .map_err(err)?;
@@ -299,11 +304,15 @@ impl<'a> CudaStep<'a> {
         let (dev, qb) = (&self.cm.dev, self.buf(q)?);
         match tables {
             // SAFETY: as for kv_write_rows; every row's position is below its cache's rows.
-            Some((t, at)) if f16 => unsafe { dev.attention_rows::<u16>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
-            Some((t, at)) => unsafe { dev.attention_rows::<f32>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+            Some((t, at)) => match ty {
+                KvType::F16 => unsafe { dev.attention_rows::<u16>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+                KvType::Q8_0 => unsafe { dev.attention_rows::<u8>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+                _ => unsafe { dev.attention_rows::<f32>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+            },
             None => match &self.kvs[self.runs[0].2].layers[&state] {
                 (_, _, KvDev::F32(kc), KvDev::F32(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
                 (_, _, KvDev::F16(kc), KvDev::F16(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
+                (_, _, KvDev::Q8_0(kc), KvDev::Q8_0(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
                 _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
             },
         }
