@@ -116,9 +116,15 @@ fn kv_formats_against_transformers() {
         if t == KvType::F32 {
             kl_f32 = kl;
         }
-        // Measured (session 24): f32 0.00347, f16 0.00342, bf16 0.00351, q8_0 0.00396.
-        assert!(top1 >= 0.95, "kv {t}: top-1 agreement {top1}");
-        assert!(kl < kl_f32 + 2e-3, "kv {t}: mean KL {kl} against f32 KV's {kl_f32}");
+        // Measured (session 24): f32 0.00347, f16 0.00342, bf16 0.00351,
+        // q8_0 0.00396, q4_0 0.0978 (top-1 84.4%): four bits a value cost
+        // this model real accuracy (docs/kv-cache.md).
+        if t == KvType::Q4_0 {
+            assert!(top1 >= 0.8 && kl < 0.15, "kv {t}: top-1 agreement {top1}, mean KL {kl}");
+        } else {
+            assert!(top1 >= 0.95, "kv {t}: top-1 agreement {top1}");
+            assert!(kl < kl_f32 + 2e-3, "kv {t}: mean KL {kl} against f32 KV's {kl_f32}");
+        }
     }
 }
 

@@ -9,33 +9,51 @@
 // exp_c/tanh_c of common.cuh.
 //
 // q: [n_q, n_head * dk]; k: [n_ctx, n_kv_head * dk]; v: [n_ctx, n_kv_head * dv]
-// (f32, f16 or q8_0 rows as the entry's name says); positions: [n_q]; part: [n_q, n_head,
+// (f32, f16, q8_0 or q4_0 rows as the entry's name says); positions: [n_q]; part: [n_q, n_head,
 // n_split, dv + 2]; out: [n_q, n_head * dv]. A query sees keys
 // (pos - window, pos] (all of [0, pos] when window is 0). A position at or
 // beyond n_ctx gives NaN output.
 
 #define ATT_THREADS 128
 
-// KV formats: 0 f32, 1 f16 bits, 2 q8_0 rows (pulsar_kernels::ops::KvType):
-// a row of w values is w int8 quants, then an f16 scale per 32 values, padded
-// to 16 bytes (kv_rs), so a row's bytes are its own and 16-byte aligned.
-__device__ __forceinline__ size_t kv_rs(size_t w) { return (w + 2 * ((w + 31) / 32) + 15) & ~(size_t)15; }
+// KV formats: 0 f32, 1 f16 bits, 2 q8_0 rows, 3 q4_0 rows
+// (pulsar_kernels::ops::KvType). A q8_0 row of w values is w int8 quants,
+// then an f16 scale per 32 values; a q4_0 row is 16 bytes of nibbles per 32
+// values (byte j: value j low, value j + 16 high), then the scales; both
+// padded to 16 bytes (kv_rs), so a row's bytes are its own and 16-byte
+// aligned.
+template <int KV> __device__ __forceinline__ size_t kv_rs(size_t w) {
+    const size_t nb = (w + 31) / 32;
+    return ((KV == 2 ? w + 2 * nb : 18 * nb) + 15) & ~(size_t)15;
+}
+// Byte offset of block b's scale in a row of w values.
+template <int KV> __device__ __forceinline__ size_t kv_scale_at(size_t w, size_t b) {
+    return (KV == 2 ? w : 16 * ((w + 31) / 32)) + 2 * b;
+}
 
 // Value `col` of row j of a cache of rows of w values.
 template <int KV> __device__ __forceinline__ float ldkv(const void* p, size_t j, size_t w, size_t col) {
     if (KV == 0) return ((const float*)p)[j * w + col];
     if (KV == 1) return h2f(((const u16*)p)[j * w + col]);
-    const u8* row = (const u8*)p + j * kv_rs(w);
-    return __fmul_rn((float)(signed char)row[col], h2f(((const u16*)(row + w))[col >> 5]));
+    const u8* row = (const u8*)p + j * kv_rs<KV>(w);
+    const float d = h2f(*(const u16*)(row + kv_scale_at<KV>(w, col >> 5)));
+    if (KV == 2) return __fmul_rn((float)(signed char)row[col], d);
+    const int q = (row[16 * (col >> 5) + (col & 15)] >> (4 * ((col >> 4) & 1))) & 15;
+    return __fmul_rn((float)(q - 8), d);
 }
 
-// The first byte of row j's values from `col` on (col a multiple of 32 for q8_0).
+// The first byte of row j's values from `col` on (col a multiple of 32 for
+// the blocked formats).
 template <int KV> __device__ __forceinline__ const u8* kv_seg(const void* p, size_t j, size_t w, size_t col) {
-    if (KV == 2) return (const u8*)p + j * kv_rs(w) + col;
+    if (KV == 2) return (const u8*)p + j * kv_rs<KV>(w) + col;
+    if (KV == 3) return (const u8*)p + j * kv_rs<KV>(w) + col / 2;
     return (const u8*)p + (j * w + col) * (KV ? 2 : 4);
 }
-// q8_0: bytes from such a segment's start to its first scale (the same for every row).
-__device__ __forceinline__ int kv_sofs(size_t w, size_t col) { return (int)(w - col + 2 * (col / 32)); }
+// Blocked formats: bytes from such a segment's start to its first scale (the
+// same for every row).
+template <int KV> __device__ __forceinline__ int kv_sofs(size_t w, size_t col) {
+    return (int)(kv_scale_at<KV>(w, col / 32) - (KV == 2 ? col : col / 2));
+}
 
 template <int KV>
 __device__ __forceinline__ void attn_partial(const float* q, const u32* positions, const void* k, const void* v,
@@ -122,6 +140,7 @@ __device__ __forceinline__ void attn_partial(const float* q, const u32* position
 ATT_ENTRY(f32, 0)
 ATT_ENTRY(f16, 1)
 ATT_ENTRY(q8_0, 2)
+ATT_ENTRY(q4_0, 3)
 
 // M = max m_s; L = sum_s exp(m_s - M) l_s and o = (sum_s exp(m_s - M) o_s) / L,
 // each sum over the splits in order from +0 (splits without keys skipped).
@@ -206,19 +225,48 @@ __device__ __forceinline__ void kv_put_q8(const float* x, int w, int b, u8* row,
     }
     if (lane == 0) ((u16*)(row + w))[b] = (u16)f2h(d);
     const int pad0 = w + 2 * nb;
-    if (b == nb - 1 && pad0 + lane < (int)kv_rs(w)) row[pad0 + lane] = 0;
+    if (b == nb - 1 && pad0 + lane < (int)kv_rs<2>(w)) row[pad0 + lane] = 0;
+}
+// The same for q4_0 (KvType::put_row's q4_0_row): max = the first value of
+// the largest |x| (a NaN passed over; 0 where all are 0), d = max / -8,
+// quants min(15, trunc(x * (1 / d) + 8.5)) (8 for a NaN and for the padding
+// of a short block); lane j < 16 writes byte j (values j and j + 16).
+__device__ __forceinline__ void kv_put_q4(const float* x, int w, int b, u8* row, int lane) {
+    const int i0 = b * 32, n = min(32, w - i0), nb = (w + 31) / 32;
+    const float xv = lane < n ? x[i0 + lane] : 0.0f;
+    float a = xv != xv ? -1.0f : fabsf(xv);
+    int at = lane;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float a2 = __shfl_xor_sync(FULL_MASK, a, o);
+        const int at2 = __shfl_xor_sync(FULL_MASK, at, o);
+        if (a2 > a || (a2 == a && at2 < at)) a = a2, at = at2;
+    }
+    const float mx = __shfl_sync(FULL_MASK, xv, at);
+    const float max = a > 0.0f ? mx : 0.0f;
+    const float d = __fdiv_rn(max, -8.0f), id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const int q = xv != xv ? 8 : min(15, (int)__fadd_rn(__fmul_rn(xv, id), 8.5f));
+    const int hi = __shfl_down_sync(FULL_MASK, q, 16);
+    if (lane < 16) row[16 * b + lane] = (u8)(q | (hi << 4));
+    if (lane == 0) ((u16*)(row + 16 * nb))[b] = (u16)f2h(d);
+    const int pad0 = 18 * nb;
+    if (b == nb - 1 && pad0 + lane < (int)kv_rs<3>(w)) row[pad0 + lane] = 0;
 }
 template <int KV>
 __device__ __forceinline__ void kv_write_row(const float* k, const float* v, int r, u32 pos, void* kc, void* vc, int kw,
                                              int vw) {
-    if (KV == 2) {
-        // A warp per block (the loop is warp-uniform: warp_max needs all 32 lanes).
+    if (KV >= 2) {
+        // A warp per block (the loop is warp-uniform: the reductions need all 32 lanes).
         const int nbk = (kw + 31) / 32, nbv = (vw + 31) / 32, lane = threadIdx.x & 31;
         for (int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nbk + nbv; b += (gridDim.x * blockDim.x) >> 5) {
-            if (b < nbk)
-                kv_put_q8(k + (size_t)r * kw, kw, b, (u8*)kc + pos * kv_rs(kw), lane);
+            const bool isk = b < nbk;
+            const float* x = isk ? k + (size_t)r * kw : v + (size_t)r * vw;
+            const int w = isk ? kw : vw;
+            u8* row = (u8*)(isk ? kc : vc) + pos * kv_rs<KV>(w);
+            if (KV == 2)
+                kv_put_q8(x, w, isk ? b : b - nbk, row, lane);
             else
-                kv_put_q8(v + (size_t)r * vw, vw, b - nbk, (u8*)vc + pos * kv_rs(vw), lane);
+                kv_put_q4(x, w, isk ? b : b - nbk, row, lane);
         }
         return;
     }
@@ -241,6 +289,7 @@ __device__ __forceinline__ void kv_write_row(const float* k, const float* v, int
 KV_WRITE_ENTRY(, 0)
 KV_WRITE_ENTRY(_f16, 1)
 KV_WRITE_ENTRY(_q8_0, 2)
+KV_WRITE_ENTRY(_q4_0, 3)
 
 // Rows of several sequences in one launch, each over its own cache (a
 // batched step of the server): row t's layer cache is at kcs[t] / vcs[t].
@@ -259,6 +308,7 @@ KV_WRITE_ENTRY(_q8_0, 2)
 ATT_ROWS_ENTRY(f32, 0)
 ATT_ROWS_ENTRY(f16, 1)
 ATT_ROWS_ENTRY(q8_0, 2)
+ATT_ROWS_ENTRY(q4_0, 3)
 
 // kv_write for rows of several sequences: row r goes to kcs[r] / vcs[r], each
 // a cache of n_ctx rows.
@@ -274,6 +324,7 @@ ATT_ROWS_ENTRY(q8_0, 2)
 KV_WRITE_ROWS_ENTRY(, 0)
 KV_WRITE_ROWS_ENTRY(_f16, 1)
 KV_WRITE_ROWS_ENTRY(_q8_0, 2)
+KV_WRITE_ROWS_ENTRY(_q4_0, 3)
 
 // ---- Prefill: the same `part` as attn_partial, bit for bit, for many queries.
 // A block takes one kv head, AP_ROWS consecutive (query, head-of-the-group)
@@ -335,14 +386,16 @@ template <int N> __device__ __forceinline__ void ap_st(float* p, const float (&x
         for (int i = 0; i < N; i += 4) *(float4*)(p + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
     }
 }
-// Element e of a 16-byte granule of f32 (KV 0), f16 (KV 1) or q8_0 quant
-// (KV 2, unscaled) values.
+// Element e of a 16-byte granule of f32 (KV 0), f16 (KV 1), q8_0 (KV 2) or
+// q4_0 (KV 3: a whole block, e's nibble) values, the quants unscaled.
 template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
-    constexpr int PW = KV == 0 ? 1 : KV == 1 ? 2 : 4;  // values a word
-    u32 w = e < PW ? g.x : e < 2 * PW ? g.y : e < 3 * PW ? g.z : g.w;
+    constexpr int PW = KV == 0 ? 1 : KV == 1 ? 2 : 4;  // values (bytes for q4_0) a word
+    const int byte = KV == 3 ? (e & 15) : e;
+    u32 w = byte < PW ? g.x : byte < 2 * PW ? g.y : byte < 3 * PW ? g.z : g.w;
     if (KV == 0) return __uint_as_float(w);
     if (KV == 1) return h2f((u16)((e & 1) ? w >> 16 : w & 0xffffu));
-    return (float)(signed char)((w >> (8 * (e & 3))) & 0xffu);
+    if (KV == 2) return (float)(signed char)((w >> (8 * (e & 3))) & 0xffu);
+    return (float)((int)((w >> (8 * (byte & 3) + 4 * (e >> 4))) & 15u) - 8);
 }
 
 // N rows of D values (f32, or f16 / q8_0 widened) staged into shared memory
@@ -351,14 +404,14 @@ template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
 // arithmetic. Lane-major (LANE): a unit (row, a) loads 16-byte granules
 // a + A c (c < D/32) of EPG values, whose values e are lane EPG a + e's; else
 // a unit is a granule stored in place. A q8_0 granule is 16 quants of one
-// block, whose scale is at the row segment's start + sofs (kv_sofs) + 2 x the
-// block: c (lane-major) or a / 2.
+// block, a q4_0 one a whole block; its scale is at the row segment's start +
+// sofs (kv_sofs) + 2 x the block: c (lane-major), else a EPG / 32.
 template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS> struct ApStage {
-    static constexpr int EPG = KV == 0 ? 4 : KV == 1 ? 8 : 16, A = 32 / EPG, NT = D / 32;
+    static constexpr int EPG = KV == 0 ? 4 : KV == 1 ? 8 : KV == 2 ? 16 : 32, A = 32 / EPG, NT = D / 32;
     static constexpr int G = LANE ? NT : 1;                    // granules a unit
     static constexpr int UR = LANE ? A : D / EPG;              // units a row
     static constexpr int NU = N * UR, UPT = (NU + THREADS - 1) / THREADS;
-    static constexpr int SG = KV == 2 ? G : 1, SU = KV == 2 ? UPT : 1;
+    static constexpr int SG = KV >= 2 ? G : 1, SU = KV >= 2 ? UPT : 1;
     uint4 g[UPT][G];
     float sc[SU][SG];  // q8_0 scales
     int sofs = 0;
@@ -373,14 +426,14 @@ template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS>
             const uint4* p = (const uint4*)b;
 #pragma unroll
             for (int c = 0; c < G; c++) g[k][c] = ok ? p[LANE ? a + A * c : a] : make_uint4(0, 0, 0, 0);
-            if constexpr (KV == 2) {
+            if constexpr (KV >= 2) {
 #pragma unroll
-                for (int c = 0; c < G; c++) sc[k][c] = ok ? h2f(((const u16*)(b + sofs))[LANE ? c : a >> 1]) : 0.0f;
+                for (int c = 0; c < G; c++) sc[k][c] = ok ? h2f(((const u16*)(b + sofs))[LANE ? c : a * EPG / 32]) : 0.0f;
             }
         }
     }
     __device__ __forceinline__ float el(int k, int c, int e) const {
-        if constexpr (KV == 2) return __fmul_rn(ap_el<2>(g[k][c], e), sc[k][c]);
+        if constexpr (KV >= 2) return __fmul_rn(ap_el<KV>(g[k][c], e), sc[k][c]);
         return ap_el<KV>(g[k][c], e);
     }
     __device__ __forceinline__ void store(float* dst) const {
@@ -548,7 +601,7 @@ __device__ __forceinline__ void attn_prefill(const float* q, const u32* position
     }
     ApStage<KV, KT, DK, true, KS> kst;
     ApStage<KV, KT, DV, false, KS> vst;
-    kst.sofs = kv_sofs(kw, (size_t)kvh * DK), vst.sofs = kv_sofs(vw, (size_t)kvh * DV);
+    kst.sofs = kv_sofs<KV>(kw, (size_t)kvh * DK), vst.sofs = kv_sofs<KV>(vw, (size_t)kvh * DV);
     kst.load([&](int r) { return krow(J0 + r); }, J1 - J0);
 
     // Scores. Warp tile: 32 rows (half rh) x WK keys (group kq); lane (rg, kg)
@@ -734,12 +787,15 @@ __device__ __forceinline__ void attn_prefill(const float* q, const u32* position
 AP_ENTRY(f32_d64, 0, 64)
 AP_ENTRY(f16_d64, 1, 64)
 AP_ENTRY(q8_0_d64, 2, 64)
+AP_ENTRY(q4_0_d64, 3, 64)
 AP_ENTRY(f32_d128, 0, 128)
 AP_ENTRY(f16_d128, 1, 128)
 AP_ENTRY(q8_0_d128, 2, 128)
+AP_ENTRY(q4_0_d128, 3, 128)
 AP_ENTRY(f32_d256, 0, 256)
 AP_ENTRY(f16_d256, 1, 256)
 AP_ENTRY(q8_0_d256, 2, 256)
+AP_ENTRY(q4_0_d256, 3, 256)
 
 // ---- Decode with a GQA group's heads together: attn_partial's `part`, bit
 // for bit, each k / v row read once per block instead of once per head (the
@@ -841,7 +897,7 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
     const size_t kw = (size_t)n_kv_head * DK, vw = (size_t)n_kv_head * dv;
     auto krow = [&](int j) { return kv_seg<KV>(k, j, kw, (size_t)kvh * DK); };
     ApStage<KV, KT, DK, true, KS, AD_THREADS> kst;
-    kst.sofs = kv_sofs(kw, (size_t)kvh * DK);
+    kst.sofs = kv_sofs<KV>(kw, (size_t)kvh * DK);
     kst.load([&](int r) { return krow(j0 + r); }, n);
     for (int i = tid; i < gb * DK; i += AD_THREADS) {
         int g = i / DK, d = i % DK;
@@ -869,7 +925,7 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
     }
     auto vrow = [&](int j) { return kv_seg<KV>(v, j, vw, (size_t)kvh * DK); };
     ApStage<KV, KT, DK, false, KS, AD_THREADS> vst;
-    vst.sofs = kv_sofs(vw, (size_t)kvh * DK);
+    vst.sofs = kv_sofs<KV>(vw, (size_t)kvh * DK);
     vst.load([&](int r) { return vrow(j0 + r); }, n);  // arrives during the softmax
     __syncthreads();
     // Softmax, per head as attn_partial reduces it.
@@ -973,18 +1029,24 @@ __device__ __forceinline__ void attn_decode(const float* q, const u32* positions
 AD_ENTRY(f32_d64, 0, 64)
 AD_ENTRY(f16_d64, 1, 64)
 AD_ENTRY(q8_0_d64, 2, 64)
+AD_ENTRY(q4_0_d64, 3, 64)
 AD_ENTRY(f32_d128, 0, 128)
 AD_ENTRY(f16_d128, 1, 128)
 AD_ENTRY(q8_0_d128, 2, 128)
+AD_ENTRY(q4_0_d128, 3, 128)
 AD_ENTRY(f32_d256, 0, 256)
 AD_ENTRY(f16_d256, 1, 256)
 AD_ENTRY(q8_0_d256, 2, 256)
+AD_ENTRY(q4_0_d256, 3, 256)
 AD_ROWS_ENTRY(f32_d64, 0, 64)
 AD_ROWS_ENTRY(f16_d64, 1, 64)
 AD_ROWS_ENTRY(q8_0_d64, 2, 64)
+AD_ROWS_ENTRY(q4_0_d64, 3, 64)
 AD_ROWS_ENTRY(f32_d128, 0, 128)
 AD_ROWS_ENTRY(f16_d128, 1, 128)
 AD_ROWS_ENTRY(q8_0_d128, 2, 128)
+AD_ROWS_ENTRY(q4_0_d128, 3, 128)
 AD_ROWS_ENTRY(f32_d256, 0, 256)
 AD_ROWS_ENTRY(f16_d256, 1, 256)
 AD_ROWS_ENTRY(q8_0_d256, 2, 256)
+AD_ROWS_ENTRY(q4_0_d256, 3, 256)

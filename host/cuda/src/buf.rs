@@ -29,6 +29,8 @@ unsafe impl Pod for u32 {}
 unsafe impl Pod for i32 {}
 unsafe impl Pod for u64 {}
 unsafe impl Pod for f32 {}
+// SAFETY: a transparent byte.
+unsafe impl Pod for crate::ops::KvQ4 {}
 
 /// `len` values of `T` in device memory.
 pub struct DeviceBuf<T: Pod> {

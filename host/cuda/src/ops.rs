@@ -149,6 +149,15 @@ impl KvElem for u8 {
     const ENTRY: usize = 2;
     const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::Q8_0;
 }
+/// A byte of a q4_0 KV cache's rows (`KvType::Q4_0.row_bytes`: the nibbles,
+/// then the f16 scales); its own type because q8_0 rows are `u8`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct KvQ4(pub u8);
+impl KvElem for KvQ4 {
+    const ENTRY: usize = 3;
+    const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::Q4_0;
+}
 
 /// The per-(token, slot) expert pointers of one MoE launch: device addresses
 /// of each pair's gate, up and down matrices, 0 for a pair this launch skips.

@@ -26,9 +26,10 @@ pub struct GpuArgs {
     #[arg(long, env = "PULSAR_DEVICE", default_value = "auto", help_heading = "Memory and streaming")]
     pub device: crate::session::DeviceChoice,
     /// The KV cache's format: f32, f16 (half the memory and the bandwidth
-    /// long-context decode spends on it), q8_0 (about a quarter; blocks of
-    /// 32 values with an f16 scale, as llama.cpp's), or bf16 (the CPU only
-    /// so far). Rows are rounded once, as they are written.
+    /// long-context decode spends on it), q8_0 (about a quarter) or q4_0
+    /// (an eighth; both blocks of 32 values with an f16 scale, as
+    /// llama.cpp's), or bf16 (bf16 and q4_0: the CPU only so far). Rows
+    /// are rounded once, as they are written.
     #[arg(long, env = "PULSAR_KV", default_value = "f32", value_name = "TYPE", help_heading = "Memory and streaming")]
     pub kv_type: pulsar_kernels::ops::KvType,
     /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.

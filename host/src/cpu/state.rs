@@ -18,8 +18,9 @@ enum KvBuf {
     F32(Vec<f32>),
     F16(Vec<u16>),
     Bf16(Vec<u16>),
-    /// Rows of `width` values, `KvType::Q8_0.row_bytes(width)` bytes each.
-    Q8_0 { data: Vec<u8>, width: usize },
+    /// Rows of `width` values in a blocked format (q8_0, q4_0),
+    /// `ty.row_bytes(width)` bytes each.
+    Blocks { ty: KvType, data: Vec<u8>, width: usize },
 }
 
 impl KvBuf {
@@ -29,7 +30,7 @@ impl KvBuf {
             KvType::F32 => KvBuf::F32(vec![0.0; w * n]),
             KvType::F16 => KvBuf::F16(vec![0; w * n]),
             KvType::Bf16 => KvBuf::Bf16(vec![0; w * n]),
-            KvType::Q8_0 => KvBuf::Q8_0 { data: vec![0; ty.row_bytes(w) * n], width: w },
+            KvType::Q8_0 | KvType::Q4_0 => KvBuf::Blocks { ty, data: vec![0; ty.row_bytes(w) * n], width: w },
         }
     }
     /// Values held (rows times width).
@@ -40,7 +41,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => 4 * v.len(),
             KvBuf::F16(v) | KvBuf::Bf16(v) => 2 * v.len(),
-            KvBuf::Q8_0 { data, .. } => data.len(),
+            KvBuf::Blocks { data, .. } => data.len(),
         }
     }
     fn kv_type(&self) -> KvType {
@@ -51,7 +52,7 @@ impl KvBuf {
             KvBuf::F32(v) => KvRows::F32(v),
             KvBuf::F16(v) => KvRows::F16(v),
             KvBuf::Bf16(v) => KvRows::Bf16(v),
-            KvBuf::Q8_0 { data, width } => KvRows::Q8_0 { data, width: *width },
+            KvBuf::Blocks { ty, data, width } => KvRows::Blocks { ty: *ty, data, width: *width },
         }
     }
     /// Store row `j` (`w` values).
@@ -61,7 +62,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => v[at..at + x.len()].copy_from_slice(x),
             KvBuf::F16(v) | KvBuf::Bf16(v) => v[at..at + x.len()].iter_mut().zip(x).for_each(|(o, &x)| *o = t.bits(x)),
-            KvBuf::Q8_0 { data, width } => {
+            KvBuf::Blocks { data, width, .. } => {
                 let rb = t.row_bytes(*width);
                 t.put_row(x, &mut data[j * rb..(j + 1) * rb]);
             }
@@ -73,7 +74,7 @@ impl KvBuf {
             KvBuf::F32(v) => KvRows::F32(&v[..n * w]),
             KvBuf::F16(v) => KvRows::F16(&v[..n * w]),
             KvBuf::Bf16(v) => KvRows::Bf16(&v[..n * w]),
-            KvBuf::Q8_0 { data, width } => KvRows::Q8_0 { data: &data[..n * KvType::Q8_0.row_bytes(*width)], width: *width },
+            KvBuf::Blocks { ty, data, width } => KvRows::Blocks { ty: *ty, data: &data[..n * ty.row_bytes(*width)], width: *width },
         }
     }
     /// Copy the first `n` rows of `w` values of `from` (the same format).
@@ -81,8 +82,8 @@ impl KvBuf {
         match (self, from) {
             (KvBuf::F32(d), KvBuf::F32(s)) => d[..n * w].copy_from_slice(&s[..n * w]),
             (KvBuf::F16(d), KvBuf::F16(s)) | (KvBuf::Bf16(d), KvBuf::Bf16(s)) => d[..n * w].copy_from_slice(&s[..n * w]),
-            (KvBuf::Q8_0 { data: d, .. }, KvBuf::Q8_0 { data: s, .. }) => {
-                let b = n * KvType::Q8_0.row_bytes(w);
+            (KvBuf::Blocks { ty, data: d, .. }, KvBuf::Blocks { ty: ts, data: s, .. }) if ty == ts => {
+                let b = n * ty.row_bytes(w);
                 d[..b].copy_from_slice(&s[..b])
             }
             _ => return Err("the two caches hold different KV formats".into()),
@@ -399,7 +400,7 @@ mod tests {
         b.copy_prefix(&a, 2).unwrap();
         let mut row = vec![0u8; 48];
         KvType::Q8_0.put_row(&k, &mut row);
-        let want = KvRows::Q8_0 { data: &row, width: 40 };
+        let want = KvRows::Blocks { ty: KvType::Q8_0, data: &row, width: 40 };
         let layer = b.layer(0).unwrap();
         assert_eq!(layer.keys(2).len(), 80);
         let (mut x, mut y) = ([0f32; 20], [0f32; 20]);

@@ -14,6 +14,14 @@
 //! via `x * (1 / d)`, rounding half away from zero) and read as `q * d`,
 //! which is exact in f32 (8 bits times 11), so the values attention reads do
 //! not depend on the order they are read in.
+//!
+//! q4_0 likewise: a row is one 16-byte group of nibbles per block of 32
+//! values (byte j holds value j in its low nibble and value j + 16 in its
+//! high one, as llama.cpp's `block_q4_0` does), then the blocks' f16 scales,
+//! padded to 16 bytes. A block is quantized as `quantize_row_q4_0` does
+//! (`d = max / -8` where `max` is the first value of the largest magnitude,
+//! `q = min(15, trunc(x * (1 / d) + 8.5))`), a short last block as if
+//! padded with zeros, and read as `(q - 8) * d`, exact in f32.
 
 use std::fmt;
 use std::str::FromStr;
@@ -26,13 +34,14 @@ pub enum KvType {
     F16,
     Bf16,
     Q8_0,
+    Q4_0,
 }
 
-/// Values per q8_0 block.
+/// Values per q8_0 / q4_0 block.
 pub const Q8_0_BLOCK: usize = 32;
 
 impl KvType {
-    pub const ALL: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0];
+    pub const ALL: [KvType; 5] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0, KvType::Q4_0];
 
     /// Bytes of one row of `w` values (q8_0: quants, scales, padding to 16).
     pub fn row_bytes(self, w: usize) -> usize {
@@ -40,6 +49,28 @@ impl KvType {
             KvType::F32 => 4 * w,
             KvType::F16 | KvType::Bf16 => 2 * w,
             KvType::Q8_0 => (w + 2 * w.div_ceil(Q8_0_BLOCK)).next_multiple_of(16),
+            KvType::Q4_0 => (18 * w.div_ceil(Q8_0_BLOCK)).next_multiple_of(16),
+        }
+    }
+
+    /// Whether rows are blocks of 32 values with a scale each (q8_0, q4_0).
+    pub fn is_blocked(self) -> bool {
+        matches!(self, KvType::Q8_0 | KvType::Q4_0)
+    }
+
+    /// Byte offset of block `b`'s scale in a row of `w` values (blocked formats).
+    fn scale_at(self, w: usize, b: usize) -> usize {
+        match self {
+            KvType::Q8_0 => w + 2 * b,
+            _ => 16 * w.div_ceil(Q8_0_BLOCK) + 2 * b,
+        }
+    }
+
+    /// The signed quant of value `i` of a blocked row.
+    fn quant(self, row: &[u8], i: usize) -> i32 {
+        match self {
+            KvType::Q8_0 => row[i] as i8 as i32,
+            _ => ((row[16 * (i / 32) + (i & 15)] >> (4 * ((i >> 4) & 1))) & 15) as i32 - 8,
         }
     }
 
@@ -49,6 +80,7 @@ impl KvType {
             KvType::F16 => "f16",
             KvType::Bf16 => "bf16",
             KvType::Q8_0 => "q8_0",
+            KvType::Q4_0 => "q4_0",
         }
     }
 
@@ -68,6 +100,7 @@ impl KvType {
             KvType::F32 => out.chunks_exact_mut(4).zip(x).for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
             KvType::F16 | KvType::Bf16 => out.chunks_exact_mut(2).zip(x).for_each(|(o, &v)| o.copy_from_slice(&self.bits(v).to_le_bytes())),
             KvType::Q8_0 => q8_0_row(x, out),
+            KvType::Q4_0 => q4_0_row(x, out),
         }
     }
 
@@ -83,7 +116,7 @@ impl KvType {
     pub fn round(self, x: f32) -> f32 {
         match self {
             KvType::F32 => x,
-            KvType::Q8_0 => panic!("q8_0 rounds blocks, not values"),
+            KvType::Q8_0 | KvType::Q4_0 => panic!("{self} rounds blocks, not values"),
             t => t.widen(t.bits(x)),
         }
     }
@@ -108,6 +141,39 @@ fn q8_0_row(x: &[f32], out: &mut [u8]) {
     rest[2 * w.div_ceil(Q8_0_BLOCK)..].fill(0);
 }
 
+/// One q4_0 row: for each block (a short one padded with zeros), `max` the
+/// first value of the largest |x| (NaN passed over), `d = max / -8` (stored
+/// as f16), quants `min(15, trunc(x * (1 / d) + 8.5))` (8 for a NaN).
+/// attention.cu's `kv_put_q4` does the same operations.
+fn q4_0_row(x: &[f32], out: &mut [u8]) {
+    let nb = x.len().div_ceil(Q8_0_BLOCK);
+    let (qs, rest) = out.split_at_mut(16 * nb);
+    for (b, blk) in x.chunks(Q8_0_BLOCK).enumerate() {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in blk {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let q = |j: usize| -> u8 {
+            let v = blk.get(j).copied().unwrap_or(0.0);
+            if v.is_nan() {
+                8
+            } else {
+                ((v * id + 8.5) as i32).min(15) as u8
+            }
+        };
+        for j in 0..16 {
+            qs[16 * b + j] = q(j) | (q(j + 16) << 4);
+        }
+        rest[2 * b..2 * b + 2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+    }
+    rest[2 * nb..].fill(0);
+}
+
 impl fmt::Display for KvType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -120,7 +186,7 @@ impl FromStr for KvType {
         KvType::ALL
             .into_iter()
             .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| format!("unknown KV cache type {s:?} (expected f32, f16, bf16 or q8_0)"))
+            .ok_or_else(|| format!("unknown KV cache type {s:?} (expected f32, f16, bf16, q8_0 or q4_0)"))
     }
 }
 
@@ -140,8 +206,9 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
-    /// Rows of `width` values, [`KvType::row_bytes`] each.
-    Q8_0 { data: &'a [u8], width: usize },
+    /// Rows of `width` values in a blocked format (q8_0, q4_0),
+    /// [`KvType::row_bytes`] each.
+    Blocks { ty: KvType, data: &'a [u8], width: usize },
 }
 
 impl<'a> KvRows<'a> {
@@ -149,7 +216,7 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(v) => v.len(),
             KvRows::F16(v) | KvRows::Bf16(v) => v.len(),
-            KvRows::Q8_0 { data, width } => data.len() / KvType::Q8_0.row_bytes(*width).max(1) * width,
+            KvRows::Blocks { ty, data, width } => data.len() / ty.row_bytes(*width).max(1) * width,
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -160,12 +227,12 @@ impl<'a> KvRows<'a> {
             KvRows::F32(_) => KvType::F32,
             KvRows::F16(_) => KvType::F16,
             KvRows::Bf16(_) => KvType::Bf16,
-            KvRows::Q8_0 { .. } => KvType::Q8_0,
+            KvRows::Blocks { ty, .. } => *ty,
         }
     }
 
     /// Values `[at, at + buf.len())` as f32: the cache's own slice for f32,
-    /// else widened into `buf` (q8_0: within one row).
+    /// else widened into `buf` (blocked formats: within one row).
     #[inline]
     pub fn get<'b>(&'b self, at: usize, buf: &'b mut [f32]) -> &'b [f32] {
         let n = buf.len();
@@ -180,11 +247,14 @@ impl<'a> KvRows<'a> {
                 buf.iter_mut().zip(&v[at..at + n]).for_each(|(o, &b)| *o = f32::from_bits((b as u32) << 16));
                 buf
             }
-            KvRows::Q8_0 { data, width } => {
+            KvRows::Blocks { ty, data, width } => {
                 let (j, c) = (at / width, at % width);
-                assert!(c + n <= width, "a q8_0 read across rows");
-                let row = &data[j * KvType::Q8_0.row_bytes(width)..];
-                let scale = |b: usize| half::f16::from_bits(u16::from_le_bytes([row[width + 2 * b], row[width + 2 * b + 1]])).to_f32();
+                assert!(c + n <= width, "a {ty} read across rows");
+                let row = &data[j * ty.row_bytes(width)..][..ty.row_bytes(width)];
+                let scale = |b: usize| {
+                    let s = ty.scale_at(width, b);
+                    half::f16::from_bits(u16::from_le_bytes([row[s], row[s + 1]])).to_f32()
+                };
                 let mut blk = usize::MAX;
                 let mut d = 0f32;
                 for (i, o) in (c..c + n).zip(buf.iter_mut()) {
@@ -192,7 +262,7 @@ impl<'a> KvRows<'a> {
                         blk = i / Q8_0_BLOCK;
                         d = scale(blk);
                     }
-                    *o = (row[i] as i8) as f32 * d;
+                    *o = ty.quant(row, i) as f32 * d;
                 }
                 buf
             }
@@ -239,7 +309,7 @@ mod tests {
             assert_eq!(t.name().parse::<KvType>(), Ok(t));
             assert_eq!(t.name().to_uppercase().parse::<KvType>(), Ok(t));
         }
-        assert!("q4_0".parse::<KvType>().unwrap_err().contains("q4_0"));
+        assert!("fp8".parse::<KvType>().unwrap_err().contains("fp8"));
     }
 
     #[test]
@@ -263,7 +333,7 @@ mod tests {
         let mut row = vec![0xaau8; 2 * rb];
         KvType::Q8_0.put_row(&x, &mut row[rb..]);
         KvType::Q8_0.put_row(&x[..40].iter().map(|v| -v).collect::<Vec<_>>(), &mut row[..rb]);
-        let rows = KvRows::Q8_0 { data: &row, width: 40 };
+        let rows = KvRows::Blocks { ty: KvType::Q8_0, data: &row, width: 40 };
         assert_eq!(rows.len(), 80);
         let mut buf = vec![0f32; 40];
         let got = rows.get(40, &mut buf).to_vec();
@@ -289,5 +359,43 @@ mod tests {
         KvType::Q8_0.put_row(&nan, &mut z);
         assert_eq!(z[3], 0);
         assert_eq!(z[0] as i8, 127);
+    }
+
+    #[test]
+    fn q4_0_rows_quantize_as_llama_cpp_and_read_back_exactly() {
+        // 40 values: a block of 32 and a short one of 8 (padded with zeros).
+        let mut x: Vec<f32> = (0..40).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.173).collect();
+        x[5] = -3.0; // the block's largest magnitude, negative: d > 0
+        x[9] = 3.0; // as large, later: the first one wins
+        let t = KvType::Q4_0;
+        assert_eq!(t.row_bytes(40), 48, "2 x 16 nibble bytes + 2 scales, padded to 16");
+        assert_eq!(t.row_bytes(512), 288);
+        let mut row = vec![0xaau8; 48];
+        t.put_row(&x, &mut row);
+        let mut got = vec![0f32; 40];
+        KvRows::Blocks { ty: t, data: &row, width: 40 }.get(0, &mut got);
+        for (b, blk) in x.chunks(32).enumerate() {
+            let max = blk.iter().copied().fold(0f32, |m, v| if m.abs() < v.abs() { v } else { m });
+            let d = max / -8.0;
+            let dh = half::f16::from_f32(d).to_f32();
+            for (i, &v) in blk.iter().enumerate() {
+                let q = ((v * (1.0 / d) + 8.5) as i32).min(15);
+                assert_eq!(got[32 * b + i], (q - 8) as f32 * dh, "{b} {i}");
+                // Half a step, but a whole one on the side opposite the max (quant 16 clips to 15).
+                assert!((got[32 * b + i] - v).abs() <= dh.abs() + max.abs() * 1e-3, "{b} {i}");
+            }
+        }
+        assert_eq!(got[5], -3.0f32 / -8.0 * -8.0, "the max maps to quant 0: -8 d");
+        // Read from the middle of the row (across the two blocks).
+        let mut mid = [0f32; 4];
+        assert_eq!(KvRows::Blocks { ty: t, data: &row, width: 40 }.get(30, &mut mid), &got[30..34]);
+        // Padding is zeroed; a NaN quantizes to 8 (the value 0).
+        assert!(row[36..].iter().all(|&b| b == 0));
+        let mut nan = [1.0f32; 32];
+        nan[3] = f32::NAN;
+        let mut z = vec![0u8; t.row_bytes(32)];
+        t.put_row(&nan, &mut z);
+        assert_eq!(z[3] & 15, 8);
+        assert_eq!(z[0] & 15, 0, "1.0 is the max: quant 0");
     }
 }

@@ -5,7 +5,7 @@
 //! other kernels' split partials compared with the per-query kernel's bit for
 //! bit (the `part` workspace attn_combine merges), positions past the cache
 //! too, and rows of several sequences' caches against each row alone; each
-//! in every cache format CUDA holds (f32, f16, q8_0).
+//! in every cache format CUDA holds (f32, f16, q8_0, q4_0).
 
 use pulsar_kernels::ops::{self, AttnParams, KvRows, KvType};
 use pulsar_kernels::quant::random_values;
@@ -14,7 +14,7 @@ use super::{compare, compare_bytes, poisoned, Cmp, Table};
 use crate::buf::DeviceBuf;
 use crate::device::CudaDevice;
 use crate::error::CudaError;
-use crate::ops::{attention_workspace_len, AttnKernel, KvElem};
+use crate::ops::{attention_workspace_len, AttnKernel, KvElem, KvQ4};
 
 fn params(n_head: usize, n_kv_head: usize, d: usize, scale: f32, window: usize, softcap: f32) -> AttnParams {
     AttnParams { n_head, n_kv_head, head_dim_k: d, head_dim_v: d, scale, window, softcap }
@@ -166,7 +166,7 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
 }
 
 /// The cache formats the CUDA kernels read.
-const KV_TYPES: [KvType; 3] = [KvType::F32, KvType::F16, KvType::Q8_0];
+const KV_TYPES: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Q8_0, KvType::Q4_0];
 
 /// A cache's rows of `w` values in format `kv`: the bytes to upload, as the
 /// element type its kernels take.
@@ -174,6 +174,7 @@ enum Enc {
     F32(Vec<f32>),
     F16(Vec<u16>),
     Q8(Vec<u8>),
+    Q4(Vec<KvQ4>),
 }
 
 /// Rows `x` of `w` values in format `kv`, and the values the format holds
@@ -194,9 +195,13 @@ fn encode(kv: KvType, x: &[f32], w: usize) -> (Enc, Vec<f32>) {
         }
         _ => {
             for (j, out) in vals.chunks_exact_mut(w).enumerate() {
-                KvRows::Q8_0 { data: &bytes, width: w }.get(j * w, out);
+                KvRows::Blocks { ty: kv, data: &bytes, width: w }.get(j * w, out);
             }
-            (Enc::Q8(bytes), vals)
+            if kv == KvType::Q4_0 {
+                (Enc::Q4(bytes.into_iter().map(KvQ4).collect()), vals)
+            } else {
+                (Enc::Q8(bytes), vals)
+            }
         }
     }
 }
@@ -217,6 +222,10 @@ macro_rules! with_caches {
                 let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
                 $body
             }
+            (Enc::Q4(a), Enc::Q4(b)) => {
+                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
+                $body
+            }
             _ => unreachable!("one format for k and v"),
         }
     };
@@ -231,6 +240,7 @@ fn available(dev: &CudaDevice, kv: KvType, kernel: AttnKernel, p: &AttnParams) -
     match kv {
         KvType::F16 => one::<u16>(dev, kernel, p),
         KvType::Q8_0 => one::<u8>(dev, kernel, p),
+        KvType::Q4_0 => one::<KvQ4>(dev, kernel, p),
         _ => one::<f32>(dev, kernel, p),
     }
 }
@@ -264,6 +274,7 @@ fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], kv: KvType, seed:
     match kv {
         KvType::F16 => rows_of(dev, p, &q, &pos, ctxs, &up!(F16)),
         KvType::Q8_0 => rows_of(dev, p, &q, &pos, ctxs, &up!(Q8)),
+        KvType::Q4_0 => rows_of(dev, p, &q, &pos, ctxs, &up!(Q4)),
         _ => rows_of(dev, p, &q, &pos, ctxs, &up!(F32)),
     }
 }

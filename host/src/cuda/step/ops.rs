@@ -282,6 +282,7 @@ impl<'a> CudaStep<'a> {
             Some((t, at)) => match ty {
                 KvType::F16 => unsafe { dev.kv_write_rows::<u16>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
                 KvType::Q8_0 => unsafe { dev.kv_write_rows::<u8>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
+                KvType::Q4_0 => unsafe { dev.kv_write_rows::<pulsar_cuda::KvQ4>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
                 _ => unsafe { dev.kv_write_rows::<f32>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
             }
             .map_err(err)?,
@@ -291,6 +292,7 @@ impl<'a> CudaStep<'a> {
                     Some((_, _, KvDev::F32(kc), KvDev::F32(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
                     Some((_, _, KvDev::F16(kc), KvDev::F16(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
                     Some((_, _, KvDev::Q8_0(kc), KvDev::Q8_0(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
+                    Some((_, _, KvDev::Q4_0(kc), KvDev::Q4_0(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
                     _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
                 }
                 .map_err(err)?;
@@ -307,12 +309,14 @@ impl<'a> CudaStep<'a> {
             Some((t, at)) => match ty {
                 KvType::F16 => unsafe { dev.attention_rows::<u16>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
                 KvType::Q8_0 => unsafe { dev.attention_rows::<u8>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
+                KvType::Q4_0 => unsafe { dev.attention_rows::<pulsar_cuda::KvQ4>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
                 _ => unsafe { dev.attention_rows::<f32>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
             },
             None => match &self.kvs[self.runs[0].2].layers[&state] {
                 (_, _, KvDev::F32(kc), KvDev::F32(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
                 (_, _, KvDev::F16(kc), KvDev::F16(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
                 (_, _, KvDev::Q8_0(kc), KvDev::Q8_0(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
+                (_, _, KvDev::Q4_0(kc), KvDev::Q4_0(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
                 _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
             },
         }
