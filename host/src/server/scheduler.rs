@@ -483,12 +483,15 @@ fn serve_loop<B: SeqBackend>(p: &EngineParts, mut engine: BatchEngine<B>, ubatch
             }
         }
         m.step(rows as u64, prompt_rows as u64, generated, t0.elapsed());
-        // Free the slot and update the gauge before the client hears "done".
+        // Free the slot and update the gauges (sequences and KV blocks)
+        // before the client hears "done": a client reading /metrics after
+        // its last response sees the pool as it is.
         done.sort_unstable();
         for &(i, reason) in done.iter().rev() {
             let mut a = active.remove(i);
             engine.free(a.seq);
             m.active_sequences.store(active.len() as u64, Relaxed);
+            m.kv(engine.kv_usage());
             a.finish(reason);
         }
     }
