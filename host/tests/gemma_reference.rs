@@ -116,11 +116,14 @@ fn kv_formats_against_transformers() {
         if t == KvType::F32 {
             kl_f32 = kl;
         }
-        // Measured (session 24): f32 0.00347, f16 0.00342, bf16 0.00351,
-        // q8_0 0.00396, q4_0 0.0978 (top-1 84.4%): four bits a value cost
-        // this model real accuracy (docs/kv-cache.md).
+        // Measured (sessions 24, 25): f32 0.00347, f16 0.00342, bf16
+        // 0.00351, q8_0 0.00396, fp8 0.00720 (top-1 95.5%), q4_0 0.0978
+        // (top-1 84.4%): four bits a value cost this model real accuracy,
+        // fp8's three mantissa bits a little (docs/kv-cache.md).
         if t == KvType::Q4_0 {
             assert!(top1 >= 0.8 && kl < 0.15, "kv {t}: top-1 agreement {top1}, mean KL {kl}");
+        } else if t == KvType::Fp8 {
+            assert!(top1 >= 0.94 && kl < kl_f32 + 6e-3, "kv {t}: top-1 agreement {top1}, mean KL {kl} against f32 KV's {kl_f32}");
         } else {
             assert!(top1 >= 0.95, "kv {t}: top-1 agreement {top1}");
             assert!(kl < kl_f32 + 2e-3, "kv {t}: mean KL {kl} against f32 KV's {kl_f32}");

@@ -9,19 +9,48 @@
 // exp_c/tanh_c of common.cuh.
 //
 // q: [n_q, n_head * dk]; k: [n_ctx, n_kv_head * dk]; v: [n_ctx, n_kv_head * dv]
-// (f32, f16, q8_0 or q4_0 rows as the entry's name says); positions: [n_q]; part: [n_q, n_head,
+// (f32, f16, bf16, fp8, q8_0 or q4_0 rows as the entry's name says); positions: [n_q]; part: [n_q, n_head,
 // n_split, dv + 2]; out: [n_q, n_head * dv]. A query sees keys
 // (pos - window, pos] (all of [0, pos] when window is 0). A position at or
 // beyond n_ctx gives NaN output.
 
 #define ATT_THREADS 128
 
-// KV formats: 0 f32, 1 f16 bits, 2 q8_0 rows, 3 q4_0 rows
-// (pulsar_kernels::ops::KvType). A q8_0 row of w values is w int8 quants,
+// KV formats: 0 f32, 1 f16 bits, 2 q8_0 rows, 3 q4_0 rows, 4 bf16 bits, 5
+// fp8 (e4m3) bytes (pulsar_kernels::ops::KvType). A q8_0 row of w values is w int8 quants,
 // then an f16 scale per 32 values; a q4_0 row is 16 bytes of nibbles per 32
 // values (byte j: value j low, value j + 16 high), then the scales; both
 // padded to 16 bytes (kv_rs), so a row's bytes are its own and 16-byte
 // aligned.
+// The formats of 32-value blocks with a scale each.
+__device__ __forceinline__ constexpr bool kv_blocked(int kv) { return kv == 2 || kv == 3; }
+// Bytes a value of the unblocked formats.
+__device__ __forceinline__ constexpr int kv_vbytes(int kv) { return kv == 0 ? 4 : kv == 5 ? 1 : 2; }
+
+// f32 -> bf16 bits, round to nearest even; a NaN stays a quiet NaN of its
+// sign (KvType's bf16_bits).
+__device__ __forceinline__ u32 f2bf(float x) {
+    const u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+// f32 -> e4m3 (E4M3FN), round to nearest even, saturated to +-448, NaN 0x7f
+// with its sign: KvType's e4m3_bits, step for step.
+__device__ __forceinline__ u32 f2e4m3(float x) {
+    const u32 u = __float_as_uint(x), s = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return s | 0x7fu;
+    if (a >= 0x43e00000u) return s | 0x7eu;
+    if (a < 0x3c800000u) return s | (u32)__float2int_rn(__fmul_rn(__uint_as_float(a), 512.0f));
+    return s | (((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3));
+}
+// The value of an e4m3 byte, exactly (KvType's e4m3_value).
+__device__ __forceinline__ float e4m3f(u32 b) {
+    const u32 e = (b >> 3) & 15u, m = b & 7u;
+    float mag = e == 0 ? __fmul_rn((float)m, 0.001953125f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    if (e == 15 && m == 7) mag = __int_as_float(0x7fc00000);
+    return (b & 0x80u) ? -mag : mag;
+}
+
 template <int KV> __device__ __forceinline__ size_t kv_rs(size_t w) {
     const size_t nb = (w + 31) / 32;
     return ((KV == 2 ? w + 2 * nb : 18 * nb) + 15) & ~(size_t)15;
@@ -35,6 +64,8 @@ template <int KV> __device__ __forceinline__ size_t kv_scale_at(size_t w, size_t
 template <int KV> __device__ __forceinline__ float ldkv(const void* p, size_t j, size_t w, size_t col) {
     if (KV == 0) return ((const float*)p)[j * w + col];
     if (KV == 1) return h2f(((const u16*)p)[j * w + col]);
+    if (KV == 4) return bf2f(((const u16*)p)[j * w + col]);
+    if (KV == 5) return e4m3f(((const u8*)p)[j * w + col]);
     const u8* row = (const u8*)p + j * kv_rs<KV>(w);
     const float d = h2f(*(const u16*)(row + kv_scale_at<KV>(w, col >> 5)));
     if (KV == 2) return __fmul_rn((float)(signed char)row[col], d);
@@ -47,12 +78,15 @@ template <int KV> __device__ __forceinline__ float ldkv(const void* p, size_t j,
 template <int KV> __device__ __forceinline__ const u8* kv_seg(const void* p, size_t j, size_t w, size_t col) {
     if (KV == 2) return (const u8*)p + j * kv_rs<KV>(w) + col;
     if (KV == 3) return (const u8*)p + j * kv_rs<KV>(w) + col / 2;
-    return (const u8*)p + (j * w + col) * (KV ? 2 : 4);
+    return (const u8*)p + (j * w + col) * kv_vbytes(KV);
 }
 // Blocked formats: bytes from such a segment's start to its first scale (the
-// same for every row).
+// same for every row); 0 for the others, which have no scales.
 template <int KV> __device__ __forceinline__ int kv_sofs(size_t w, size_t col) {
-    return (int)(kv_scale_at<KV>(w, col / 32) - (KV == 2 ? col : col / 2));
+    if constexpr (kv_blocked(KV))
+        return (int)(kv_scale_at<KV>(w, col / 32) - (KV == 2 ? col : col / 2));
+    else
+        return 0;
 }
 
 template <int KV>
@@ -141,6 +175,8 @@ ATT_ENTRY(f32, 0)
 ATT_ENTRY(f16, 1)
 ATT_ENTRY(q8_0, 2)
 ATT_ENTRY(q4_0, 3)
+ATT_ENTRY(bf16, 4)
+ATT_ENTRY(fp8, 5)
 
 // M = max m_s; L = sum_s exp(m_s - M) l_s and o = (sum_s exp(m_s - M) o_s) / L,
 // each sum over the splits in order from +0 (splits without keys skipped).
@@ -198,16 +234,20 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 }
 
 // Store a step's k and v rows in a layer's cache at the rows their positions
-// name (f32; f16 bits rounded to nearest even as the CPU's cache rounds
-// them; q8_0 blocks quantized as KvType::put_row does). The positions are
+// name (f32; f16 / bf16 / fp8 rounded to nearest even as the CPU's cache
+// rounds them; q8_0 / q4_0 blocks quantized as KvType::put_row does). The positions are
 // read here, not on the host, so a captured decode graph writes the right
 // cache row at every replay. A position at or beyond n_ctx is skipped (the
 // host refuses such steps before they run).
 template <int KV> __device__ __forceinline__ void kv_put(void* c, size_t i, float x) {
     if (KV == 0)
         ((float*)c)[i] = x;
-    else
+    else if (KV == 1)
         ((u16*)c)[i] = (u16)f2h(x);
+    else if (KV == 4)
+        ((u16*)c)[i] = (u16)f2bf(x);
+    else
+        ((u8*)c)[i] = (u8)f2e4m3(x);
 }
 // Block b of the q8_0 row `row` of the w values x, by one warp (lane i takes
 // value i): d = amax / 127 (as f16), quants round(x * (1 / d)) (0 where d is
@@ -255,7 +295,7 @@ __device__ __forceinline__ void kv_put_q4(const float* x, int w, int b, u8* row,
 template <int KV>
 __device__ __forceinline__ void kv_write_row(const float* k, const float* v, int r, u32 pos, void* kc, void* vc, int kw,
                                              int vw) {
-    if (KV >= 2) {
+    if constexpr (kv_blocked(KV)) {
         // A warp per block (the loop is warp-uniform: the reductions need all 32 lanes).
         const int nbk = (kw + 31) / 32, nbv = (vw + 31) / 32, lane = threadIdx.x & 31;
         for (int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nbk + nbv; b += (gridDim.x * blockDim.x) >> 5) {
@@ -290,6 +330,8 @@ KV_WRITE_ENTRY(, 0)
 KV_WRITE_ENTRY(_f16, 1)
 KV_WRITE_ENTRY(_q8_0, 2)
 KV_WRITE_ENTRY(_q4_0, 3)
+KV_WRITE_ENTRY(_bf16, 4)
+KV_WRITE_ENTRY(_fp8, 5)
 
 // Rows of several sequences in one launch, each over its own cache (a
 // batched step of the server): row t's layer cache is at kcs[t] / vcs[t].
@@ -309,6 +351,8 @@ ATT_ROWS_ENTRY(f32, 0)
 ATT_ROWS_ENTRY(f16, 1)
 ATT_ROWS_ENTRY(q8_0, 2)
 ATT_ROWS_ENTRY(q4_0, 3)
+ATT_ROWS_ENTRY(bf16, 4)
+ATT_ROWS_ENTRY(fp8, 5)
 
 // kv_write for rows of several sequences: row r goes to kcs[r] / vcs[r], each
 // a cache of n_ctx rows.
@@ -325,6 +369,8 @@ KV_WRITE_ROWS_ENTRY(, 0)
 KV_WRITE_ROWS_ENTRY(_f16, 1)
 KV_WRITE_ROWS_ENTRY(_q8_0, 2)
 KV_WRITE_ROWS_ENTRY(_q4_0, 3)
+KV_WRITE_ROWS_ENTRY(_bf16, 4)
+KV_WRITE_ROWS_ENTRY(_fp8, 5)
 
 // ---- Prefill: the same `part` as attn_partial, bit for bit, for many queries.
 // A block takes one kv head, AP_ROWS consecutive (query, head-of-the-group)
@@ -386,14 +432,17 @@ template <int N> __device__ __forceinline__ void ap_st(float* p, const float (&x
         for (int i = 0; i < N; i += 4) *(float4*)(p + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
     }
 }
-// Element e of a 16-byte granule of f32 (KV 0), f16 (KV 1), q8_0 (KV 2) or
-// q4_0 (KV 3: a whole block, e's nibble) values, the quants unscaled.
+// Element e of a 16-byte granule of f32 (KV 0), f16 (KV 1), q8_0 (KV 2),
+// q4_0 (KV 3: a whole block, e's nibble), bf16 (KV 4) or fp8 (KV 5) values,
+// the quants unscaled.
 template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
-    constexpr int PW = KV == 0 ? 1 : KV == 1 ? 2 : 4;  // values (bytes for q4_0) a word
+    constexpr int PW = KV == 0 ? 1 : (KV == 1 || KV == 4) ? 2 : 4;  // values (bytes for q4_0) a word
     const int byte = KV == 3 ? (e & 15) : e;
     u32 w = byte < PW ? g.x : byte < 2 * PW ? g.y : byte < 3 * PW ? g.z : g.w;
     if (KV == 0) return __uint_as_float(w);
     if (KV == 1) return h2f((u16)((e & 1) ? w >> 16 : w & 0xffffu));
+    if (KV == 4) return bf2f((u16)((e & 1) ? w >> 16 : w & 0xffffu));
+    if (KV == 5) return e4m3f((w >> (8 * (e & 3))) & 0xffu);
     if (KV == 2) return (float)(signed char)((w >> (8 * (e & 3))) & 0xffu);
     return (float)((int)((w >> (8 * (byte & 3) + 4 * (e >> 4))) & 15u) - 8);
 }
@@ -407,11 +456,11 @@ template <int KV> __device__ __forceinline__ float ap_el(uint4 g, int e) {
 // block, a q4_0 one a whole block; its scale is at the row segment's start +
 // sofs (kv_sofs) + 2 x the block: c (lane-major), else a EPG / 32.
 template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS> struct ApStage {
-    static constexpr int EPG = KV == 0 ? 4 : KV == 1 ? 8 : KV == 2 ? 16 : 32, A = 32 / EPG, NT = D / 32;
+    static constexpr int EPG = KV == 0 ? 4 : (KV == 1 || KV == 4) ? 8 : (KV == 2 || KV == 5) ? 16 : 32, A = 32 / EPG, NT = D / 32;
     static constexpr int G = LANE ? NT : 1;                    // granules a unit
     static constexpr int UR = LANE ? A : D / EPG;              // units a row
     static constexpr int NU = N * UR, UPT = (NU + THREADS - 1) / THREADS;
-    static constexpr int SG = KV >= 2 ? G : 1, SU = KV >= 2 ? UPT : 1;
+    static constexpr int SG = kv_blocked(KV) ? G : 1, SU = kv_blocked(KV) ? UPT : 1;
     uint4 g[UPT][G];
     float sc[SU][SG];  // q8_0 scales
     int sofs = 0;
@@ -426,14 +475,14 @@ template <int KV, int N, int D, bool LANE, int STRIDE, int THREADS = AP_THREADS>
             const uint4* p = (const uint4*)b;
 #pragma unroll
             for (int c = 0; c < G; c++) g[k][c] = ok ? p[LANE ? a + A * c : a] : make_uint4(0, 0, 0, 0);
-            if constexpr (KV >= 2) {
+            if constexpr (kv_blocked(KV)) {
 #pragma unroll
                 for (int c = 0; c < G; c++) sc[k][c] = ok ? h2f(((const u16*)(b + sofs))[LANE ? c : a * EPG / 32]) : 0.0f;
             }
         }
     }
     __device__ __forceinline__ float el(int k, int c, int e) const {
-        if constexpr (KV >= 2) return __fmul_rn(ap_el<KV>(g[k][c], e), sc[k][c]);
+        if constexpr (kv_blocked(KV)) return __fmul_rn(ap_el<KV>(g[k][c], e), sc[k][c]);
         return ap_el<KV>(g[k][c], e);
     }
     __device__ __forceinline__ void store(float* dst) const {
@@ -788,14 +837,20 @@ AP_ENTRY(f32_d64, 0, 64)
 AP_ENTRY(f16_d64, 1, 64)
 AP_ENTRY(q8_0_d64, 2, 64)
 AP_ENTRY(q4_0_d64, 3, 64)
+AP_ENTRY(bf16_d64, 4, 64)
+AP_ENTRY(fp8_d64, 5, 64)
 AP_ENTRY(f32_d128, 0, 128)
 AP_ENTRY(f16_d128, 1, 128)
 AP_ENTRY(q8_0_d128, 2, 128)
 AP_ENTRY(q4_0_d128, 3, 128)
+AP_ENTRY(bf16_d128, 4, 128)
+AP_ENTRY(fp8_d128, 5, 128)
 AP_ENTRY(f32_d256, 0, 256)
 AP_ENTRY(f16_d256, 1, 256)
 AP_ENTRY(q8_0_d256, 2, 256)
 AP_ENTRY(q4_0_d256, 3, 256)
+AP_ENTRY(bf16_d256, 4, 256)
+AP_ENTRY(fp8_d256, 5, 256)
 
 // ---- Decode with a GQA group's heads together: attn_partial's `part`, bit
 // for bit, each k / v row read once per block instead of once per head (the
@@ -1030,23 +1085,35 @@ AD_ENTRY(f32_d64, 0, 64)
 AD_ENTRY(f16_d64, 1, 64)
 AD_ENTRY(q8_0_d64, 2, 64)
 AD_ENTRY(q4_0_d64, 3, 64)
+AD_ENTRY(bf16_d64, 4, 64)
+AD_ENTRY(fp8_d64, 5, 64)
 AD_ENTRY(f32_d128, 0, 128)
 AD_ENTRY(f16_d128, 1, 128)
 AD_ENTRY(q8_0_d128, 2, 128)
 AD_ENTRY(q4_0_d128, 3, 128)
+AD_ENTRY(bf16_d128, 4, 128)
+AD_ENTRY(fp8_d128, 5, 128)
 AD_ENTRY(f32_d256, 0, 256)
 AD_ENTRY(f16_d256, 1, 256)
 AD_ENTRY(q8_0_d256, 2, 256)
 AD_ENTRY(q4_0_d256, 3, 256)
+AD_ENTRY(bf16_d256, 4, 256)
+AD_ENTRY(fp8_d256, 5, 256)
 AD_ROWS_ENTRY(f32_d64, 0, 64)
 AD_ROWS_ENTRY(f16_d64, 1, 64)
 AD_ROWS_ENTRY(q8_0_d64, 2, 64)
 AD_ROWS_ENTRY(q4_0_d64, 3, 64)
+AD_ROWS_ENTRY(bf16_d64, 4, 64)
+AD_ROWS_ENTRY(fp8_d64, 5, 64)
 AD_ROWS_ENTRY(f32_d128, 0, 128)
 AD_ROWS_ENTRY(f16_d128, 1, 128)
 AD_ROWS_ENTRY(q8_0_d128, 2, 128)
 AD_ROWS_ENTRY(q4_0_d128, 3, 128)
+AD_ROWS_ENTRY(bf16_d128, 4, 128)
+AD_ROWS_ENTRY(fp8_d128, 5, 128)
 AD_ROWS_ENTRY(f32_d256, 0, 256)
 AD_ROWS_ENTRY(f16_d256, 1, 256)
 AD_ROWS_ENTRY(q8_0_d256, 2, 256)
 AD_ROWS_ENTRY(q4_0_d256, 3, 256)
+AD_ROWS_ENTRY(bf16_d256, 4, 256)
+AD_ROWS_ENTRY(fp8_d256, 5, 256)

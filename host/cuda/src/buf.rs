@@ -29,8 +29,10 @@ unsafe impl Pod for u32 {}
 unsafe impl Pod for i32 {}
 unsafe impl Pod for u64 {}
 unsafe impl Pod for f32 {}
-// SAFETY: a transparent byte.
+// SAFETY: transparent wrappers of u8 / u16.
 unsafe impl Pod for crate::ops::KvQ4 {}
+unsafe impl Pod for crate::ops::KvBf16 {}
+unsafe impl Pod for crate::ops::KvFp8 {}
 
 /// `len` values of `T` in device memory.
 pub struct DeviceBuf<T: Pod> {

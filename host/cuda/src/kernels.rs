@@ -302,6 +302,32 @@ const ATTENTION: &[&str] = &[
     "attn_decode_rows_q4_0_d64",
     "attn_decode_rows_q4_0_d128",
     "attn_decode_rows_q4_0_d256",
+    "attn_partial_bf16",
+    "kv_write_bf16",
+    "attn_partial_rows_bf16",
+    "kv_write_rows_bf16",
+    "attn_prefill_bf16_d64",
+    "attn_prefill_bf16_d128",
+    "attn_prefill_bf16_d256",
+    "attn_decode_bf16_d64",
+    "attn_decode_bf16_d128",
+    "attn_decode_bf16_d256",
+    "attn_decode_rows_bf16_d64",
+    "attn_decode_rows_bf16_d128",
+    "attn_decode_rows_bf16_d256",
+    "attn_partial_fp8",
+    "kv_write_fp8",
+    "attn_partial_rows_fp8",
+    "kv_write_rows_fp8",
+    "attn_prefill_fp8_d64",
+    "attn_prefill_fp8_d128",
+    "attn_prefill_fp8_d256",
+    "attn_decode_fp8_d64",
+    "attn_decode_fp8_d128",
+    "attn_decode_fp8_d256",
+    "attn_decode_rows_fp8_d64",
+    "attn_decode_rows_fp8_d128",
+    "attn_decode_rows_fp8_d256",
 ];
 /// attn_combine: every format's.
 pub(crate) const ATT_COMBINE: usize = 2;
@@ -315,33 +341,33 @@ const ATT_DECODE_ROWS: usize = ATT_DECODE + 2 * ATT_PREFILL_DIMS.len();
 const KV_WRITE_F16: usize = ATT_DECODE_ROWS + 2 * ATT_PREFILL_DIMS.len();
 const ATT_ROWS_F16: usize = KV_WRITE_F16 + 1;
 const KV_WRITE_ROWS_F16: usize = ATT_ROWS_F16 + 1;
-/// The blocked caches' entries (q8_0, then q4_0, 13 each): attn_partial,
-/// kv_write, attn_partial_rows, kv_write_rows, then attn_prefill,
-/// attn_decode and attn_decode_rows by dim.
+/// The later formats' entries (q8_0, q4_0, bf16, then fp8: KvElem::ENTRY
+/// 2 to 5, 13 each): attn_partial, kv_write, attn_partial_rows,
+/// kv_write_rows, then attn_prefill, attn_decode and attn_decode_rows by dim.
 const ATT_Q8: usize = KV_WRITE_ROWS_F16 + 1;
-const ATT_BLOCKED: usize = 4 + 3 * ATT_PREFILL_DIMS.len();
-const fn att_blocked(kv: usize) -> usize {
-    ATT_Q8 + (kv - 2) * ATT_BLOCKED
+const ATT_LATE: usize = 4 + 3 * ATT_PREFILL_DIMS.len();
+const fn att_late(kv: usize) -> usize {
+    ATT_Q8 + (kv - 2) * ATT_LATE
 }
 /// attn_partial, kv_write, attn_partial_rows and kv_write_rows by cache
-/// format (KvElem::ENTRY: 0 f32, 1 f16, 2 q8_0, 3 q4_0).
-pub(crate) const ATT_PARTIAL_AT: [usize; 4] = [0, 1, att_blocked(2), att_blocked(3)];
-pub(crate) const KV_WRITE_AT: [usize; 4] = [3, KV_WRITE_F16, att_blocked(2) + 1, att_blocked(3) + 1];
-pub(crate) const ATT_ROWS_AT: [usize; 4] = [ATT_ROWS, ATT_ROWS_F16, att_blocked(2) + 2, att_blocked(3) + 2];
-pub(crate) const KV_WRITE_ROWS_AT: [usize; 4] = [KV_WRITE_ROWS, KV_WRITE_ROWS_F16, att_blocked(2) + 3, att_blocked(3) + 3];
+/// format (KvElem::ENTRY: 0 f32, 1 f16, 2 q8_0, 3 q4_0, 4 bf16, 5 fp8).
+pub(crate) const ATT_PARTIAL_AT: [usize; 6] = [0, 1, att_late(2), att_late(3), att_late(4), att_late(5)];
+pub(crate) const KV_WRITE_AT: [usize; 6] = [3, KV_WRITE_F16, att_late(2) + 1, att_late(3) + 1, att_late(4) + 1, att_late(5) + 1];
+pub(crate) const ATT_ROWS_AT: [usize; 6] = [ATT_ROWS, ATT_ROWS_F16, att_late(2) + 2, att_late(3) + 2, att_late(4) + 2, att_late(5) + 2];
+pub(crate) const KV_WRITE_ROWS_AT: [usize; 6] = [KV_WRITE_ROWS, KV_WRITE_ROWS_F16, att_late(2) + 3, att_late(3) + 3, att_late(4) + 3, att_late(5) + 3];
 /// attn_prefill_<kv>_d<dim>, attn_decode_<kv>_d<dim> and
 /// attn_decode_rows_<kv>_d<dim> for cache format kv and dim ATT_PREFILL_DIMS[i].
 pub(crate) const fn att_prefill_at(kv: usize, i: usize) -> usize {
-    if kv < 2 { ATT_PREFILL + 2 * i + kv } else { att_blocked(kv) + 4 + i }
+    if kv < 2 { ATT_PREFILL + 2 * i + kv } else { att_late(kv) + 4 + i }
 }
 pub(crate) const fn att_decode_at(kv: usize, i: usize) -> usize {
-    if kv < 2 { ATT_DECODE + 2 * i + kv } else { att_blocked(kv) + 4 + ATT_PREFILL_DIMS.len() + i }
+    if kv < 2 { ATT_DECODE + 2 * i + kv } else { att_late(kv) + 4 + ATT_PREFILL_DIMS.len() + i }
 }
 pub(crate) const fn att_decode_rows_at(kv: usize, i: usize) -> usize {
-    if kv < 2 { ATT_DECODE_ROWS + 2 * i + kv } else { att_blocked(kv) + 4 + 2 * ATT_PREFILL_DIMS.len() + i }
+    if kv < 2 { ATT_DECODE_ROWS + 2 * i + kv } else { att_late(kv) + 4 + 2 * ATT_PREFILL_DIMS.len() + i }
 }
 /// Cache formats the attention kernels are built for, by KvElem::ENTRY.
-pub(crate) const ATT_FORMATS: [&str; 4] = ["f32", "f16", "q8_0", "q4_0"];
+pub(crate) const ATT_FORMATS: [&str; 6] = ["f32", "f16", "q8_0", "q4_0", "bf16", "fp8"];
 /// Threads of an attn_decode block (AD_THREADS) and the most heads it takes (AD_HEADS).
 pub(crate) const ATT_DECODE_THREADS: u32 = 128;
 pub(crate) const ATT_DECODE_HEADS: usize = 16;

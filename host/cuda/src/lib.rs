@@ -23,7 +23,7 @@ pub use flag::HostFlag;
 pub mod ops;
 
 pub use ops::{
-    act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, AttnKernel, Gating, GemmKernel, KvElem, KvQ4,
+    act_bytes, attention_graph_ctx, attention_workspace_len, grouped_items_len, weight_bytes, AttnKernel, Gating, GemmKernel, kv_bytes, kv_elems, KvBf16, KvElem, KvFp8, KvQ4,
     ExpertRun, GemvPart, GroupedScratch, MoePairs, NormRopePart, PrimShape, RouterSpec, PRIM_RANK,
 };
 pub mod selftest;

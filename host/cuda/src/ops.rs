@@ -158,6 +158,77 @@ impl KvElem for KvQ4 {
     const ENTRY: usize = 3;
     const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::Q4_0;
 }
+/// bf16 bits of a bf16 KV cache; its own type because f16 caches are `u16`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct KvBf16(pub u16);
+impl KvElem for KvBf16 {
+    const ENTRY: usize = 4;
+    const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::Bf16;
+}
+/// An e4m3 byte of an fp8 KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct KvFp8(pub u8);
+impl KvElem for KvFp8 {
+    const ENTRY: usize = 5;
+    const KV_TYPE: pulsar_kernels::ops::KvType = pulsar_kernels::ops::KvType::Fp8;
+}
+
+/// `$body` with the type `$K` the element type of KV format `$ty` (a
+/// `pulsar_kernels::ops::KvType`): one monomorphised call per format, and a
+/// new format cannot be missed.
+#[macro_export]
+macro_rules! with_kv_elem {
+    ($ty:expr, $K:ident => $body:expr) => {
+        match $ty {
+            pulsar_kernels::ops::KvType::F32 => {
+                type $K = f32;
+                $body
+            }
+            pulsar_kernels::ops::KvType::F16 => {
+                type $K = u16;
+                $body
+            }
+            pulsar_kernels::ops::KvType::Bf16 => {
+                type $K = $crate::KvBf16;
+                $body
+            }
+            pulsar_kernels::ops::KvType::Q8_0 => {
+                type $K = u8;
+                $body
+            }
+            pulsar_kernels::ops::KvType::Q4_0 => {
+                type $K = $crate::KvQ4;
+                $body
+            }
+            pulsar_kernels::ops::KvType::Fp8 => {
+                type $K = $crate::KvFp8;
+                $body
+            }
+        }
+    };
+}
+
+/// Little-endian bytes (`KvType::put_row`'s) as the cache's elements.
+pub fn kv_elems<K: KvElem>(bytes: &[u8]) -> Vec<K> {
+    let n = bytes.len() / std::mem::size_of::<K>();
+    let mut v: Vec<K> = Vec::with_capacity(n);
+    // SAFETY: K is Pod (every bit pattern is a value; the x86-64 and CUDA
+    // hosts are little-endian) and v has room for n of them.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, n * std::mem::size_of::<K>());
+        v.set_len(n);
+    }
+    v
+}
+
+/// A cache's elements as little-endian bytes (what `KvType::put_row` writes).
+pub fn kv_bytes<K: KvElem>(elems: &[K]) -> Vec<u8> {
+    let n = std::mem::size_of_val(elems);
+    // SAFETY: K is Pod, so its bytes are plain data.
+    unsafe { std::slice::from_raw_parts(elems.as_ptr() as *const u8, n) }.to_vec()
+}
 
 /// The per-(token, slot) expert pointers of one MoE launch: device addresses
 /// of each pair's gate, up and down matrices, 0 for a pair this launch skips.

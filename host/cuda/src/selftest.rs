@@ -328,8 +328,10 @@ pub fn run(dev: &CudaDevice) -> Vec<SelfTestRow> {
         kv_write_case(dev, next()),
     );
     t.push("kv_write", "f16 cache, rounded as the CPU rounds", "3 rows k512 v256 into 16".into(), kv_write_f16_case(dev, next()));
-    t.push("kv_write", "q8_0 cache, quantized as the CPU quantizes", "3 rows k512 v80 into 16".into(), kv_write_blocked_case::<u8>(dev, |b| b, |b| b, next()));
-    t.push("kv_write", "q4_0 cache, quantized as the CPU quantizes", "3 rows k512 v80 into 16".into(), kv_write_blocked_case::<crate::ops::KvQ4>(dev, crate::ops::KvQ4, |b| b.0, next()));
+    for ty in { use pulsar_kernels::ops::KvType; [KvType::Bf16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8] } {
+        let case = crate::with_kv_elem!(ty, K => kv_write_format_case::<K>(dev, next()));
+        t.push("kv_write", &format!("{ty} cache, stored as the CPU stores it"), "3 rows k512 v80 into 16".into(), case);
+    }
     let soft = RouterSpec {
         k: 8,
         gating: Gating::Softmax,
@@ -840,15 +842,17 @@ fn kv_write_f16_case(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
     Ok(compare_bytes(&le(&got), &le(&want_k)))
 }
 
-/// `kv_write` into a blocked (q8_0 or q4_0: `K::KV_TYPE`) cache: each row
-/// quantized to the bytes the CPU cache (`KvType::put_row`) stores, padding
-/// included (v rows of 80 values: a short last block); the other rows alone.
-fn kv_write_blocked_case<K: crate::ops::KvElem>(dev: &CudaDevice, wrap: fn(u8) -> K, unwrap: fn(K) -> u8, seed: u64) -> Result<Cmp, CudaError> {
+/// `kv_write` into a cache of format `K::KV_TYPE`: each row stored as the
+/// bytes the CPU cache (`KvType::put_row`) stores, padding included (v rows
+/// of 80 values: a short last block of the blocked formats); the other rows
+/// alone.
+fn kv_write_format_case<K: crate::ops::KvElem>(dev: &CudaDevice, seed: u64) -> Result<Cmp, CudaError> {
+    use crate::ops::{kv_bytes, kv_elems};
     let (kw, vw, n_ctx, pos) = (512usize, 80usize, 16usize, [5u32, 2, 9]);
     let ty = K::KV_TYPE;
     // A zero block, a NaN, a block of halfway values (q8_0 quants), a block
     // whose largest magnitude comes twice with both signs (q4_0 takes the
-    // first), and random ones.
+    // first), values fp8 saturates or holds as subnormals, and random ones.
     let mut k = random_values(pos.len() * kw, seed);
     k[32..64].fill(0.0);
     k[70] = f32::NAN;
@@ -858,6 +862,10 @@ fn kv_write_blocked_case<K: crate::ops::KvElem>(dev: &CudaDevice, wrap: fn(u8) -
     k[127] = 127.0 * 0.5;
     k[130] = 5.0;
     k[140] = -5.0;
+    k[150] = 1000.0;
+    k[151] = -1e-3;
+    k[152] = 3e-3;
+    k[153] = f32::INFINITY;
     let v = random_values(pos.len() * vw, seed ^ 1);
     let rows = |x: &[f32], w: usize| {
         let rb = ty.row_bytes(w);
@@ -865,9 +873,8 @@ fn kv_write_blocked_case<K: crate::ops::KvElem>(dev: &CudaDevice, wrap: fn(u8) -
         x.chunks_exact(w).zip(out.chunks_exact_mut(rb)).for_each(|(r, o)| ty.put_row(r, o));
         out
     };
-    let wrapped = |b: &[u8]| b.iter().map(|&b| wrap(b)).collect::<Vec<K>>();
     let (kc0, vc0) = (rows(&random_values(n_ctx * kw, seed ^ 2), kw), rows(&random_values(n_ctx * vw, seed ^ 3), vw));
-    let (mut kc, mut vc) = (dev.upload(&wrapped(&kc0))?, dev.upload(&wrapped(&vc0))?);
+    let (mut kc, mut vc) = (dev.upload(&kv_elems::<K>(&kc0))?, dev.upload(&kv_elems::<K>(&vc0))?);
     dev.kv_write(dev.compute(), &dev.upload(&k)?, &dev.upload(&v)?, &dev.upload(&pos)?, kw, vw, &mut kc, &mut vc)?;
     let (mut want_k, mut want_v) = (kc0, vc0);
     let (kb, vb) = (ty.row_bytes(kw), ty.row_bytes(vw));
@@ -876,8 +883,8 @@ fn kv_write_blocked_case<K: crate::ops::KvElem>(dev: &CudaDevice, wrap: fn(u8) -
         want_k[p * kb..(p + 1) * kb].copy_from_slice(&rows(&k[r * kw..(r + 1) * kw], kw));
         want_v[p * vb..(p + 1) * vb].copy_from_slice(&rows(&v[r * vw..(r + 1) * vw], vw));
     }
-    let mut got: Vec<u8> = dev.download(&kc)?.into_iter().map(unwrap).collect();
-    got.extend(dev.download(&vc)?.into_iter().map(unwrap));
+    let mut got = kv_bytes(&dev.download(&kc)?);
+    got.extend(kv_bytes(&dev.download(&vc)?));
     want_k.extend(want_v);
     Ok(compare_bytes(&got, &want_k))
 }

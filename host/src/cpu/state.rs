@@ -18,9 +18,9 @@ enum KvBuf {
     F32(Vec<f32>),
     F16(Vec<u16>),
     Bf16(Vec<u16>),
-    /// Rows of `width` values in a blocked format (q8_0, q4_0),
+    /// Rows of `width` values in a byte format (q8_0, q4_0, fp8),
     /// `ty.row_bytes(width)` bytes each.
-    Blocks { ty: KvType, data: Vec<u8>, width: usize },
+    Bytes { ty: KvType, data: Vec<u8>, width: usize },
 }
 
 impl KvBuf {
@@ -30,7 +30,7 @@ impl KvBuf {
             KvType::F32 => KvBuf::F32(vec![0.0; w * n]),
             KvType::F16 => KvBuf::F16(vec![0; w * n]),
             KvType::Bf16 => KvBuf::Bf16(vec![0; w * n]),
-            KvType::Q8_0 | KvType::Q4_0 => KvBuf::Blocks { ty, data: vec![0; ty.row_bytes(w) * n], width: w },
+            KvType::Q8_0 | KvType::Q4_0 | KvType::Fp8 => KvBuf::Bytes { ty, data: vec![0; ty.row_bytes(w) * n], width: w },
         }
     }
     /// Values held (rows times width).
@@ -41,7 +41,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => 4 * v.len(),
             KvBuf::F16(v) | KvBuf::Bf16(v) => 2 * v.len(),
-            KvBuf::Blocks { data, .. } => data.len(),
+            KvBuf::Bytes { data, .. } => data.len(),
         }
     }
     fn kv_type(&self) -> KvType {
@@ -52,7 +52,7 @@ impl KvBuf {
             KvBuf::F32(v) => KvRows::F32(v),
             KvBuf::F16(v) => KvRows::F16(v),
             KvBuf::Bf16(v) => KvRows::Bf16(v),
-            KvBuf::Blocks { ty, data, width } => KvRows::Blocks { ty: *ty, data, width: *width },
+            KvBuf::Bytes { ty, data, width } => KvRows::Bytes { ty: *ty, data, width: *width },
         }
     }
     /// Store row `j` (`w` values).
@@ -62,7 +62,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => v[at..at + x.len()].copy_from_slice(x),
             KvBuf::F16(v) | KvBuf::Bf16(v) => v[at..at + x.len()].iter_mut().zip(x).for_each(|(o, &x)| *o = t.bits(x)),
-            KvBuf::Blocks { data, width, .. } => {
+            KvBuf::Bytes { data, width, .. } => {
                 let rb = t.row_bytes(*width);
                 t.put_row(x, &mut data[j * rb..(j + 1) * rb]);
             }
@@ -74,7 +74,7 @@ impl KvBuf {
             KvBuf::F32(v) => KvRows::F32(&v[..n * w]),
             KvBuf::F16(v) => KvRows::F16(&v[..n * w]),
             KvBuf::Bf16(v) => KvRows::Bf16(&v[..n * w]),
-            KvBuf::Blocks { ty, data, width } => KvRows::Blocks { ty: *ty, data: &data[..n * ty.row_bytes(*width)], width: *width },
+            KvBuf::Bytes { ty, data, width } => KvRows::Bytes { ty: *ty, data: &data[..n * ty.row_bytes(*width)], width: *width },
         }
     }
     /// Copy the first `n` rows of `w` values of `from` (the same format).
@@ -82,7 +82,7 @@ impl KvBuf {
         match (self, from) {
             (KvBuf::F32(d), KvBuf::F32(s)) => d[..n * w].copy_from_slice(&s[..n * w]),
             (KvBuf::F16(d), KvBuf::F16(s)) | (KvBuf::Bf16(d), KvBuf::Bf16(s)) => d[..n * w].copy_from_slice(&s[..n * w]),
-            (KvBuf::Blocks { ty, data: d, .. }, KvBuf::Blocks { ty: ts, data: s, .. }) if ty == ts => {
+            (KvBuf::Bytes { ty, data: d, .. }, KvBuf::Bytes { ty: ts, data: s, .. }) if ty == ts => {
                 let b = n * ty.row_bytes(w);
                 d[..b].copy_from_slice(&s[..b])
             }
@@ -382,11 +382,27 @@ mod tests {
             let mut buf = [0f32; 2];
             let layer = b.layer(0).unwrap();
             assert_eq!(layer.kv_type(), t);
-            assert_eq!(layer.keys(2).get(2, &mut buf), &[t.round(0.1), t.round(-3.7)]);
-            assert_eq!(layer.values(2).get(2, &mut buf), &[t.round(1e-3), 7.0]);
+            assert_eq!(layer.keys(2).get(2, &mut buf), &[t.round(0.1).unwrap(), t.round(-3.7).unwrap()]);
+            assert_eq!(layer.values(2).get(2, &mut buf), &[t.round(1e-3).unwrap(), 7.0]);
             assert!(b.layer_mut(0, 2, 2).unwrap().write(0, &[0.0; 3], &[0.0; 2]).is_err());
             assert!(SeqState::new(&p, 4, KvType::F32).copy_prefix(&a, 1).unwrap_err().contains("format"));
         }
+    }
+
+    #[test]
+    fn fp8_caches_take_a_byte_a_value_and_read_back_the_rounded_values() {
+        let p = plan(vec![StateSpec::kv(0, 1, 2, 2, 0)]);
+        let (mut a, mut b) = (SeqState::new(&p, 4, KvType::Fp8), SeqState::new(&p, 4, KvType::Fp8));
+        assert_eq!(a.bytes(), 8 + 8);
+        a.layer_mut(0, 2, 2).unwrap().write(1, &[0.1, -3.7], &[1e-3, 900.0]).unwrap();
+        b.copy_prefix(&a, 2).unwrap();
+        let mut buf = [0f32; 2];
+        let layer = b.layer(0).unwrap();
+        assert_eq!(layer.kv_type(), KvType::Fp8);
+        assert_eq!(layer.keys(2).get(2, &mut buf), &[0.1015625, -3.75]);
+        // 1e-3 is a subnormal (0.512 x 2^-9 rounds to 2^-9); 900 saturates.
+        assert_eq!(layer.values(2).get(2, &mut buf), &[1.0 / 512.0, 448.0]);
+        assert!(SeqState::new(&p, 4, KvType::Q8_0).copy_prefix(&a, 1).unwrap_err().contains("format"));
     }
 
     #[test]
@@ -400,7 +416,7 @@ mod tests {
         b.copy_prefix(&a, 2).unwrap();
         let mut row = vec![0u8; 48];
         KvType::Q8_0.put_row(&k, &mut row);
-        let want = KvRows::Blocks { ty: KvType::Q8_0, data: &row, width: 40 };
+        let want = KvRows::Bytes { ty: KvType::Q8_0, data: &row, width: 40 };
         let layer = b.layer(0).unwrap();
         assert_eq!(layer.keys(2).len(), 80);
         let (mut x, mut y) = ([0f32; 20], [0f32; 20]);

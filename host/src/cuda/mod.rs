@@ -462,75 +462,99 @@ pub enum KvDev {
     F32(DeviceBuf<f32>),
     /// f16 bits.
     F16(DeviceBuf<u16>),
+    Bf16(DeviceBuf<pulsar_cuda::KvBf16>),
     /// q8_0 rows (`KvType::Q8_0.row_bytes`).
     Q8_0(DeviceBuf<u8>),
     /// q4_0 rows (`KvType::Q4_0.row_bytes`).
     Q4_0(DeviceBuf<pulsar_cuda::KvQ4>),
+    /// e4m3 bytes.
+    Fp8(DeviceBuf<pulsar_cuda::KvFp8>),
+}
+
+/// `$body` over a layer's key and value buffers of one format (`$k`, `$v`
+/// bound to their typed buffers); `$mixed` where their formats differ.
+macro_rules! with_kv_pair {
+    ($pair:expr, |$k:ident, $v:ident| $body:expr, $mixed:expr) => {
+        match $pair {
+            ($crate::cuda::KvDev::F32($k), $crate::cuda::KvDev::F32($v)) => $body,
+            ($crate::cuda::KvDev::F16($k), $crate::cuda::KvDev::F16($v)) => $body,
+            ($crate::cuda::KvDev::Bf16($k), $crate::cuda::KvDev::Bf16($v)) => $body,
+            ($crate::cuda::KvDev::Q8_0($k), $crate::cuda::KvDev::Q8_0($v)) => $body,
+            ($crate::cuda::KvDev::Q4_0($k), $crate::cuda::KvDev::Q4_0($v)) => $body,
+            ($crate::cuda::KvDev::Fp8($k), $crate::cuda::KvDev::Fp8($v)) => $body,
+            _ => $mixed,
+        }
+    };
+}
+/// `$body` over one buffer (`$b` bound to it), whatever its element type.
+macro_rules! with_kv_buf {
+    ($kv:expr, |$b:ident| $body:expr) => {
+        match $kv {
+            $crate::cuda::KvDev::F32($b) => $body,
+            $crate::cuda::KvDev::F16($b) => $body,
+            $crate::cuda::KvDev::Bf16($b) => $body,
+            $crate::cuda::KvDev::Q8_0($b) => $body,
+            $crate::cuda::KvDev::Q4_0($b) => $body,
+            $crate::cuda::KvDev::Fp8($b) => $body,
+        }
+    };
+}
+pub(crate) use with_kv_pair;
+
+/// Elements of `b`'s type in `bytes` bytes.
+fn elems<T: pulsar_cuda::Pod>(_: &DeviceBuf<T>, bytes: usize) -> usize {
+    bytes / std::mem::size_of::<T>()
 }
 
 impl KvDev {
     /// `n` rows of `w` values.
     fn alloc(dev: &CudaDevice, ty: KvType, w: usize, n: usize, paged: bool) -> Result<KvDev, CudaBackendError> {
         let units = |b: usize| n * ty.row_bytes(w) / b;
+        // These formats' kernels compile and their self-test rows exist, but
+        // no GPU has run them yet: refused until the self-test passes them.
+        if matches!(ty, KvType::Q4_0 | KvType::Bf16 | KvType::Fp8) {
+            return Err(CudaBackendError::Other(format!(
+                "--kv-type {ty} on CUDA: its kernels are written but not yet checked on a GPU; use f16 or q8_0 on CUDA ({ty} runs on the CPU)"
+            )));
+        }
         Ok(match (ty, paged) {
             (KvType::F32, false) => KvDev::F32(dev.alloc(units(4))?),
             (KvType::F32, true) => KvDev::F32(dev.alloc_paged(units(4))?),
             (KvType::F16, false) => KvDev::F16(dev.alloc(units(2))?),
             (KvType::F16, true) => KvDev::F16(dev.alloc_paged(units(2))?),
+            (KvType::Bf16, false) => KvDev::Bf16(dev.alloc(units(2))?),
+            (KvType::Bf16, true) => KvDev::Bf16(dev.alloc_paged(units(2))?),
             (KvType::Q8_0, false) => KvDev::Q8_0(dev.alloc(units(1))?),
             (KvType::Q8_0, true) => KvDev::Q8_0(dev.alloc_paged(units(1))?),
-            // The q4_0 kernels compile and their self-test rows exist, but
-            // they have not yet run on a GPU: refused until the self-test
-            // has passed them (then: KvDev::Q4_0(dev.alloc / alloc_paged)).
-            (KvType::Q4_0, _) => {
-                return Err(CudaBackendError::Other(
-                    "--kv-type q4_0 on CUDA: its kernels are written but not yet checked on a GPU; use q8_0 or f16 on CUDA (q4_0 runs on the CPU)".into(),
-                ))
-            }
-            (t, _) => return Err(CudaBackendError::Other(format!("--kv-type {t} runs on the CPU only so far; on CUDA use f32, f16 or q8_0"))),
+            (KvType::Q4_0, false) => KvDev::Q4_0(dev.alloc(units(1))?),
+            (KvType::Q4_0, true) => KvDev::Q4_0(dev.alloc_paged(units(1))?),
+            (KvType::Fp8, false) => KvDev::Fp8(dev.alloc(units(1))?),
+            (KvType::Fp8, true) => KvDev::Fp8(dev.alloc_paged(units(1))?),
         })
     }
     pub fn kv_type(&self) -> KvType {
         match self {
             KvDev::F32(_) => KvType::F32,
             KvDev::F16(_) => KvType::F16,
+            KvDev::Bf16(_) => KvType::Bf16,
             KvDev::Q8_0(_) => KvType::Q8_0,
             KvDev::Q4_0(_) => KvType::Q4_0,
+            KvDev::Fp8(_) => KvType::Fp8,
         }
     }
     pub fn device_ptr(&self) -> u64 {
-        match self {
-            KvDev::F32(b) => b.device_ptr(),
-            KvDev::F16(b) => b.device_ptr(),
-            KvDev::Q8_0(b) => b.device_ptr(),
-            KvDev::Q4_0(b) => b.device_ptr(),
-        }
+        with_kv_buf!(self, |b| b.device_ptr())
     }
     pub fn bytes(&self) -> usize {
-        match self {
-            KvDev::F32(b) => b.bytes(),
-            KvDev::F16(b) => b.bytes(),
-            KvDev::Q8_0(b) => b.bytes(),
-            KvDev::Q4_0(b) => b.bytes(),
-        }
+        with_kv_buf!(self, |b| b.bytes())
     }
     pub fn backed_bytes(&self) -> usize {
-        match self {
-            KvDev::F32(b) => b.backed_bytes(),
-            KvDev::F16(b) => b.backed_bytes(),
-            KvDev::Q8_0(b) => b.backed_bytes(),
-            KvDev::Q4_0(b) => b.backed_bytes(),
-        }
+        with_kv_buf!(self, |b| b.backed_bytes())
     }
     /// Map memory for the first `n` rows of `w` values (a paged buffer).
     pub fn back(&mut self, w: usize, n: usize) -> Result<(), pulsar_cuda::CudaError> {
         let bytes = n * self.kv_type().row_bytes(w);
-        match self {
-            KvDev::F32(b) => b.back(bytes / 4),
-            KvDev::F16(b) => b.back(bytes / 2),
-            KvDev::Q8_0(b) => b.back(bytes),
-            KvDev::Q4_0(b) => b.back(bytes),
-        }
+        with_kv_buf!(self, |b| b.back(elems(b, bytes)))
     }
 }
 

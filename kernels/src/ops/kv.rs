@@ -22,6 +22,12 @@
 //! (`d = max / -8` where `max` is the first value of the largest magnitude,
 //! `q = min(15, trunc(x * (1 / d) + 8.5))`), a short last block as if
 //! padded with zeros, and read as `(q - 8) * d`, exact in f32.
+//!
+//! fp8 is one e4m3 byte per value (OCP `E4M3FN`: bias 7, no infinities,
+//! 0x7f / 0xff NaN, largest finite 448), no scale: a value is rounded to
+//! nearest even and saturated to ±448 (as CUDA's `__NV_SATFINITE`
+//! conversion does), and read back exactly. Its relative error is up to
+//! 2^-4, and values below 2^-6 lose precision as subnormals (down to 2^-9).
 
 use std::fmt;
 use std::str::FromStr;
@@ -35,13 +41,15 @@ pub enum KvType {
     Bf16,
     Q8_0,
     Q4_0,
+    /// e4m3, one byte a value.
+    Fp8,
 }
 
 /// Values per q8_0 / q4_0 block.
 pub const Q8_0_BLOCK: usize = 32;
 
 impl KvType {
-    pub const ALL: [KvType; 5] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0, KvType::Q4_0];
+    pub const ALL: [KvType; 6] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8];
 
     /// Bytes of one row of `w` values (q8_0: quants, scales, padding to 16).
     pub fn row_bytes(self, w: usize) -> usize {
@@ -50,6 +58,7 @@ impl KvType {
             KvType::F16 | KvType::Bf16 => 2 * w,
             KvType::Q8_0 => (w + 2 * w.div_ceil(Q8_0_BLOCK)).next_multiple_of(16),
             KvType::Q4_0 => (18 * w.div_ceil(Q8_0_BLOCK)).next_multiple_of(16),
+            KvType::Fp8 => w,
         }
     }
 
@@ -81,6 +90,7 @@ impl KvType {
             KvType::Bf16 => "bf16",
             KvType::Q8_0 => "q8_0",
             KvType::Q4_0 => "q4_0",
+            KvType::Fp8 => "fp8",
         }
     }
 
@@ -101,6 +111,7 @@ impl KvType {
             KvType::F16 | KvType::Bf16 => out.chunks_exact_mut(2).zip(x).for_each(|(o, &v)| o.copy_from_slice(&self.bits(v).to_le_bytes())),
             KvType::Q8_0 => q8_0_row(x, out),
             KvType::Q4_0 => q4_0_row(x, out),
+            KvType::Fp8 => out.iter_mut().zip(x).for_each(|(o, &v)| *o = e4m3_bits(v)),
         }
     }
 
@@ -112,12 +123,14 @@ impl KvType {
         }
     }
 
-    /// `x` as this format stores it, widened back: what attention reads.
-    pub fn round(self, x: f32) -> f32 {
+    /// `x` as this format stores it, widened back: what attention reads;
+    /// `None` for the blocked formats, which round blocks, not values.
+    pub fn round(self, x: f32) -> Option<f32> {
         match self {
-            KvType::F32 => x,
-            KvType::Q8_0 | KvType::Q4_0 => panic!("{self} rounds blocks, not values"),
-            t => t.widen(t.bits(x)),
+            KvType::F32 => Some(x),
+            KvType::Q8_0 | KvType::Q4_0 => None,
+            KvType::Fp8 => Some(e4m3_value(e4m3_bits(x))),
+            t => Some(t.widen(t.bits(x))),
         }
     }
 }
@@ -186,7 +199,49 @@ impl FromStr for KvType {
         KvType::ALL
             .into_iter()
             .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| format!("unknown KV cache type {s:?} (expected f32, f16, bf16, q8_0 or q4_0)"))
+            .or(matches!(s.trim().to_ascii_lowercase().as_str(), "fp8_e4m3" | "e4m3").then_some(KvType::Fp8))
+            .ok_or_else(|| format!("unknown KV cache type {s:?} (expected f32, f16, bf16, q8_0, q4_0 or fp8)"))
+    }
+}
+
+/// f32 to e4m3 (E4M3FN), round to nearest even, finite values beyond 448
+/// (and infinities) saturated to ±448, NaN to 0x7f with its sign
+/// (attention.cu's `f2e4m3`, the same integer steps).
+pub fn e4m3_bits(x: f32) -> u8 {
+    let u = x.to_bits();
+    let s = ((u >> 24) & 0x80) as u8;
+    let a = u & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
+        return s | 0x7f;
+    }
+    if a >= 0x43e0_0000 {
+        return s | 0x7e; // 448 and beyond
+    }
+    if a < 0x3c80_0000 {
+        // Below 2^-6: a subnormal m * 2^-9 (m = 8 is the smallest normal).
+        // Scaling by 2^9 is exact, so rounding the product rounds |x|.
+        return s | (f32::from_bits(a) * 512.0).round_ties_even() as u8;
+    }
+    // Normal: round the 23-bit mantissa to 3 bits (a carry bumps the
+    // exponent, as it should), then rebias 127 -> 7.
+    let r = (a + 0x7_ffff + ((a >> 20) & 1)) >> 20;
+    s | (r - ((127 - 7) << 3)) as u8
+}
+
+/// The value of an e4m3 byte, exactly.
+pub fn e4m3_value(b: u8) -> f32 {
+    let (e, m) = ((b >> 3) & 15, (b & 7) as u32);
+    let mag = if e == 15 && m == 7 {
+        f32::NAN
+    } else if e == 0 {
+        m as f32 / 512.0
+    } else {
+        f32::from_bits(((e as u32 + 120) << 23) | (m << 20))
+    };
+    if b & 0x80 != 0 {
+        -mag
+    } else {
+        mag
     }
 }
 
@@ -206,9 +261,9 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
-    /// Rows of `width` values in a blocked format (q8_0, q4_0),
+    /// Rows of `width` values in a byte format (q8_0, q4_0, fp8),
     /// [`KvType::row_bytes`] each.
-    Blocks { ty: KvType, data: &'a [u8], width: usize },
+    Bytes { ty: KvType, data: &'a [u8], width: usize },
 }
 
 impl<'a> KvRows<'a> {
@@ -216,7 +271,7 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(v) => v.len(),
             KvRows::F16(v) | KvRows::Bf16(v) => v.len(),
-            KvRows::Blocks { ty, data, width } => data.len() / ty.row_bytes(*width).max(1) * width,
+            KvRows::Bytes { ty, data, width } => data.len() / ty.row_bytes(*width).max(1) * width,
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -227,7 +282,7 @@ impl<'a> KvRows<'a> {
             KvRows::F32(_) => KvType::F32,
             KvRows::F16(_) => KvType::F16,
             KvRows::Bf16(_) => KvType::Bf16,
-            KvRows::Blocks { ty, .. } => *ty,
+            KvRows::Bytes { ty, .. } => *ty,
         }
     }
 
@@ -247,7 +302,11 @@ impl<'a> KvRows<'a> {
                 buf.iter_mut().zip(&v[at..at + n]).for_each(|(o, &b)| *o = f32::from_bits((b as u32) << 16));
                 buf
             }
-            KvRows::Blocks { ty, data, width } => {
+            KvRows::Bytes { ty: KvType::Fp8, data, .. } => {
+                buf.iter_mut().zip(&data[at..at + n]).for_each(|(o, &b)| *o = e4m3_value(b));
+                buf
+            }
+            KvRows::Bytes { ty, data, width } => {
                 let (j, c) = (at / width, at % width);
                 assert!(c + n <= width, "a {ty} read across rows");
                 let row = &data[j * ty.row_bytes(width)..][..ty.row_bytes(width)];
@@ -293,23 +352,25 @@ mod tests {
         assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
         assert_eq!(bf16_bits(1.0 + 3.0 / 512.0), 0x3f81);
         for x in [0.0f32, -0.0, 1.5, -3.25e-3, 6.5e4, f32::INFINITY, f32::MIN_POSITIVE] {
-            let r = KvType::Bf16.round(x);
-            assert_eq!(KvType::Bf16.round(r).to_bits(), r.to_bits(), "{x}");
+            let r = KvType::Bf16.round(x).unwrap();
+            assert_eq!(KvType::Bf16.round(r).unwrap().to_bits(), r.to_bits(), "{x}");
             assert!(r == x || (r - x).abs() <= x.abs() / 128.0, "{x} -> {r}");
         }
-        assert!(KvType::Bf16.round(f32::NAN).is_nan());
+        assert!(KvType::Bf16.round(f32::NAN).unwrap().is_nan());
         assert_eq!(bf16_bits(f32::MAX), 0x7f80, "overflow rounds to infinity");
     }
 
     #[test]
     fn f16_round_trips_and_names_parse() {
-        assert_eq!(KvType::F16.round(1.0 + 1.0 / 4096.0), 1.0);
-        assert_eq!(KvType::F16.round(65520.0), f32::INFINITY);
+        assert_eq!(KvType::F16.round(1.0 + 1.0 / 4096.0), Some(1.0));
+        assert_eq!(KvType::F16.round(65520.0), Some(f32::INFINITY));
+        assert_eq!(KvType::Q8_0.round(1.0), None, "blocks, not values");
         for t in KvType::ALL {
             assert_eq!(t.name().parse::<KvType>(), Ok(t));
             assert_eq!(t.name().to_uppercase().parse::<KvType>(), Ok(t));
         }
-        assert!("fp8".parse::<KvType>().unwrap_err().contains("fp8"));
+        assert_eq!("FP8_E4M3".parse::<KvType>(), Ok(KvType::Fp8));
+        assert!("fp16".parse::<KvType>().unwrap_err().contains("fp16"));
     }
 
     #[test]
@@ -319,8 +380,49 @@ mod tests {
         let b: Vec<u16> = v.iter().map(|&x| KvType::Bf16.bits(x)).collect();
         let mut buf = [0f32; 2];
         assert_eq!(KvRows::F32(&v).get(1, &mut buf), &v[1..3]);
-        assert_eq!(KvRows::F16(&h).get(1, &mut buf), &[-2.0, KvType::F16.round(0.1)]);
-        assert_eq!(KvRows::Bf16(&b).get(1, &mut buf), &[-2.0, KvType::Bf16.round(0.1)]);
+        assert_eq!(KvRows::F16(&h).get(1, &mut buf), &[-2.0, KvType::F16.round(0.1).unwrap()]);
+        assert_eq!(KvRows::Bf16(&b).get(1, &mut buf), &[-2.0, KvType::Bf16.round(0.1).unwrap()]);
+        let mut f = [0u8; 3];
+        KvType::Fp8.put_row(&v, &mut f);
+        assert_eq!(KvRows::Bytes { ty: KvType::Fp8, data: &f, width: 3 }.get(1, &mut buf), &[-2.0, KvType::Fp8.round(0.1).unwrap()]);
+    }
+
+    /// Every e4m3 byte, and the f32 values nearest each, against the
+    /// definition: the nearest representable value (ties to even
+    /// mantissas), saturated at 448.
+    #[test]
+    fn fp8_rounds_to_nearest_even_saturates_and_reads_back_exactly() {
+        let finite: Vec<(u8, f32)> = (0u8..=0x7e).map(|b| (b, e4m3_value(b))).collect();
+        assert_eq!(e4m3_value(0x7e), 448.0);
+        assert_eq!(e4m3_value(0x08), 1.0 / 64.0, "the smallest normal");
+        assert_eq!(e4m3_value(0x01), 1.0 / 512.0, "the smallest subnormal");
+        assert_eq!(e4m3_value(0x38), 1.0);
+        assert!(e4m3_value(0x7f).is_nan() && e4m3_value(0xff).is_nan());
+        assert_eq!(e4m3_value(0xb8), -1.0);
+        for w in finite.windows(2) {
+            assert!(w[0].1 < w[1].1, "monotonic at {:#x}", w[0].0);
+        }
+        // Each value and its sign flip round to themselves.
+        for &(b, v) in &finite {
+            assert_eq!(e4m3_bits(v), b, "{v}");
+            assert_eq!(e4m3_bits(-v), b | 0x80, "{v}");
+        }
+        // Midpoints go to the even mantissa; just off them, to the nearer.
+        for w in finite.windows(2) {
+            let ((b0, v0), (b1, v1)) = (w[0], w[1]);
+            let mid = (v0 + v1) / 2.0; // exact: few mantissa bits
+            assert_eq!(e4m3_bits(mid), if b0 & 1 == 0 { b0 } else { b1 }, "{v0}..{v1}");
+            assert_eq!(e4m3_bits(f32::from_bits(mid.to_bits() - 1)), b0);
+            assert_eq!(e4m3_bits(f32::from_bits(mid.to_bits() + 1)), b1);
+        }
+        for x in [448.5f32, 464.0, 1e9, f32::MAX, f32::INFINITY] {
+            assert_eq!(e4m3_bits(x), 0x7e, "{x} saturates");
+            assert_eq!(e4m3_bits(-x), 0xfe);
+        }
+        assert_eq!(e4m3_bits(f32::NAN) & 0x7f, 0x7f);
+        assert_eq!(e4m3_bits(1.0 / 1024.0), 0, "half the smallest subnormal: ties to 0");
+        assert_eq!(e4m3_bits(f32::from_bits(1)), 0);
+        assert_eq!(e4m3_bits(-0.0), 0x80);
     }
 
     #[test]
@@ -333,7 +435,7 @@ mod tests {
         let mut row = vec![0xaau8; 2 * rb];
         KvType::Q8_0.put_row(&x, &mut row[rb..]);
         KvType::Q8_0.put_row(&x[..40].iter().map(|v| -v).collect::<Vec<_>>(), &mut row[..rb]);
-        let rows = KvRows::Blocks { ty: KvType::Q8_0, data: &row, width: 40 };
+        let rows = KvRows::Bytes { ty: KvType::Q8_0, data: &row, width: 40 };
         assert_eq!(rows.len(), 80);
         let mut buf = vec![0f32; 40];
         let got = rows.get(40, &mut buf).to_vec();
@@ -373,7 +475,7 @@ mod tests {
         let mut row = vec![0xaau8; 48];
         t.put_row(&x, &mut row);
         let mut got = vec![0f32; 40];
-        KvRows::Blocks { ty: t, data: &row, width: 40 }.get(0, &mut got);
+        KvRows::Bytes { ty: t, data: &row, width: 40 }.get(0, &mut got);
         for (b, blk) in x.chunks(32).enumerate() {
             let max = blk.iter().copied().fold(0f32, |m, v| if m.abs() < v.abs() { v } else { m });
             let d = max / -8.0;
@@ -388,7 +490,7 @@ mod tests {
         assert_eq!(got[5], -3.0f32 / -8.0 * -8.0, "the max maps to quant 0: -8 d");
         // Read from the middle of the row (across the two blocks).
         let mut mid = [0f32; 4];
-        assert_eq!(KvRows::Blocks { ty: t, data: &row, width: 40 }.get(30, &mut mid), &got[30..34]);
+        assert_eq!(KvRows::Bytes { ty: t, data: &row, width: 40 }.get(30, &mut mid), &got[30..34]);
         // Padding is zeroed; a NaN quantizes to 8 (the value 0).
         assert!(row[36..].iter().all(|&b| b == 0));
         let mut nan = [1.0f32; 32];

@@ -5,7 +5,7 @@
 //! other kernels' split partials compared with the per-query kernel's bit for
 //! bit (the `part` workspace attn_combine merges), positions past the cache
 //! too, and rows of several sequences' caches against each row alone; each
-//! in every cache format CUDA holds (f32, f16, q8_0, q4_0).
+//! in every cache format CUDA holds (f32, f16, bf16, q8_0, q4_0, fp8).
 
 use pulsar_kernels::ops::{self, AttnParams, KvRows, KvType};
 use pulsar_kernels::quant::random_values;
@@ -14,7 +14,8 @@ use super::{compare, compare_bytes, poisoned, Cmp, Table};
 use crate::buf::DeviceBuf;
 use crate::device::CudaDevice;
 use crate::error::CudaError;
-use crate::ops::{attention_workspace_len, AttnKernel, KvElem, KvQ4};
+use crate::ops::{attention_workspace_len, kv_elems, AttnKernel, KvElem};
+use crate::with_kv_elem;
 
 fn params(n_head: usize, n_kv_head: usize, d: usize, scale: f32, window: usize, softcap: f32) -> AttnParams {
     AttnParams { n_head, n_kv_head, head_dim_k: d, head_dim_v: d, scale, window, softcap }
@@ -166,20 +167,12 @@ pub(super) fn cases(dev: &CudaDevice, t: &mut Table, pool: &rayon::ThreadPool, n
 }
 
 /// The cache formats the CUDA kernels read.
-const KV_TYPES: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Q8_0, KvType::Q4_0];
+const KV_TYPES: [KvType; 6] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8];
 
-/// A cache's rows of `w` values in format `kv`: the bytes to upload, as the
-/// element type its kernels take.
-enum Enc {
-    F32(Vec<f32>),
-    F16(Vec<u16>),
-    Q8(Vec<u8>),
-    Q4(Vec<KvQ4>),
-}
-
-/// Rows `x` of `w` values in format `kv`, and the values the format holds
-/// (what the CPU twin reads).
-fn encode(kv: KvType, x: &[f32], w: usize) -> (Enc, Vec<f32>) {
+/// Rows `x` of `w` values in format `kv`: their bytes (`put_row`'s, what
+/// the device cache holds) and the values the format holds (what the CPU
+/// twin reads). One path for every format.
+fn encode(kv: KvType, x: &[f32], w: usize) -> (Vec<u8>, Vec<f32>) {
     let rb = kv.row_bytes(w);
     let mut bytes = vec![0u8; x.len() / w * rb];
     for (row, out) in x.chunks_exact(w).zip(bytes.chunks_exact_mut(rb)) {
@@ -187,62 +180,27 @@ fn encode(kv: KvType, x: &[f32], w: usize) -> (Enc, Vec<f32>) {
     }
     let mut vals = vec![0f32; x.len()];
     match kv {
-        KvType::F32 => (Enc::F32(x.to_vec()), x.to_vec()),
-        KvType::F16 => {
+        KvType::F32 => vals.copy_from_slice(x),
+        KvType::F16 | KvType::Bf16 => {
             let bits: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-            KvRows::F16(&bits).get(0, &mut vals);
-            (Enc::F16(bits), vals)
+            let rows = if kv == KvType::F16 { KvRows::F16(&bits) } else { KvRows::Bf16(&bits) };
+            rows.get(0, &mut vals);
         }
         _ => {
             for (j, out) in vals.chunks_exact_mut(w).enumerate() {
-                KvRows::Blocks { ty: kv, data: &bytes, width: w }.get(j * w, out);
-            }
-            if kv == KvType::Q4_0 {
-                (Enc::Q4(bytes.into_iter().map(KvQ4).collect()), vals)
-            } else {
-                (Enc::Q8(bytes), vals)
+                KvRows::Bytes { ty: kv, data: &bytes, width: w }.get(j * w, out);
             }
         }
     }
-}
-
-/// `$body` with `$k` / `$v` the uploaded caches of `$ek` / `$ev` (one format).
-macro_rules! with_caches {
-    ($dev:expr, $ek:expr, $ev:expr, |$k:ident, $v:ident| $body:expr) => {
-        match ($ek, $ev) {
-            (Enc::F32(a), Enc::F32(b)) => {
-                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
-                $body
-            }
-            (Enc::F16(a), Enc::F16(b)) => {
-                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
-                $body
-            }
-            (Enc::Q8(a), Enc::Q8(b)) => {
-                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
-                $body
-            }
-            (Enc::Q4(a), Enc::Q4(b)) => {
-                let ($k, $v) = ($dev.upload(a)?, $dev.upload(b)?);
-                $body
-            }
-            _ => unreachable!("one format for k and v"),
-        }
-    };
+    (bytes, vals)
 }
 
 /// Whether `kernel` (tiled or grouped) takes these heads in format `kv` here.
 fn available(dev: &CudaDevice, kv: KvType, kernel: AttnKernel, p: &AttnParams) -> bool {
-    fn one<K: KvElem>(dev: &CudaDevice, kernel: AttnKernel, p: &AttnParams) -> bool {
+    with_kv_elem!(kv, K => {
         let r = if kernel == AttnKernel::Tiled { dev.attention_tiled_available::<K>(p) } else { dev.attention_grouped_available::<K>(p) };
         r.unwrap_or(false)
-    }
-    match kv {
-        KvType::F16 => one::<u16>(dev, kernel, p),
-        KvType::Q8_0 => one::<u8>(dev, kernel, p),
-        KvType::Q4_0 => one::<KvQ4>(dev, kernel, p),
-        _ => one::<f32>(dev, kernel, p),
-    }
+    })
 }
 
 /// [`CudaDevice::attention_rows`] over one cache per row (positions
@@ -252,7 +210,7 @@ fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], kv: KvType, seed:
     let q = random_values(ctxs.len() * p.n_head * p.head_dim_k, seed);
     let pos: Vec<u32> = ctxs.iter().map(|&c| (c - 1) as u32).collect();
     let (kw, vw) = (p.n_kv_head * p.head_dim_k, p.n_kv_head * p.head_dim_v);
-    let caches: Vec<(Enc, Enc)> = ctxs
+    let caches: Vec<(Vec<u8>, Vec<u8>)> = ctxs
         .iter()
         .enumerate()
         .map(|(r, &c)| {
@@ -260,23 +218,10 @@ fn rows_case(dev: &CudaDevice, p: &AttnParams, ctxs: &[usize], kv: KvType, seed:
             (encode(kv, &random_values(c * kw, s), kw).0, encode(kv, &random_values(c * vw, s ^ 1), vw).0)
         })
         .collect();
-    macro_rules! up {
-        ($variant:ident) => {
-            caches
-                .iter()
-                .map(|c| match c {
-                    (Enc::$variant(k), Enc::$variant(v)) => Ok((dev.upload(k)?, dev.upload(v)?)),
-                    _ => unreachable!("one format"),
-                })
-                .collect::<Result<Vec<_>, CudaError>>()?
-        };
-    }
-    match kv {
-        KvType::F16 => rows_of(dev, p, &q, &pos, ctxs, &up!(F16)),
-        KvType::Q8_0 => rows_of(dev, p, &q, &pos, ctxs, &up!(Q8)),
-        KvType::Q4_0 => rows_of(dev, p, &q, &pos, ctxs, &up!(Q4)),
-        _ => rows_of(dev, p, &q, &pos, ctxs, &up!(F32)),
-    }
+    with_kv_elem!(kv, K => {
+        let up = caches.iter().map(|(k, v)| Ok((dev.upload(&kv_elems::<K>(k))?, dev.upload(&kv_elems::<K>(v))?))).collect::<Result<Vec<_>, CudaError>>()?;
+        rows_of(dev, p, &q, &pos, ctxs, &up)
+    })
 }
 
 fn rows_of<K: KvElem>(dev: &CudaDevice, p: &AttnParams, q: &[f32], pos: &[u32], ctxs: &[usize], caches: &[(DeviceBuf<K>, DeviceBuf<K>)]) -> Result<Cmp, CudaError> {
@@ -310,7 +255,7 @@ fn parts_case(dev: &CudaDevice, p: &AttnParams, pos: &[u32], n_ctx: usize, kv: K
     let (kw, vw) = (p.n_kv_head * p.head_dim_k, p.n_kv_head * p.head_dim_v);
     let (ek, _) = encode(kv, &random_values(n_ctx * kw, seed ^ 1), kw);
     let (ev, _) = encode(kv, &random_values(n_ctx * vw, seed ^ 2), vw);
-    with_caches!(dev, &ek, &ev, |k, v| parts_of(dev, p, &q, &pd, &k, &v, n_ctx, other))
+    with_kv_elem!(kv, K => parts_of(dev, p, &q, &pd, &dev.upload(&kv_elems::<K>(&ek))?, &dev.upload(&kv_elems::<K>(&ev))?, n_ctx, other))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -367,6 +312,6 @@ fn attention_case(
     let (qd, pd) = (dev.upload(&q)?, dev.upload(pos)?);
     let mut work = dev.alloc::<f32>(attention_workspace_len(p, n_q, n_ctx))?;
     let mut o = poisoned::<f32>(dev, cpu.len())?;
-    with_caches!(dev, &ek, &ev, |kd, vd| run(dev, kernel, p, &qd, &pd, &kd, &vd, n_ctx, &mut work, &mut o))?;
+    with_kv_elem!(kv, K => run(dev, kernel, p, &qd, &pd, &dev.upload(&kv_elems::<K>(&ek))?, &dev.upload(&kv_elems::<K>(&ev))?, n_ctx, &mut work, &mut o))?;
     Ok(compare(&dev.download(&o)?, &cpu, 0.0))
 }

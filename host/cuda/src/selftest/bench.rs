@@ -22,7 +22,7 @@ use crate::ops::{attention_workspace_len, AttnKernel, GemmKernel, MoePairs};
 pub fn bench(dev: &CudaDevice) -> Vec<BenchRow> {
     let mut out = Vec::new();
     let h32 = AttnParams { n_head: 32, n_kv_head: 8, head_dim_k: 128, head_dim_v: 128, scale: 0.088, window: 0, softcap: 0.0 };
-    const KVS: [KvType; 4] = [KvType::F32, KvType::F16, KvType::Q8_0, KvType::Q4_0];
+    const KVS: [KvType; 6] = [KvType::F32, KvType::F16, KvType::Bf16, KvType::Q8_0, KvType::Q4_0, KvType::Fp8];
     for n_ctx in [4096usize, 32768] {
         for kv in KVS {
             out.push(bench_attention(dev, &h32, n_ctx, kv, None).unwrap_or_else(|e| failed_row("attention", "", e)));
@@ -171,12 +171,7 @@ fn bench_attention(dev: &CudaDevice, p: &AttnParams, n_ctx: usize, kv: KvType, k
         e1.synchronize()?;
         Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
     }
-    let us = match kv {
-        KvType::F16 => time::<u16>(dev, kernel, &p, &q, &pos, &bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect::<Vec<_>>(), n_ctx)?,
-        KvType::Q8_0 => time::<u8>(dev, kernel, &p, &q, &pos, &bytes, n_ctx)?,
-        KvType::Q4_0 => time::<crate::ops::KvQ4>(dev, kernel, &p, &q, &pos, &bytes.iter().map(|&b| crate::ops::KvQ4(b)).collect::<Vec<_>>(), n_ctx)?,
-        _ => time::<f32>(dev, kernel, &p, &q, &pos, &vals, n_ctx)?,
-    };
+    let us = crate::with_kv_elem!(kv, K => time::<K>(dev, kernel, &p, &q, &pos, &crate::ops::kv_elems::<K>(&bytes), n_ctx))?;
     Ok(BenchRow {
         op: match kernel {
             None => "attention decode".into(),

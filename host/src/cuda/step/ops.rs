@@ -3,8 +3,8 @@
 //! launches the graph allows (fuse.rs), and the [`Exec`] face the graph
 //! lowering drives.
 
-use pulsar_cuda::{attention_workspace_len, DeviceBuf};
-use pulsar_kernels::ops::{AttnParams, KvType, RopeKind, RopeParams};
+use pulsar_cuda::{attention_workspace_len, with_kv_elem, DeviceBuf};
+use pulsar_kernels::ops::{AttnParams, RopeKind, RopeParams};
 use pulsar_kernels::ActFormat;
 use pulsar_plugin_api::graph::{Act, Experts, Op, RopeMode, Sizes};
 use pulsar_plugin_api::{Val, Wt};
@@ -12,7 +12,7 @@ use pulsar_plugin_api::{Val, Wt};
 use super::super::fuse::{Ahead, OpKey};
 use super::super::lower::{AttnSpec, Exec, NormRopeK, RopeSpec};
 use super::super::profile::short_name;
-use super::super::{CudaModel, DevWeight, KvDev};
+use super::super::{with_kv_pair, CudaModel, DevWeight};
 use super::{err, CudaStep, R};
 use crate::cpu::act_of;
 use crate::graph::MoeSpec;
@@ -279,23 +279,11 @@ impl<'a> CudaStep<'a> {
             // SAFETY: the table holds, per row, the addresses of its
             // sequence's caches for this state (CudaRunner::step), each of
             // `cap` or more rows of these widths in this format (checked above).
-            Some((t, at)) => match ty {
-                KvType::F16 => unsafe { dev.kv_write_rows::<u16>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
-                KvType::Q8_0 => unsafe { dev.kv_write_rows::<u8>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
-                KvType::Q4_0 => unsafe { dev.kv_write_rows::<pulsar_cuda::KvQ4>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
-                _ => unsafe { dev.kv_write_rows::<f32>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) },
-            }
-            .map_err(err)?,
+            Some((t, at)) => with_kv_elem!(ty, K => unsafe { dev.kv_write_rows::<K>(&stream, kb, vb, self.pos_buf, t, (at, at + n), (kw, vw), cap) }).map_err(err)?,
             None => {
                 let one = self.runs[0].2;
-                match self.kvs[one].layers.get_mut(&state) {
-                    Some((_, _, KvDev::F32(kc), KvDev::F32(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
-                    Some((_, _, KvDev::F16(kc), KvDev::F16(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
-                    Some((_, _, KvDev::Q8_0(kc), KvDev::Q8_0(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
-                    Some((_, _, KvDev::Q4_0(kc), KvDev::Q4_0(vc))) => dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc),
-                    _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
-                }
-                .map_err(err)?;
+                let Some((_, _, k, v)) = self.kvs[one].layers.get_mut(&state) else { return Err(format!("layer {} declared no KV cache", s.layer)) };
+                with_kv_pair!((k, v), |kc, vc| dev.kv_write(&stream, kb, vb, self.pos_buf, kw, vw, kc, vc), return Err(format!("layer {}: its key and value caches differ in format", s.layer))).map_err(err)?;
             }
         }
         // A graph being captured sizes the splits for its bucket of contexts.
@@ -306,19 +294,11 @@ impl<'a> CudaStep<'a> {
         let (dev, qb) = (&self.cm.dev, self.buf(q)?);
         match tables {
             // SAFETY: as for kv_write_rows; every row's position is below its cache's rows.
-            Some((t, at)) => match ty {
-                KvType::F16 => unsafe { dev.attention_rows::<u16>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
-                KvType::Q8_0 => unsafe { dev.attention_rows::<u8>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
-                KvType::Q4_0 => unsafe { dev.attention_rows::<pulsar_cuda::KvQ4>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
-                _ => unsafe { dev.attention_rows::<f32>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) },
-            },
-            None => match &self.kvs[self.runs[0].2].layers[&state] {
-                (_, _, KvDev::F32(kc), KvDev::F32(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
-                (_, _, KvDev::F16(kc), KvDev::F16(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
-                (_, _, KvDev::Q8_0(kc), KvDev::Q8_0(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
-                (_, _, KvDev::Q4_0(kc), KvDev::Q4_0(vc)) => dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out),
-                _ => return Err(format!("layer {}: its key and value caches differ in format", s.layer)),
-            },
+            Some((t, at)) => with_kv_elem!(ty, K => unsafe { dev.attention_rows::<K>(&stream, &params, qb, self.pos_buf, t, (at, at + n), n_ctx, &mut work, &mut out) }),
+            None => {
+                let (_, _, k, v) = &self.kvs[self.runs[0].2].layers[&state];
+                with_kv_pair!((k, v), |kc, vc| dev.attention(&stream, &params, qb, self.pos_buf, kc, vc, n_ctx, &mut work, &mut out), return Err(format!("layer {}: its key and value caches differ in format", s.layer)))
+            }
         }
         .map_err(err)?;
         self.pools.f32.give(work);
