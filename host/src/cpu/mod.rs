@@ -11,10 +11,11 @@ pub mod moe;
 pub mod prim;
 
 use pulsar_kernels::ops::{self, Activation, AttnParams};
-use pulsar_kernels::{Activations, Kernels, WeightMatrix};
+use pulsar_kernels::{ActFormat, Activations, Kernels, WeightMatrix};
 use pulsar_plugin_api::graph::{Act, Attention, Dim, Op, Sizes};
 use pulsar_plugin_api::Wt;
 use rayon::ThreadPool;
+use std::sync::Arc;
 
 use crate::graph::StepPlan;
 use crate::model::{Model, Weight};
@@ -51,15 +52,20 @@ pub struct Mat {
 /// `wt`'s matrix (one expert's, for a 3-D expert tensor) in `bytes`. Callable
 /// from inside the pool: its tasks then join the running job.
 pub(crate) fn linear(cpu: &CpuBackend, wt: &Weight, bytes: &[u8], x: &[f32], cols: usize) -> R<Mat> {
-    let n_in = match wt.dims.as_slice() {
-        [i, _] | [i, _, _] => *i as usize,
-        d => return Err(format!("{}: not a matrix {d:?}", wt.name)),
-    };
+    let n_in = n_in_of(wt)?;
     if cols != n_in {
         return Err(format!("linear {}: input width {cols} but weight takes {n_in}", wt.name));
     }
     let acts = Activations::for_weight(wt.ty, x, n_in).map_err(|e| format!("{}: {e}", wt.name))?;
     linear_acts(cpu, wt, bytes, &acts)
+}
+
+/// The input width of matrix (or expert stack) `wt`.
+fn n_in_of(wt: &Weight) -> R<usize> {
+    match wt.dims.as_slice() {
+        [i, _] | [i, _, _] => Ok(*i as usize),
+        d => Err(format!("{}: not a matrix {d:?}", wt.name)),
+    }
 }
 
 /// [`linear`] of activations already in the form `wt` dots against (the
@@ -130,6 +136,9 @@ pub struct CpuStep<'a> {
     pub all_rows: bool,
     /// Record named intermediates whose name matches (empty = none).
     pub capture: Option<&'a mut Vec<Named>>,
+    /// The last matmul input's quantized rows, per format, keyed by its
+    /// value: q, k and v (gate and up) read one input, quantized once.
+    acts: Option<(u32, Vec<Arc<Activations>>)>,
 }
 
 type R<T> = Result<T, String>;
@@ -154,7 +163,7 @@ impl<'a> CpuStep<'a> {
         all_rows: bool,
     ) -> Self {
         let kvs = std::slice::from_mut(kv);
-        CpuStep { model, cpu, kvs, seqs: None, experts, tokens, positions, all_rows, capture: None }
+        CpuStep { model, cpu, kvs, seqs: None, experts, tokens, positions, all_rows, capture: None, acts: None }
     }
 
     /// A step over rows of several sequences: row `i` reads and extends the
@@ -172,7 +181,7 @@ impl<'a> CpuStep<'a> {
         positions: &'a [u32],
         all_rows: bool,
     ) -> Self {
-        CpuStep { model, cpu, kvs, seqs: Some(seqs), experts, tokens, positions, all_rows, capture: None }
+        CpuStep { model, cpu, kvs, seqs: Some(seqs), experts, tokens, positions, all_rows, capture: None, acts: None }
     }
 
     /// Row ranges `[start, end)` that belong to one sequence, with its cache index.
@@ -284,7 +293,8 @@ impl<'a> CpuStep<'a> {
             Op::Embed { table, scale } => self.embed(*table, *scale, ins[0], want)?,
             Op::Linear(w) => {
                 let wt = self.weight(*w)?;
-                let y = self.matmul(wt, self.model.data(wt), ins[0].f()?, *ins[0].dims.last().unwrap_or(&0))?;
+                let acts = self.acts_of(plan.inputs[node][0], wt, ins[0])?;
+                let y = linear_acts(self.cpu, wt, self.model.data(wt), &acts)?;
                 Tensor::f32(want.to_vec(), y.data)
             }
             Op::OutputRows => self.output_rows(ins[0], want)?,
@@ -393,6 +403,28 @@ impl<'a> CpuStep<'a> {
     /// `x · Wᵀ` for rows of `cols` values (`x.len() / cols` of them).
     fn matmul(&self, wt: &Weight, bytes: &[u8], x: &[f32], cols: usize) -> R<Mat> {
         linear(self.cpu, wt, bytes, x, cols)
+    }
+
+    /// Value `v` (`x`) as the activations `wt` dots against, quantized once
+    /// per format for the matmuls that read it one after another.
+    fn acts_of(&mut self, v: u32, wt: &Weight, x: &Tensor) -> R<Arc<Activations>> {
+        let fmt = ActFormat::for_weight(wt.ty).ok_or_else(|| format!("{}: no dot for {}", wt.name, wt.ty.name()))?;
+        if let Some((at, sets)) = &self.acts {
+            if let Some(a) = sets.iter().find(|a| *at == v && a.format() == fmt) {
+                return Ok(a.clone());
+            }
+        }
+        let cols = *x.dims.last().unwrap_or(&0);
+        let n_in = n_in_of(wt)?;
+        if cols != n_in {
+            return Err(format!("linear {}: input width {cols} but weight takes {n_in}", wt.name));
+        }
+        let a = Arc::new(Activations::quantize(fmt, x.f()?, cols).map_err(|e| format!("{}: {e}", wt.name))?);
+        match &mut self.acts {
+            Some((at, sets)) if *at == v => sets.push(a.clone()),
+            slot => *slot = Some((v, vec![a.clone()])),
+        }
+        Ok(a)
     }
 
     fn embed(&self, table: Wt, scale: f32, ids: &Tensor, want: &[usize]) -> R<Tensor> {

@@ -16,7 +16,7 @@ impl Activation {
     /// The gated unit: `act(gate) * up`, or swiglu_oai's
     /// `(clamp(up, -7, 7) + 1) * (g * sigmoid(1.702 g))` with `g = min(gate, 7)`
     /// (HF's order of operations).
-    #[inline]
+    #[inline(always)]
     pub fn unit(self, gate: f32, up: f32) -> f32 {
         match self {
             Activation::Silu => silu(gate) * up,
@@ -86,12 +86,23 @@ pub fn glu_rows(gate: &mut [f32], up: &[f32], act: Activation) {
 
 #[inline(always)]
 fn glu_loop(gate: &mut [f32], up: &[f32], act: Activation) {
+    // Indexed loops, not `zip().for_each`: the iterator's `fold` is a separate
+    // function the AVX-512 wrapper below does not inline, so it ran at the
+    // baseline (SSE) width. One loop per activation, so each vectorizes.
+    let n = gate.len().min(up.len());
+    let (gate, up) = (&mut gate[..n], &up[..n]);
+    macro_rules! each {
+        ($a:expr) => {
+            for i in 0..n {
+                gate[i] = $a.unit(gate[i], up[i]);
+            }
+        };
+    }
     match act {
-        // One loop per activation, so each can be vectorized.
-        Activation::Silu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::Silu.unit(*g, u)),
-        Activation::GeluTanh => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::GeluTanh.unit(*g, u)),
-        Activation::Gelu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::Gelu.unit(*g, u)),
-        Activation::SwigluOai => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = Activation::SwigluOai.unit(*g, u)),
+        Activation::Silu => each!(Activation::Silu),
+        Activation::GeluTanh => each!(Activation::GeluTanh),
+        Activation::Gelu => each!(Activation::Gelu),
+        Activation::SwigluOai => each!(Activation::SwigluOai),
     }
 }
 

@@ -5,7 +5,7 @@ use std::fmt;
 
 use pulsar_gguf::GgmlType;
 
-use super::{q8_0, q8_k, row_bytes};
+use super::row_bytes;
 use crate::error::QuantError;
 
 /// The form activations take for a weight type's dot.
@@ -132,8 +132,8 @@ impl Activations {
 
     fn quantizer(&self) -> fn(&[f32], &mut [u8]) {
         match self.format {
-            ActFormat::Q8K => q8_k::quantize,
-            _ => q8_0::quantize,
+            ActFormat::Q8K => super::act_simd::q8_k,
+            _ => super::act_simd::q8_0,
         }
     }
 

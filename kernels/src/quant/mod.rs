@@ -37,6 +37,7 @@ macro_rules! row_groups {
     }};
 }
 
+mod act_simd;
 mod activations;
 mod block32;
 mod fit;
@@ -275,8 +276,8 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
         Q4_1 => q4_1::quantize(src, dst),
         Q5_0 => q5_0::quantize(src, dst),
         Q5_1 => q5_1::quantize(src, dst),
-        Q8_0 => q8_0::quantize(src, dst),
-        Q8_K => q8_k::quantize(src, dst),
+        Q8_0 => act_simd::q8_0(src, dst),
+        Q8_K => act_simd::q8_k(src, dst),
         Q2_K => q2_k::quantize(src, dst),
         Q3_K => q3_k::quantize(src, dst),
         Q4_K => q4_k::quantize(src, dst),
