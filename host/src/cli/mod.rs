@@ -28,9 +28,9 @@ pub struct GpuArgs {
     /// The KV cache's format: f32, f16 (half the memory and the bandwidth
     /// long-context decode spends on it), q8_0 (about a quarter) or q4_0
     /// (an eighth; both blocks of 32 values with an f16 scale, as
-    /// llama.cpp's), bf16, or fp8 (e4m3, a byte a value; bf16, q4_0 and
-    /// fp8: the CPU only so far). Rows are rounded once, as they are
-    /// written.
+    /// llama.cpp's), bf16, or fp8 (e4m3, a byte a value). The CPU and
+    /// CUDA store and read every format alike, bit for bit. Rows are
+    /// rounded once, as they are written.
     #[arg(long, env = "PULSAR_KV", default_value = "f32", value_name = "TYPE", help_heading = "Memory and streaming")]
     pub kv_type: pulsar_kernels::ops::KvType,
     /// Cap the VRAM the model may use, in GiB (emulates a smaller card); experts beyond it stream.
