@@ -320,6 +320,38 @@ pub(crate) fn prefetch_ahead(rb: usize) -> usize {
     (PREFETCH_BYTES / rb.max(1)).max(4) * rb
 }
 
+/// Sixteen rows of eight dwords to eight vectors of sixteen: `r[p]` holds
+/// row p in its low 256 bits and row p + 8 in its high; `out[k]` lane j is
+/// dword k of row j. An 8 x 8 transpose in each 256-bit half (unpacks by
+/// dword, then by qword), the halves' 128-bit lanes then interleaved.
+#[inline(always)]
+pub(crate) unsafe fn transpose_16x8(r: [__m512i; 8]) -> [__m512i; 8] {
+    unsafe {
+        let t: [__m512i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(a, b)
+            } else {
+                _mm512_unpackhi_epi32(a, b)
+            }
+        });
+        // u[4h + q], per 128-bit lane: dword q (low lanes) or q + 4 (high
+        // lanes of each half) of rows 4h..4h + 4 (and 8 + 4h.. in the high half).
+        let u: [__m512i; 8] = std::array::from_fn(|i| {
+            let (h, q) = (i / 4, i % 4);
+            let (a, b) = (t[4 * h + q / 2], t[4 * h + 2 + q / 2]);
+            if q % 2 == 0 {
+                _mm512_unpacklo_epi64(a, b)
+            } else {
+                _mm512_unpackhi_epi64(a, b)
+            }
+        });
+        let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+        let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+        std::array::from_fn(|k| _mm512_permutex2var_epi64(u[k % 4], if k < 4 { lo } else { hi }, u[k % 4 + 4]))
+    }
+}
+
 /// `[lo | hi]` as one 512-bit vector.
 #[inline(always)]
 pub(crate) unsafe fn join256(lo: __m256i, hi: __m256i) -> __m512i {

@@ -130,35 +130,30 @@ pub(crate) unsafe fn repack(fmt: Fmt, w: &[u8], n_rows: usize, rb: usize, out: &
     let pb = fmt.packed();
     out.clear();
     out.resize(groups * nb * pb, 0);
-    let mut lv = [[0u32; 8]; GROUP];
     for g in 0..groups {
         let rows = (n_rows - g * GROUP).min(GROUP);
         for b in 0..nb {
             let o = (g * nb + b) * pb;
             let dst = &mut out[o..o + pb];
-            for (j, l) in lv.iter_mut().enumerate() {
-                if j < rows {
-                    let ow = (g * GROUP + j) * rb + b * fmt.bytes;
-                    // SAFETY: the block lies inside row g*16+j of `w`.
-                    unsafe { _mm256_storeu_si256(l.as_mut_ptr() as *mut __m256i, fmt.levels(w, ow)) };
-                    let d = super::rd_f16(&w[ow..], 0);
-                    dst[512 + 4 * j..516 + 4 * j].copy_from_slice(&d.to_le_bytes());
-                    if fmt.mins {
-                        let m = super::rd_f16(&w[ow..], 2);
-                        dst[576 + 4 * j..580 + 4 * j].copy_from_slice(&m.to_le_bytes());
-                    }
-                } else {
-                    *l = [0; 8];
+            let mut lv = [_mm256_setzero_si256(); GROUP];
+            for (j, l) in lv.iter_mut().enumerate().take(rows) {
+                let ow = (g * GROUP + j) * rb + b * fmt.bytes;
+                // SAFETY: the block lies inside row g*16+j of `w`.
+                *l = unsafe { fmt.levels(w, ow) };
+                let d = super::rd_f16(&w[ow..], 0);
+                dst[512 + 4 * j..516 + 4 * j].copy_from_slice(&d.to_le_bytes());
+                if fmt.mins {
+                    let m = super::rd_f16(&w[ow..], 2);
+                    dst[576 + 4 * j..580 + 4 * j].copy_from_slice(&m.to_le_bytes());
                 }
             }
-            // The 16 x 8 dword transpose: vector c gathers dword c of each row.
-            // SAFETY: every gathered index (j * 8 + c < 128) lies in `lv`,
-            // and every store in `dst` (8 vectors of 64 bytes, pb >= 512).
+            // The 16 x 8 dword transpose in registers: vector c holds dword c
+            // of each row (gathering them from memory cost more than the GEMM
+            // of a few tokens).
+            // SAFETY: the 8 stores of 64 bytes lie in `dst` (pb >= 512).
             unsafe {
-                let rows_idx = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
-                for c in 0..8 {
-                    let idx = _mm512_add_epi32(rows_idx, _mm512_set1_epi32(c as i32));
-                    let v = _mm512_i32gather_epi32::<4>(idx, lv.as_ptr() as *const i32);
+                let r: [__m512i; 8] = std::array::from_fn(|p| join256(lv[p], lv[p + 8]));
+                for (c, v) in transpose_16x8(r).into_iter().enumerate() {
                     _mm512_storeu_si512(dst.as_mut_ptr().add(64 * c) as *mut __m512i, v);
                 }
             }
