@@ -81,6 +81,11 @@ pub fn glu_rows(gate: &mut [f32], up: &[f32], act: Activation) {
         // SAFETY: the features were just checked.
         return unsafe { glu_rows_avx512(gate, up, act) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the feature was just checked.
+        return unsafe { glu_rows_avx2(gate, up, act) };
+    }
     glu_loop(gate, up, act);
 }
 
@@ -118,6 +123,17 @@ unsafe fn glu_rows_avx512(gate: &mut [f32], up: &[f32], act: Activation) {
     glu_loop(gate, up, act);
 }
 
+/// [`glu_loop`] compiled for AVX2 (8 elements at a time), as
+/// [`glu_rows_avx512`].
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn glu_rows_avx2(gate: &mut [f32], up: &[f32], act: Activation) {
+    glu_loop(gate, up, act);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,12 +143,21 @@ mod tests {
         let mut vals: Vec<f32> = (0..4000).map(|i| ((i * 7919) % 4001) as f32 / 97.0 - 20.6).collect();
         vals.extend([0.0, -0.0, 1e-40, -1e-40, 88.8, -88.8, 100.0, -104.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 7.0, -7.0, 0.625, -0.625]);
         let up: Vec<f32> = vals.iter().rev().map(|v| v * 0.5 + 0.25).collect();
-        for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu, Activation::SwigluOai] {
-            let mut got = vals.clone();
-            glu_rows(&mut got, &up, act);
-            for ((g, &x), &u) in got.iter().zip(&vals).zip(&up) {
-                let want = act.unit(x, u);
-                assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "{act:?}({x}, {u}): {g} vs {want}");
+        #[allow(clippy::type_complexity)]
+        let mut levels: Vec<(&str, fn(&mut [f32], &[f32], Activation))> = vec![("dispatch", glu_rows)];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the feature was just checked.
+            levels.push(("avx2", |g, u, a| unsafe { glu_rows_avx2(g, u, a) }));
+        }
+        for (level, f) in levels {
+            for act in [Activation::Silu, Activation::GeluTanh, Activation::Gelu, Activation::SwigluOai] {
+                let mut got = vals.clone();
+                f(&mut got, &up, act);
+                for ((g, &x), &u) in got.iter().zip(&vals).zip(&up) {
+                    let want = act.unit(x, u);
+                    assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "{level} {act:?}({x}, {u}): {g} vs {want}");
+                }
             }
         }
     }
